@@ -1,0 +1,29 @@
+# The README's two commands: `make demo` (set up everything, run the tour) and `make test`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.k3sys-installed
+
+.PHONY: setup system demo test lint bench
+
+# Python side: a venv with the local CPU torch wheel pinned first, so pip never pulls a CUDA build.
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+# System pieces (runc, CRIU, templates); each script is idempotent and caches its work.
+system:
+	@for s in scripts/install-*.sh; do [ -e "$$s" ] || continue; bash "$$s" || exit 1; done
+
+setup: $(STAMP) system
+
+demo: setup
+	$(VENV)/bin/k3sys demo
+
+test: setup
+	$(PY) -m pytest
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests bench

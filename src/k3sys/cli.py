@@ -1,0 +1,26 @@
+"""The `k3sys` command line: `demo` plus one sub-command group per design."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, help="k3sys: Kimi K3's system designs, runnable.")
+
+
+@app.callback()
+def main() -> None:
+    """k3sys: KDA, MoonEP-style expert parallelism and AgentENV-style sandboxes."""
+
+
+@app.command()
+def demo(part: Annotated[list[str] | None, typer.Option("--part", help="Run only these parts.")] = None) -> None:
+    """Run the end-to-end tour on small embedded defaults and print the headline figures."""
+    from k3sys.demo import run_demo
+
+    run_demo(parts=part)
+
+
+if __name__ == "__main__":
+    app()
