@@ -15,10 +15,12 @@ from k3sys.kda.validate import check_inputs, compute_dtype, sequence_spans
 
 def _recurrence(q, k, v, g, beta, S):
     """q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H]; S [B, H, K, V] -> (o [B, T, H, V], S)."""
-    o = torch.empty_like(v)
+    outs = []
     for t in range(q.shape[1]):
-        o[:, t], S = delta_update(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], S)
-    return o, S
+        o_t, S = delta_update(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], S)
+        outs.append(o_t)
+    # stacked, not written into a preallocated o: T slice writes would make the backward O(T^2)
+    return torch.stack(outs, dim=1), S
 
 
 def kda_naive(
@@ -61,11 +63,8 @@ def kda_naive(
     if cu_seqlens is None:
         o, S = _recurrence(q, k, v, g, beta, S0)
     else:
-        o, states = torch.empty_like(v), []
-        for n, (b, s, e) in enumerate(sequence_spans(dims, cu_seqlens)):
-            o_n, S_n = _recurrence(q[b:b + 1, s:e], k[b:b + 1, s:e], v[b:b + 1, s:e], g[b:b + 1, s:e],
-                                   beta[b:b + 1, s:e], S0[n:n + 1])
-            o[b:b + 1, s:e] = o_n
-            states.append(S_n)
-        S = torch.cat(states)
+        pieces = [_recurrence(q[:, s:e], k[:, s:e], v[:, s:e], g[:, s:e], beta[:, s:e], S0[n:n + 1])
+                  for n, (_, s, e) in enumerate(sequence_spans(dims, cu_seqlens))]
+        o = torch.cat([o_n for o_n, _ in pieces], dim=1)
+        S = torch.cat([S_n for _, S_n in pieces])
     return o.to(out_dtype), (S if output_final_state else None)
