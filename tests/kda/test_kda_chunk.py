@@ -150,6 +150,8 @@ BAD = [
     ({"beta": torch.zeros(1, 8, 2, 1)}, r"beta must have shape \[B, T, H\] = \[1, 8, 2\]"),
     ({"q": torch.zeros(1, 8, 2, 4, dtype=torch.int32)}, r"q must be a floating-point tensor"),
     ({"g": torch.full((1, 8, 2, 4), 0.25)}, r"g is a log-decay and must be <= 0, got max 0.25"),
+    ({"g": torch.full((1, 8, 2, 4), -torch.inf)}, r"g must be finite, got min -inf"),
+    ({"g": torch.full((1, 8, 2, 4), torch.nan)}, r"g must be finite, got min nan"),
     ({"initial_state": torch.zeros(1, 2, 4, 4)}, r"initial_state must have shape \[N, H, K, V\] = \[1, 2, 4, 3\]"),
     ({"initial_state": torch.zeros(2, 2, 4, 3), "cu_seqlens": torch.tensor([0, 3, 5, 8])},
      r"initial_state must have shape \[N, H, K, V\] = \[3, 2, 4, 3\], got \[2, 2, 4, 3\]"),

@@ -50,6 +50,7 @@ SUB_CHUNK = 16
 class ChunkLayout:
     """Where each token of each sequence lives on the step-major slot axis (see the module docstring).
 
+    num_slots: M, the chunks of all sequences; chunk_size: C.
     gather_rows: `[M * H * C]` row of the token-major `[B * T * H, D]` view of an input that feeds each
         (slot, head, position) of the slot-major `[M * H * C, D]` view; padding positions point at row 0.
     pad_rows: `[P]` the padding positions among those `M * H * C` (they are zeroed after the gather).
@@ -121,7 +122,6 @@ class ChunkWorkspace:
     Aqk: torch.Tensor
     Kd: torch.Tensor
     decay: torch.Tensor
-
 
 
 def _max_half_span(dtype: torch.dtype) -> float:

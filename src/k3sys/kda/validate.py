@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -52,8 +53,11 @@ def check_inputs(
         raise ValueError(f"q/v must be non-empty, got q {list(q.shape)} and v {list(v.shape)}")
     if max_head_dim is not None and max(K, V) > max_head_dim:
         raise ValueError(f"expected K, V <= {max_head_dim}, got K={K}, V={V}")
-    if g.max() > 0:
-        raise ValueError(f"g is a log-decay and must be <= 0, got max {g.max().item():.4g}")
+    g_min, g_max = (x.item() for x in torch.aminmax(g))  # one pass; NaN propagates into both
+    if g_max > 0:
+        raise ValueError(f"g is a log-decay and must be <= 0, got max {g_max:.4g}")
+    if not math.isfinite(g_min) or not math.isfinite(g_max):
+        raise ValueError(f"g must be finite, got min {g_min} and max {g_max}")
     N = B
     if cu_seqlens is not None:
         if cu_seqlens.dim() != 1 or cu_seqlens.dtype not in (torch.int64, torch.int32):
