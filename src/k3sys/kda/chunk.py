@@ -8,25 +8,29 @@ and S the state entering the chunk, the recurrence unrolls to
     O          = (scale * q * exp(G)) S + Aqk V'              Aqk[i,j] = scale sum_d q_id k_jd exp(G_id - G_jd), j <= i
     S_next     = Diag(exp(G_last)) S + (exp(G_last - G) * K)^T V'
 
-so V' = U - W S with W = (I + L)^-1 Diag(beta) (exp(G) * K) and U = (I + L)^-1 Diag(beta) V.
+so V' = U - W S with W = (I + L)^-1 Diag(beta) (exp(G) * K) and U = (I + L)^-1 Diag(beta) V, and the
+output regroups to O = Qs S + Ou with Qs = scale * q * exp(G) - Aqk W and Ou = Aqk U, both free of S.
 
 Phase 1, `intra_chunk`, computes everything that does not depend on S for all chunks of all sequences
 and heads in one batched pass. Phase 2, `inter_chunk`, is the only loop: over chunk steps, carrying S
-for all sequences and heads at once. FlashKDA found that fusing the two lets the low-parallelism
-recurrence drag the token-parallel work; the CPU version of that claim is measured in bench/kda.py.
+for all sequences and heads at once; per step it does V' = U - W S, O = Qs S + Ou and the state update,
+so Aqk never enters the loop (the regrouping is the Triton backend's, which mirrors these tensors).
+FlashKDA found that fusing the two phases lets the low-parallelism recurrence drag the token-parallel
+work; the CPU version of that claim is measured in bench/kda.py.
 
 Chunk slots. All chunks live in one "slot" axis M, ordered step-major: sequences are sorted by chunk
 count, longest first, so at step c the sequences that still have a chunk are a prefix of that order
 and their chunks occupy the contiguous slots [offset_c, offset_c + active_c). Phase 2 therefore reads
 plain slices, and a finished sequence's state simply leaves the carried batch.
 
-Workspace legend (M slots, H heads, C chunk size, K key dim, V value dim); a backend that mirrors
-the two phases produces and consumes exactly these:
-    G      [M, H, C, K]  inclusive cumsum of g inside the chunk (<= 0, non-increasing); phase 1 only
+Workspace legend (M slots, H heads, C chunk size, K key dim, V value dim). Phase-1 intermediates:
+    G      [M, H, C, K]  inclusive cumsum of g inside the chunk (<= 0, non-increasing)
+    Aqk    [M, H, C, C]  scale * sum_d q_id k_jd exp(G_id - G_jd), zero above the diagonal
+Phase 1's output, phase 2's input (`ChunkWorkspace`):
     W      [M, H, C, K]  (I + L)^-1 Diag(beta) (exp(G) * k)
     U      [M, H, C, V]  (I + L)^-1 Diag(beta) v
-    Qg     [M, H, C, K]  scale * q * exp(G): queries decayed from the chunk start
-    Aqk    [M, H, C, C]  scale * sum_d q_id k_jd exp(G_id - G_jd), zero above the diagonal
+    Qs     [M, H, C, K]  scale * q * exp(G) - Aqk W: what the queries read from the entering state
+    Ou     [M, H, C, V]  Aqk U: the output if the entering state were zero
     Kd     [M, H, C, K]  k * exp(G_last - G): keys decayed to the chunk end
     decay  [M, H, K]     exp(G_last): the whole chunk's decay
 """
@@ -118,8 +122,8 @@ class ChunkWorkspace:
 
     W: torch.Tensor
     U: torch.Tensor
-    Qg: torch.Tensor
-    Aqk: torch.Tensor
+    Qs: torch.Tensor
+    Ou: torch.Tensor
     Kd: torch.Tensor
     decay: torch.Tensor
 
@@ -228,25 +232,28 @@ def intra_chunk(
     b = min(C, SUB_CHUNK)
     G_b = g.view(M, H, C // b, b, K).cumsum(-2)
     G = G_b.view(M, H, C, K) if b == C else g.cumsum(-2)
-    q = q * scale
     A_kk, A_qk = _decayed_products(q, k, g, G_b)
+    A_qk = A_qk * scale  # scale applied to the small matrix, never to q
     eye = torch.eye(C, dtype=g.dtype, device=g.device)
     # (I + L)^-1 by a batched triangular solve: backward-stable, as fast here as FlashKDA's product form
     # (I - L)(I + L^2)(I + L^4)(I + L^8), which loses digits from C = 32 on when keys in a chunk correlate.
     inv = torch.linalg.solve_triangular(eye + beta[..., None] * A_kk, eye, upper=False, unitriangular=True)
     inv = inv * beta[..., None, :]  # (I + L)^-1 Diag(beta): beta folded into the small matrix
     decay_in = G.exp()
-    return ChunkWorkspace(W=inv @ (k * decay_in), U=inv @ v, Qg=q * decay_in, Aqk=A_qk,
-                          Kd=k * _suffix_sums(g).exp(), decay=decay_in[..., -1, :])
+    W, U = inv @ (k * decay_in), inv @ v
+    Qs = torch.baddbmm((q * decay_in).flatten(0, 1), A_qk.flatten(0, 1), W.flatten(0, 1), beta=scale, alpha=-1)
+    return ChunkWorkspace(W=W, U=U, Qs=Qs.view(M, H, C, K), Ou=A_qk @ U, Kd=k * _suffix_sums(g).exp(),
+                          decay=decay_in[..., -1, :])
 
 
 def inter_chunk_step(S: torch.Tensor, ws: ChunkWorkspace) -> tuple[torch.Tensor, torch.Tensor]:
     """One chunk step for the A sequences in `ws` (A slots): S `[A, H, K, V]` -> (O `[A, H, C, V]`, next S)."""
     A, H, K, V = S.shape
-    Vn = (ws.U - ws.W @ S).flatten(0, 1)
-    # baddbmm fuses each add into its matmul: one call fewer per step in the only sequential loop
-    O = torch.baddbmm((ws.Qg @ S).flatten(0, 1), ws.Aqk.flatten(0, 1), Vn)
-    S = torch.baddbmm((S * ws.decay[..., None]).flatten(0, 1), ws.Kd.flatten(0, 1).transpose(-1, -2), Vn)
+    S_flat = S.flatten(0, 1)
+    Vn = torch.baddbmm(ws.U.flatten(0, 1), ws.W.flatten(0, 1), S_flat, alpha=-1)
+    # baddbmm fuses each add into its matmul: fewer calls per step in the only sequential loop
+    O = torch.baddbmm(ws.Ou.flatten(0, 1), ws.Qs.flatten(0, 1), S_flat)
+    S = torch.baddbmm((S * ws.decay[..., None]).flatten(0, 1), ws.Kd.flatten(0, 1).mT, Vn)
     return O.view(A, H, -1, V), S.view(A, H, K, V)
 
 
@@ -261,7 +268,7 @@ def inter_chunk(ws: ChunkWorkspace, active: list[int], S: torch.Tensor) -> tuple
     Returns:
         O `[M, H, C, V]` and the final states `[N, H, K, V]` in slot-rank order.
     """
-    steps = zip(*(t.split(active) for t in (ws.W, ws.U, ws.Qg, ws.Aqk, ws.Kd, ws.decay)), strict=True)
+    steps = zip(*(t.split(active) for t in (ws.W, ws.U, ws.Qs, ws.Ou, ws.Kd, ws.decay)), strict=True)
     outs, finished = [], []
     for a, step in zip(active, steps, strict=True):
         if a < S.shape[0]:
