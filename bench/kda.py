@@ -95,7 +95,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="T in {1024, 4096} only, fewer repeats")
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     lengths = (1024, 4096) if args.quick else (1024, 4096, 16384)
     console = Console(width=160)
 

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from k3sys.kda.chunk import kda_chunk
+from k3sys.kda.chunk import MAX_HEAD_DIM, kda_chunk
 from k3sys.kda.gate import check_lower_bound, kda_gate
 from k3sys.kda.state import KDAState
 from k3sys.kda.step import kda_step
@@ -45,6 +45,8 @@ class KimiDeltaAttention(nn.Module):
                           ("conv_size", conv_size)):
             if not isinstance(val, int) or val < 1:
                 raise ValueError(f"{name} must be a positive int, got {val!r}")
+        if head_dim > MAX_HEAD_DIM:
+            raise ValueError(f"head_dim must be <= {MAX_HEAD_DIM}, got {head_dim}")
         check_lower_bound(lower_bound)
         self.hidden_size, self.num_heads, self.head_dim = hidden_size, num_heads, head_dim
         self.conv_size, self.lower_bound, self.norm_eps = conv_size, lower_bound, norm_eps
@@ -52,6 +54,7 @@ class KimiDeltaAttention(nn.Module):
         self.channels = 3 * H * D
         # q, k and v in one GEMM; the depthwise conv over their concatenation equals three separate ones
         self.qkv_proj = nn.Linear(hidden_size, self.channels, bias=False)
+        # only its weight `[channels, 1, conv_size]` (and nn.Conv1d's init) is used, by `_short_conv`
         self.conv = nn.Conv1d(self.channels, self.channels, conv_size, groups=self.channels, bias=False)
         self.f_proj = nn.Sequential(nn.Linear(hidden_size, D, bias=False), nn.Linear(D, H * D, bias=False))
         self.b_proj = nn.Linear(hidden_size, H, bias=False)
