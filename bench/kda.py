@@ -44,12 +44,12 @@ def kda_chunk_single_loop(q, k, v, g, beta, chunk_size: int = 16) -> torch.Tenso
     layout = chunk_layout(torch.full((Bq,), T), torch.arange(Bq) * T, chunk_size, Hq)
     xs = [to_slots(x, layout, torch.float32) for x in (q, k, v, g)] + [to_slots(beta[..., None], layout,
                                                                                   torch.float32)[..., 0]]
-    S = torch.zeros(Bq, Hq, Kq, v.shape[-1])
+    S = torch.zeros(Bq * Hq, Kq, v.shape[-1])
     outs = []
     for step in zip(*(x.split(layout.active) for x in xs), strict=True):
-        O, S = inter_chunk_step(S, intra_chunk(*step, scale=Kq**-0.5))
+        O, S = inter_chunk_step(S, intra_chunk(*step, scale=Kq**-0.5).heads_flat())
         outs.append(O)
-    return from_slots(torch.cat(outs), layout, Bq, T)
+    return from_slots(torch.cat(outs).view(layout.num_slots, Hq, chunk_size, -1), layout, Bq, T)
 
 
 METHODS: dict[str, Callable[..., torch.Tensor]] = {

@@ -127,6 +127,10 @@ class ChunkWorkspace:
     Kd: torch.Tensor
     decay: torch.Tensor
 
+    def heads_flat(self) -> ChunkWorkspace:
+        """The same tensors with (slot, head) flattened into the one batch axis phase 2's matmuls take."""
+        return ChunkWorkspace(*(t.flatten(0, 1) for t in (self.W, self.U, self.Qs, self.Ou, self.Kd, self.decay)))
+
 
 def _max_half_span(dtype: torch.dtype) -> float:
     """Largest |exponent| the factorised decay may use: exp(+-x) stays far inside the normal range."""
@@ -247,14 +251,15 @@ def intra_chunk(
 
 
 def inter_chunk_step(S: torch.Tensor, ws: ChunkWorkspace) -> tuple[torch.Tensor, torch.Tensor]:
-    """One chunk step for the A sequences in `ws` (A slots): S `[A, H, K, V]` -> (O `[A, H, C, V]`, next S)."""
-    A, H, K, V = S.shape
-    S_flat = S.flatten(0, 1)
-    Vn = torch.baddbmm(ws.U.flatten(0, 1), ws.W.flatten(0, 1), S_flat, alpha=-1)
-    # baddbmm fuses each add into its matmul: fewer calls per step in the only sequential loop
-    O = torch.baddbmm(ws.Ou.flatten(0, 1), ws.Qs.flatten(0, 1), S_flat)
-    S = torch.baddbmm((S * ws.decay[..., None]).flatten(0, 1), ws.Kd.flatten(0, 1).mT, Vn)
-    return O.view(A, H, -1, V), S.view(A, H, K, V)
+    """One chunk step, (sequence, head) pairs flattened: S `[A*H, K, V]`, ws `heads_flat()` over A slots.
+
+    Returns O `[A*H, C, V]` and the next S. Each add is fused into its matmul (baddbmm): four calls per
+    step in the only sequential loop.
+    """
+    Vn = torch.baddbmm(ws.U, ws.W, S, alpha=-1)
+    O = torch.baddbmm(ws.Ou, ws.Qs, S)
+    S = torch.baddbmm(S * ws.decay[..., None], ws.Kd.mT, Vn)
+    return O, S
 
 
 def inter_chunk(ws: ChunkWorkspace, active: list[int], S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -268,16 +273,21 @@ def inter_chunk(ws: ChunkWorkspace, active: list[int], S: torch.Tensor) -> tuple
     Returns:
         O `[M, H, C, V]` and the final states `[N, H, K, V]` in slot-rank order.
     """
-    steps = zip(*(t.split(active) for t in (ws.W, ws.U, ws.Qs, ws.Ou, ws.Kd, ws.decay)), strict=True)
+    M, H, C, _ = ws.W.shape
+    N, _, K, V = S.shape
+    rows = [a * H for a in active]
+    flat = ws.heads_flat()
+    steps = zip(*(t.split(rows) for t in (flat.W, flat.U, flat.Qs, flat.Ou, flat.Kd, flat.decay)), strict=True)
+    S = S.flatten(0, 1)
     outs, finished = [], []
-    for a, step in zip(active, steps, strict=True):
-        if a < S.shape[0]:
-            finished.append(S[a:])
-            S = S[:a]
+    for r, step in zip(rows, steps, strict=True):
+        if r < S.shape[0]:
+            finished.append(S[r:])
+            S = S[:r]
         O, S = inter_chunk_step(S, ChunkWorkspace(*step))
         outs.append(O)
     # sequences leave from the highest rank down, so reversing restores rank order
-    return torch.cat(outs), torch.cat([S, *finished[::-1]])
+    return torch.cat(outs).view(M, H, C, V), torch.cat([S, *finished[::-1]]).view(N, H, K, V)
 
 
 def kda_chunk(
