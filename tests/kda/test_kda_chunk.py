@@ -118,7 +118,7 @@ def _grads(fn, xs, S0, cu, **kw):
 
 
 @pytest.mark.parametrize("cu", [None, (0, 9, 30, 45)], ids=["batch", "varlen"])
-@pytest.mark.parametrize("C", [16, 32])
+@pytest.mark.parametrize("C", [16, 32, 64])
 @pytest.mark.parametrize("gate", ["safe", "huge"])
 def test_gradients_match_naive_fp64(gate, C, cu):
     xs, S0, cu_t, _, _ = case(1 if cu else 2, 45, 2, 8, 6, gate=gate, cu=cu)
