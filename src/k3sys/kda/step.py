@@ -57,5 +57,5 @@ def kda_step(
     check_inputs(*(x.unsqueeze(1) for x in (q, k, v, g, beta)), initial_state=state)
     dt = compute_dtype(q, k, v, g, beta, state)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    o, S = delta_update(*(x.to(dt) for x in (q * scale, k, v, g, beta, state)))
+    o, S = delta_update(q.to(dt) * scale, *(x.to(dt) for x in (k, v, g, beta, state)))
     return o.to(v.dtype), S
