@@ -16,10 +16,11 @@ from k3sys.kda.validate import check_inputs, compute_dtype, sequence_spans
 def _recurrence(q, k, v, g, beta, S):
     """q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H]; S [B, H, K, V] -> (o [B, T, H, V], S)."""
     outs = []
-    for t in range(q.shape[1]):
-        o_t, S = delta_update(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], S)
+    # unbind, not x[:, t]: T slice reads (and slice writes into a preallocated o) would each cost a
+    # full-size gradient in backward, O(T^2); one unbind and one stack keep it O(T)
+    for q_t, k_t, v_t, g_t, b_t in zip(*(x.unbind(1) for x in (q, k, v, g, beta)), strict=True):
+        o_t, S = delta_update(q_t, k_t, v_t, g_t, b_t, S)
         outs.append(o_t)
-    # stacked, not written into a preallocated o: T slice writes would make the backward O(T^2)
     return torch.stack(outs, dim=1), S
 
 
