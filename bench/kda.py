@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -118,7 +119,8 @@ def main() -> None:
             bwd = (None if method == "naive" and T > NAIVE_BACKWARD_MAX_T
                    else timed(method, xs, backward=True, repeats=1 if method == "naive" else reps))
             rows.append({"T": T, "method": method, "fwd_ms": fwd, "fwd_bwd_ms": bwd, "rel_err_vs_fp64": err})
-            console.log(f"T={T} {method}: fwd {fwd:.1f} ms, fwd+bwd {bwd} ms, rel err {err:.1e}")
+            bwd_txt = "n/a" if bwd is None else f"{bwd:.1f} ms"
+            console.log(f"T={T} {method}: fwd {fwd:.1f} ms, fwd+bwd {bwd_txt}, rel err {err:.1e}")
 
     by = {(r["T"], r["method"]): r for r in rows}
     table = Table(title=f"KDA on CPU, fp32, B={B} H={H} K=V={K}: median ms ({torch.get_num_threads()} threads)")
@@ -161,8 +163,8 @@ def main() -> None:
     RESULTS.mkdir(exist_ok=True)
     out = {"config": {"B": B, "H": H, "K": K, "V": V, "dtype": "float32", "gate": "safe, lower_bound -5",
                       "target_ms": TARGET_MS, "repeats": args.repeats},
-           "machine": {"platform": platform.platform(), "processor": platform.processor(),
-                       "torch": torch.__version__, "threads": torch.get_num_threads()},
+           "machine": {"platform": platform.platform(), "torch": torch.__version__, "cpus": os.cpu_count(),
+                       "threads": torch.get_num_threads(), "load_avg_1m_at_end": os.getloadavg()[0]},
            "timings": rows, "memory": memory, "claims": claims}
     (RESULTS / "kda.json").write_text(json.dumps(out, indent=2) + "\n")
     console.log(f"wrote {RESULTS / 'kda.json'}")
