@@ -11,13 +11,15 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton", reason="triton is not installed, so the Triton backend cannot run")
 
-from k3sys.kda import kda_gate, kda_naive  # noqa: E402
+from kda_inputs import make_inputs as make_qkvgb  # noqa: E402
+from kda_inputs import rel_rms  # noqa: E402
+
+from k3sys.kda import kda_chunk, kda_naive  # noqa: E402
 from k3sys.kda.triton import kda_triton, kda_triton_fused  # noqa: E402
 from k3sys.kda.triton.chunks import chunk_maps  # noqa: E402
 
@@ -30,18 +32,11 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def make_inputs(B, T, H, K, V, N, dtype, seed=0):
-    """q, k (L2-normalised), v, g (safe gate, >= -5), beta, initial state `[N, H, K, V]` fp32; leaves on DEVICE."""
-    gen = torch.Generator().manual_seed(seed)
-    randn = lambda *s: torch.randn(*s, generator=gen)
-    q, k = F.normalize(randn(B, T, H, K), dim=-1), F.normalize(randn(B, T, H, K), dim=-1)
-    g = kda_gate(randn(B, T, H, K), 0.5 * randn(H), 0.5 * randn(H, K), lower_bound=-5.0)
-    beta = torch.rand(B, T, H, generator=gen)
-    xs = [x.to(dtype) for x in (q, k, randn(B, T, H, V))] + [g, beta.to(dtype), randn(N, H, K, V)]
+    """q, k, v, beta in dtype, g (safe gate, >= -5) and the initial state `[N, H, K, V]` in fp32; leaves on DEVICE."""
+    q, k, v, g, beta = make_qkvgb(B, T, H, K, V, gate="safe", seed=seed)
+    h0 = torch.randn(N, H, K, V, generator=torch.Generator().manual_seed(seed + 1))
+    xs = [q.to(dtype), k.to(dtype), v.to(dtype), g.float(), beta.to(dtype), h0]
     return [x.to(DEVICE).requires_grad_() for x in xs]
-
-
-def rel_rms(x: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((x.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
 def run(op, inputs, cu_seqlens, with_state: bool, grads_seed: int = 1):
@@ -89,13 +84,15 @@ def test_matches_naive(B, T, H, K, V, dtype, with_state):
     inputs = make_inputs(B, T, H, K, V, B, dtype)
     got = run(kda_triton, inputs, None, with_state)
     check(got, run(kda_naive, fp64(inputs), None, with_state), TOL[dtype], "fp64 kda_naive")
+    torch_chunk = lambda *a, **kw: kda_chunk(*a, **kw, backend="torch")
+    check(got, run(torch_chunk, fp64(inputs), None, with_state), TOL[dtype], "fp64 kda_chunk (torch)")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_varlen_matches_naive(dtype):
     cu_seqlens = torch.tensor([0, 9, 40, 77], device=DEVICE)
     inputs = make_inputs(1, 77, 2, 64, 64, 3, dtype, seed=2)
-    got = run(kda_triton, inputs, cu_seqlens, True)
+    got = run(lambda *a, **kw: kda_chunk(*a, **kw, backend="triton"), inputs, cu_seqlens, True)
     check(got, run(kda_naive, fp64(inputs), cu_seqlens, True), TOL[dtype], "fp64 kda_naive, varlen")
 
 
@@ -125,6 +122,25 @@ def test_chunk_maps_cover_every_token_once():
     assert fixed.num_chunks == 9 and fixed.cu_seqlens.tolist() == [0, 40, 80, 120]
 
 
+def test_backend_dispatch():
+    q, k, v, g, beta, h0 = (x.detach() for x in make_inputs(1, 20, 1, 64, 64, 1, torch.float32))
+    args = (q, k, v, g, beta)
+    o_triton, _ = kda_triton(*args)
+    o_torch, _ = kda_chunk(*args, backend="torch")
+    assert torch.equal(kda_chunk(*args, backend="triton")[0], o_triton)
+    assert torch.equal(kda_chunk(*args)[0], o_triton if DEVICE == "cuda" else o_torch)  # "auto"
+    assert rel_rms(o_triton, o_torch) < TOL[torch.float32]
+    with pytest.raises(ValueError, match="backend must be one of"):
+        kda_chunk(*args, backend="cuda")
+    with pytest.raises(ValueError, match="chunk_size=32"):
+        kda_chunk(*args, chunk_size=32, backend="triton")
+    # outside the safe gate: "triton" refuses, "auto" runs the torch path
+    steep = g * 3.0
+    with pytest.raises(ValueError, match="safe gate"):
+        kda_chunk(q, k, v, steep, beta, backend="triton")
+    assert torch.equal(kda_chunk(q, k, v, steep, beta)[0], kda_chunk(q, k, v, steep, beta, backend="torch")[0])
+
+
 def test_rejects_unsupported_inputs():
     q, k, v, g, beta, _ = (x.detach() for x in make_inputs(1, 16, 1, 64, 64, 1, torch.float32))
     with pytest.raises(ValueError, match="float64"):
@@ -132,6 +148,17 @@ def test_rejects_unsupported_inputs():
     big = torch.zeros(1, 16, 1, 320, device=DEVICE)
     with pytest.raises(ValueError, match="K=320"):
         kda_triton(big, big, v, big, beta)
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="checks the CPU refusal outside the interpreter")
+def test_cpu_without_interpreter_is_refused():
+    code = ("import torch; from k3sys.kda import kda_chunk; x = torch.zeros(1, 16, 1, 16)\n"
+            "try:\n    kda_chunk(x, x, x, x, torch.zeros(1, 16, 1), backend='triton')\n"
+            "except ValueError as e:\n    print(e)")
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2] / "src"), env.get("PYTHONPATH", "")])
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert "needs CUDA tensors" in out.stdout and "TRITON_INTERPRET=1" in out.stdout, out.stdout + out.stderr
 
 
 @pytest.mark.timeout(600)

@@ -4,6 +4,6 @@
 (forward only) runs both phases in one kernel and exists to measure what the split buys.
 """
 
-from k3sys.kda.triton.op import kda_triton, kda_triton_fused
+from k3sys.kda.triton.op import kda_triton, kda_triton_fused, triton_unsupported
 
-__all__ = ["kda_triton", "kda_triton_fused"]
+__all__ = ["kda_triton", "kda_triton_fused", "triton_unsupported"]

@@ -22,6 +22,7 @@ from k3sys.kda.triton.intra_bwd import intra_bwd_kernel
 
 MAX_HEAD_DIM = 256
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+SAFE_GATE_MIN = -5.0  # the kernels' numerics contract, see intra.py
 
 try:
     from triton.runtime.interpreter import InterpretedFunction
@@ -153,22 +154,42 @@ def intra_bwd(q, k, v, g, beta, scale: float, states, dstates, do, dvn, chunks: 
     return dq, dk, dv, dg, dbeta
 
 
-def _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens):
-    """Contiguous inputs with q, k, v in one dot dtype, the resolved scale, and the chunk maps."""
+def _kernel_limits(q, k, v, g, beta) -> str | None:
+    """What the kernels cannot run (dtypes, head dims, device), found without reading any data."""
     for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
         if x.dtype not in DTYPES:
-            raise ValueError(f"backend='triton' takes bf16/fp16/fp32 inputs, got {name} of {x.dtype}")
-    B, T, H, K = q.shape
-    V = v.shape[-1]
+            return f"it takes bf16/fp16/fp32 inputs, got {name} of {x.dtype}"
+    K, V = q.shape[-1], v.shape[-1]
     if max(K, V) > MAX_HEAD_DIM:
-        raise ValueError(f"backend='triton' supports K, V <= {MAX_HEAD_DIM}, got K={K}, V={V}")
+        return f"it supports K, V <= {MAX_HEAD_DIM}, got K={K}, V={V}"
     if q.device.type != "cuda" and not INTERPRETED:
-        raise ValueError(
-            f"backend='triton' needs CUDA tensors, got {q.device.type}; on CPU it runs only in Triton's "
-            "interpreter (set TRITON_INTERPRET=1 before triton is first imported)"
-        )
+        return (f"it needs CUDA tensors, got {q.device.type}; on CPU it runs only in Triton's interpreter "
+                "(set TRITON_INTERPRET=1 before triton is first imported)")
     if INTERPRETED and v.dtype == torch.bfloat16 and not INTERPRETER_BF16:
-        raise ValueError("backend='triton' in this Triton version's interpreter cannot run bf16; use fp16/fp32 on CPU")
+        return "this Triton version's interpreter cannot run bf16; use fp16/fp32 on CPU"
+    return None
+
+
+def triton_unsupported(q, k, v, g, beta, chunk_size: int = CHUNK) -> str | None:
+    """Why the Triton backend cannot run this call, or None when it can.
+
+    Besides the kernel limits, checks the safe-gate contract (min g >= -5), which reads g once and
+    syncs with the device: `kda_chunk` uses this to choose (backend="auto") or refuse (backend="triton").
+    """
+    if chunk_size != CHUNK:
+        return f"its chunk size is {CHUNK}, got chunk_size={chunk_size}"
+    why = _kernel_limits(q, k, v, g, beta)
+    if why is None and (g_min := g.min().item()) < SAFE_GATE_MIN:
+        why = (f"it needs the safe gate, every g >= {SAFE_GATE_MIN} (16-step decays inside fp32's exp range), "
+               f"got min g = {g_min:.4g}; use backend='torch'")
+    return why
+
+
+def _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens):
+    """Contiguous inputs with q, k, v in one dot dtype, the resolved scale, and the chunk maps."""
+    if (why := _kernel_limits(q, k, v, g, beta)) is not None:
+        raise ValueError(f"backend='triton' cannot run this call: {why}")
+    B, T, H, K = q.shape
     q, k, v = (x.to(v.dtype).contiguous() for x in (q, k, v))
     g, beta = g.contiguous(), beta.contiguous()
     h0 = initial_state.contiguous() if initial_state is not None else None
