@@ -14,6 +14,7 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("K3SYS_TRITON_AUTOTUNE", "0")  # on a GPU, tuning every test shape would take minutes
 pytest.importorskip("triton", reason="triton is not installed, so the Triton backend cannot run")
 
 from kda_inputs import make_inputs as make_qkvgb  # noqa: E402
@@ -175,3 +176,16 @@ def test_kernels_compile_for_hopper():
     assert len(lines) == 5
     # bf16 tiles must reach the tensor cores (wgmma on Hopper, or mma.sync for the 16-row products)
     assert all(int(line.split("HMMA=")[1]) + int(line.split("HGMMA=")[1].split()[0]) > 0 for line in lines), lines
+
+
+def test_tuning_space_becomes_autotune_configs(monkeypatch):
+    from k3sys.kda.triton.intra import intra_fwd_kernel
+    from k3sys.kda.triton.tuning import TunedKernel
+
+    monkeypatch.setenv("K3SYS_TRITON_AUTOTUNE", "1")
+    tuned = TunedKernel(intra_fwd_kernel, interpreted=False, BV=(16, 32), num_warps=(4, 8), num_stages=(2,))
+    points = {(c.kwargs["BV"], c.num_warps, c.num_stages) for c in tuned.tuned.configs}
+    assert points == {(16, 4, 2), (16, 8, 2), (32, 4, 2), (32, 8, 2)}
+    assert TunedKernel(intra_fwd_kernel, interpreted=True, num_warps=(4, 8)).tuned is None
+    with pytest.raises(ValueError, match="defaults must give"):
+        TunedKernel(intra_fwd_kernel, interpreted=True, num_warps=(4, 8))[(1,)](defaults={})

@@ -19,6 +19,7 @@ from k3sys.kda.triton.inter import inter_bwd_kernel, inter_fwd_kernel
 from k3sys.kda.triton.interpreter import patch_bf16
 from k3sys.kda.triton.intra import intra_fwd_kernel
 from k3sys.kda.triton.intra_bwd import intra_bwd_kernel
+from k3sys.kda.triton.tuning import TunedKernel
 
 MAX_HEAD_DIM = 256
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -44,7 +45,7 @@ def _precision(dtype: torch.dtype) -> str:
 
 
 def _state_tile(K: int, V: int, programs: int, device: torch.device) -> int:
-    """V-tile width of the recurrent kernels: as wide as registers allow, narrowed until the grid fills the GPU.
+    """Untuned V-tile width of the recurrent kernels: as wide as registers allow, narrowed until the grid fills the GPU.
 
     The recurrence is serial over chunks, so (V-tiles x sequences x heads) programs are all the
     parallelism there is; B=1, H=32, V=128 at width 64 would leave half of an H200's 132 SMs idle.
@@ -63,8 +64,20 @@ def _warps(BK: int) -> int:
 
 
 # The gradient kernel holds three fp32 [16, K] accumulators and two [K, BV] state tiles at once; with
-# 8 warps, BV = 32 is the widest tile that compiles for sm_90 without spilling at K = 128.
+# 8 warps, BV = 32 is the widest tile that compiles for sm_90 without spilling at K = 128. Not tuned.
 GRAD_WARPS, GRAD_BV = 8, 32
+
+# Search spaces (tests/kda/hopper_compile.py shows what each point costs in registers); the recurrent
+# kernels tune the V-tile, which sets how many programs share the GPU.
+RECURRENT_SPACE = dict(BV=(16, 32, 64), num_warps=(4, 8), num_stages=(2,))
+INTRA_FWD = TunedKernel(intra_fwd_kernel, INTERPRETED, num_warps=(2, 4, 8))
+INTER_FWD = TunedKernel(inter_fwd_kernel, INTERPRETED, **RECURRENT_SPACE)
+INTER_BWD = TunedKernel(inter_bwd_kernel, INTERPRETED, **RECURRENT_SPACE)
+FUSED_FWD = TunedKernel(fused_fwd_kernel, INTERPRETED, **RECURRENT_SPACE)
+
+
+def _recurrent_defaults(K: int, V: int, programs: int, device: torch.device) -> dict:
+    return dict(BV=_state_tile(K, V, programs, device), num_warps=_warps(_pow2(K)), num_stages=2)
 
 
 @dataclass(frozen=True)
@@ -93,10 +106,10 @@ def intra_fwd(q, k, v, g, beta, scale: float, chunks: Chunks) -> Workspace:
         gc=torch.empty(chunks.num_chunks, H, K, device=q.device, dtype=torch.float32),
     )
     BK = _pow2(K)
-    intra_fwd_kernel[(chunks.num_chunks, H)](
+    INTRA_FWD[(chunks.num_chunks, H)](
         q, k, v, g, beta, ws.w, ws.u, ws.qg, ws.kg, ws.aqk, ws.gc,
         chunks.cu_seqlens, chunks.indices, scale,
-        H=H, K=K, V=V, C=CHUNK, BK=BK, BV=_pow2(V), PREC=_precision(q.dtype), num_warps=_warps(BK),
+        H=H, K=K, V=V, C=CHUNK, BK=BK, BV=_pow2(V), PREC=_precision(q.dtype), defaults=dict(num_warps=_warps(BK)),
     )
     return ws
 
@@ -109,14 +122,12 @@ def inter_fwd(ws: Workspace, h0: torch.Tensor | None, chunks: Chunks, *, store_o
     o = ws.u.new_empty(ws.u.shape, dtype=ws.w.dtype) if store_o else None
     ht = ws.w.new_empty(N, H, K, V, dtype=torch.float32) if store_ht else None
     states = ws.w.new_empty(chunks.num_chunks, H, K, V) if store_states else None
-    BK = _pow2(K)
-    BV = _state_tile(K, V, N * H, ws.w.device)
-    inter_fwd_kernel[(triton.cdiv(V, BV), N * H)](
+    INTER_FWD[lambda meta: (triton.cdiv(V, meta["BV"]), N * H)](
         ws.w, ws.u, ws.qg, ws.kg, ws.aqk, ws.gc, h0, o, ht, states,
         chunks.cu_seqlens, chunks.offsets,
-        H=H, K=K, V=V, C=CHUNK, BK=BK, BV=BV, PREC=_precision(ws.w.dtype),
+        H=H, K=K, V=V, C=CHUNK, BK=_pow2(K), PREC=_precision(ws.w.dtype),
         USE_H0=h0 is not None, STORE_O=store_o, STORE_HT=store_ht, STORE_STATES=store_states,
-        num_warps=_warps(BK), num_stages=2,
+        defaults=_recurrent_defaults(K, V, N * H, ws.w.device),
     )
     return o, ht, states
 
@@ -129,14 +140,12 @@ def inter_bwd(ws: Workspace, do: torch.Tensor, dht: torch.Tensor | None, h0: tor
     dstates = ws.w.new_empty(chunks.num_chunks, H, K, V)
     dvn = torch.empty_like(ws.u)  # fp32, like u: dv = Diag(beta) T^T dV' reads it directly
     dh0 = torch.empty_like(h0) if h0 is not None else None
-    BK = _pow2(K)
-    BV = _state_tile(K, V, N * H, ws.w.device)
-    inter_bwd_kernel[(triton.cdiv(V, BV), N * H)](
+    INTER_BWD[lambda meta: (triton.cdiv(V, meta["BV"]), N * H)](
         ws.w, ws.qg, ws.kg, ws.aqk, ws.gc, do, dht, dh0, dstates, dvn,
         chunks.cu_seqlens, chunks.offsets,
-        H=H, K=K, V=V, C=CHUNK, BK=BK, BV=BV, PREC=_precision(ws.w.dtype),
+        H=H, K=K, V=V, C=CHUNK, BK=_pow2(K), PREC=_precision(ws.w.dtype),
         USE_DHT=dht is not None, STORE_DH0=h0 is not None,
-        num_warps=_warps(BK), num_stages=2,
+        defaults=_recurrent_defaults(K, V, N * H, ws.w.device),
     )
     return dstates, dvn, dh0
 
@@ -269,12 +278,10 @@ def kda_triton_fused(
     N = chunks.num_seqs
     o = torch.empty_like(v)
     ht = q.new_empty(N, H, K, V, dtype=torch.float32) if output_final_state else None
-    BK = _pow2(K)
-    BV = _state_tile(K, V, N * H, q.device)
-    fused_fwd_kernel[(triton.cdiv(V, BV), N * H)](
+    FUSED_FWD[lambda meta: (triton.cdiv(V, meta["BV"]), N * H)](
         q, k, v, g, beta, h0, o, ht, chunks.cu_seqlens, scale,
-        H=H, K=K, V=V, C=CHUNK, BK=BK, BV=BV, PREC=_precision(q.dtype),
+        H=H, K=K, V=V, C=CHUNK, BK=_pow2(K), PREC=_precision(q.dtype),
         USE_H0=h0 is not None, STORE_HT=output_final_state,
-        num_warps=_warps(BK), num_stages=2,
+        defaults=_recurrent_defaults(K, V, N * H, q.device),
     )
     return o, ht
