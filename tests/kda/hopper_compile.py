@@ -23,7 +23,7 @@ from k3sys.kda.triton.intra import intra_fwd_kernel
 from k3sys.kda.triton.intra_bwd import intra_bwd_kernel
 from k3sys.kda.triton.op import GRAD_BV, GRAD_WARPS, _warps
 
-FP32_ARGS = {"g", "u", "aqk", "gc", "h0", "ht", "dht", "dh0", "dvn", "dg"}
+FP32_ARGS = {"g", "gc", "h0", "ht", "dht", "dh0", "dvn", "dg"}
 INDEX_ARGS = {"cu_seqlens", "chunk_indices", "chunk_offsets"}
 
 
@@ -36,6 +36,11 @@ def signature(fn, dtype: str, constexprs: dict) -> dict[str, str]:
         return "*i32" if name in INDEX_ARGS else "*fp32" if name in FP32_ARGS else f"*{dtype}"
 
     return {name: kind(name) for name in fn.arg_names}
+
+
+def aligned_pointers(fn, sig: dict[str, str]) -> dict:
+    """The 16-byte alignment hint a JIT launch gives every pointer argument (torch allocations are aligned)."""
+    return {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name, kind in sig.items() if kind[0] == "*"}
 
 
 def compile_all(dtype: str, K: int, V: int) -> list[str]:
@@ -53,7 +58,8 @@ def compile_all(dtype: str, K: int, V: int) -> list[str]:
     bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     lines = []
     for fn, constexprs, warps, stages in kernels:
-        src = ASTSource(fn, signature(fn, dtype, constexprs), constexprs=constexprs)
+        sig = signature(fn, dtype, constexprs)
+        src = ASTSource(fn, sig, constexprs=constexprs, attrs=aligned_pointers(fn, sig))
         options = {"num_warps": warps, "num_stages": stages}
         compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
         with tempfile.NamedTemporaryFile(suffix=".cubin") as f:

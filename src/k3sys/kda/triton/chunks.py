@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
@@ -33,13 +34,21 @@ def chunk_maps(B: int, T: int, cu_seqlens: torch.Tensor | None, device: torch.de
     """Chunk maps for B sequences of length T, or for the packed sequences of `cu_seqlens` (then B == 1).
 
     Vectorised on the tensors' device; the only host sync is reading the chunk count of a varlen batch.
+    Equal-length maps are cached per (B, T, device): a training step reuses them and skips the half dozen
+    tiny kernels that build them.
     """
     if cu_seqlens is None:
-        cu = torch.arange(0, (B + 1) * T, T, device=device, dtype=torch.int64)
-        num_chunks = B * -(-T // CHUNK)
-    else:
-        cu = cu_seqlens.to(device=device, dtype=torch.int64)
-        num_chunks = None
+        return _equal_length_maps(B, T, device)
+    return _maps(cu_seqlens.to(device=device, dtype=torch.int64), None)
+
+
+@lru_cache(maxsize=64)
+def _equal_length_maps(B: int, T: int, device: torch.device) -> Chunks:
+    return _maps(torch.arange(0, (B + 1) * T, T, device=device, dtype=torch.int64), B * -(-T // CHUNK))
+
+
+def _maps(cu: torch.Tensor, num_chunks: int | None) -> Chunks:
+    device = cu.device
     counts = (cu[1:] - cu[:-1] + CHUNK - 1) // CHUNK
     offsets = F.pad(counts.cumsum(0), (1, 0))
     if num_chunks is None:

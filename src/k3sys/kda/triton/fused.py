@@ -11,9 +11,7 @@ import triton.language as tl
 
 from k3sys.kda.triton.inter import inter_step
 from k3sys.kda.triton.intra import (
-    chunk_decays,
-    chunk_inverse,
-    chunk_qk,
+    chunk_products,
     load_chunk_inputs,
     load_state,
     load_tokens,
@@ -41,13 +39,9 @@ def fused_fwd_kernel(
         S = load_state(h0 + i_nh.to(tl.int64) * K * V, K, V, col, BK, BV).to(tl.float32)
     for i_t in range(tl.cdiv(seq_len, C)):
         qt, kt, gt, bt = load_chunk_inputs(q, k, g, beta, bos, seq_len, i_t, i_h, H, K, C, BK)
-        _, Er, Fr, E, EC, G_C = chunk_decays(gt, C)
-        T = chunk_inverse(kt, bt, Er, Fr, C, PREC)
-        Aqk = chunk_qk(qt, kt, Er, Fr, scale, C, PREC)
-        W = tl.dot(T, bt[:, None] * kt * E, input_precision=PREC)
         vt = load_tokens(v + (bos * H + i_h) * V, seq_len, H, V, i_t * C, col, C, BV).to(tl.float32)
-        U = tl.dot(T, bt[:, None] * vt, input_precision=PREC)
-        ot, S = inter_step(S, W.to(dt), U, (scale * qt * E).to(dt), (kt * EC).to(dt), Aqk, G_C, PREC)
+        W, Qp, KG, U, Ou, G_C = chunk_products(qt, kt, gt, bt, vt, scale, C, PREC)
+        ot, S = inter_step(S, W.to(dt), Qp.to(dt), KG.to(dt), U, Ou, G_C, PREC)
         store_tokens(o + (bos * H + i_h) * V, ot, seq_len, H, V, i_t * C, col, C, BV)
     if STORE_HT:
         store_state(ht + i_nh.to(tl.int64) * K * V, S, K, V, col, BK, BV)

@@ -1,12 +1,14 @@
 """Phase 1, token-parallel: everything inside one chunk that does not depend on the recurrent state.
 
-For a chunk of C = 16 tokens, G = inclusive cumsum of g. The kernel writes, per token, to a workspace:
-    W   = T Diag(beta) (K * e^G)                    `[C, K]`
-    U   = T Diag(beta) V                            `[C, V]`
-    Aqk = scale sum_d q_id k_jd e^(G_id - G_jd), j <= i   `[C, C]`
-    qg  = scale Q * e^G,  kg = K * e^(G_C - G)      `[C, K]`
-with T = (I + L)^-1 and L[i, j] = beta_i sum_d k_id k_jd e^(G_id - G_jd) for j < i.
-and per chunk gc = G_C `[K]` (fp32), the chunk's total log-decay.
+For a chunk of C = 16 tokens, G = inclusive cumsum of g, T = (I + L)^-1 with
+L[i, j] = beta_i sum_d k_id k_jd e^(G_id - G_jd) (j < i) and Aqk[i, j] = scale sum_d q_id k_jd e^(G_id - G_jd)
+(j <= i), the kernel writes, per token, to a workspace:
+    W  = T Diag(beta) (K * e^G)    kg = K * e^(G_C - G)    Q' = scale Q * e^G - Aqk W     `[C, K]`
+    U  = T Diag(beta) V            Ou = Aqk U                                               `[C, V]`
+and per chunk gc = G_C `[K]` (fp32), the chunk's total log-decay. With V' = U - W S, the chunk's output
+O = (scale Q * e^G) S + Aqk V' regroups to O = Q' S + Ou: the intra-chunk attention is folded into Q' and
+Ou here, token-parallel, so the recurrence (phase 2) does two products per chunk on its serial path
+(W S, then kg^T V') and Q' S beside them.
 
 Numerics contract (the safe gate): every step's g >= -5, so |G_i - G_j| <= 80 inside a chunk. The
 pairwise factor e^(G_i - G_j) is split at the chunk's middle row r: e^(G_i - G_r) * e^(G_r - G_j), each
@@ -137,9 +139,25 @@ def sequence_of(cu_seqlens, i_n):
 
 
 @triton.jit
+def chunk_products(qt, kt, gt, bt, vt, scale, C: tl.constexpr, PREC: tl.constexpr):
+    """Phase 1's products for one chunk from its fp32 input tiles (vt may be a V-tile).
+
+    Returns fp32 (W, Q', kg `[C, BK]`; U, Ou `[C, BV]`; G_C `[BK]`).
+    """
+    _, Er, Fr, E, EC, G_C = chunk_decays(gt, C)
+    T = chunk_inverse(kt, bt, Er, Fr, C, PREC)
+    Aqk = chunk_qk(qt, kt, Er, Fr, scale, C, PREC)
+    W = tl.dot(T, bt[:, None] * kt * E, input_precision=PREC)
+    U = tl.dot(T, bt[:, None] * vt, input_precision=PREC)
+    Qp = scale * qt * E - tl.dot(Aqk, W, input_precision=PREC)
+    Ou = tl.dot(Aqk, U, input_precision=PREC)
+    return W, Qp, kt * EC, U, Ou, G_C
+
+
+@triton.jit
 def intra_fwd_kernel(
     q, k, v, g, beta,  # inputs `[*, H, K|V]`, beta `[*, H]`
-    w, u, qg, kg, aqk, gc,  # workspace: `[*, H, K]`, `[*, H, V]`, `[*, H, K]` x2, `[*, H, C]`, `[NC, H, K]` fp32
+    w, qp, kg, u, ou, gc,  # workspace: `[*, H, K]` x3, `[*, H, V]` x2, `[NC, H, K]` fp32
     cu_seqlens, chunk_indices, scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
@@ -150,18 +168,13 @@ def intra_fwd_kernel(
     i_t = tl.load(chunk_indices + 2 * i_c + 1)
     bos, seq_len = sequence_of(cu_seqlens, i_n)
     qt, kt, gt, bt = load_chunk_inputs(q, k, g, beta, bos, seq_len, i_t, i_h, H, K, C, BK)
-    _, Er, Fr, E, EC, G_C = chunk_decays(gt, C)
-    T = chunk_inverse(kt, bt, Er, Fr, C, PREC)
-    Aqk = chunk_qk(qt, kt, Er, Fr, scale, C, PREC)
-    W = tl.dot(T, bt[:, None] * kt * E, input_precision=PREC)
-    vt = load_tokens(v + (bos * H + i_h) * V, seq_len, H, V, i_t * C, 0, C, BV).to(tl.float32)
-    U = tl.dot(T, bt[:, None] * vt, input_precision=PREC)
-
-    off_k = (bos * H + i_h) * K
+    off_k, off_v = (bos * H + i_h) * K, (bos * H + i_h) * V
+    vt = load_tokens(v + off_v, seq_len, H, V, i_t * C, 0, C, BV).to(tl.float32)
+    W, Qp, KG, U, Ou, G_C = chunk_products(qt, kt, gt, bt, vt, scale, C, PREC)
     store_tokens(w + off_k, W, seq_len, H, K, i_t * C, 0, C, BK)
-    store_tokens(qg + off_k, scale * qt * E, seq_len, H, K, i_t * C, 0, C, BK)
-    store_tokens(kg + off_k, kt * EC, seq_len, H, K, i_t * C, 0, C, BK)
-    store_tokens(u + (bos * H + i_h) * V, U, seq_len, H, V, i_t * C, 0, C, BV)
-    store_tokens(aqk + (bos * H + i_h) * C, Aqk, seq_len, H, C, i_t * C, 0, C, C)
+    store_tokens(qp + off_k, Qp, seq_len, H, K, i_t * C, 0, C, BK)
+    store_tokens(kg + off_k, KG, seq_len, H, K, i_t * C, 0, C, BK)
+    store_tokens(u + off_v, U, seq_len, H, V, i_t * C, 0, C, BV)
+    store_tokens(ou + off_v, Ou, seq_len, H, V, i_t * C, 0, C, BV)
     cols = tl.arange(0, BK)
     tl.store(gc + (i_c.to(tl.int64) * H + i_h) * K + cols, G_C, mask=cols < K)

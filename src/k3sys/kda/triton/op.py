@@ -82,18 +82,14 @@ def _recurrent_defaults(K: int, V: int, programs: int, device: torch.device) -> 
 
 @dataclass(frozen=True)
 class Workspace:
-    """Phase 1's output: w, qg, kg `[*, H, K]` in the inputs' dtype; u `[*, H, V]`, aqk `[*, H, C]` and
-    gc `[NC, H, K]` in fp32.
-
-    u and aqk stay fp32 because they reach O through V' with no state product to dilute their rounding
-    (bf16 there doubles O's error); the K-side factors only meet the state and tolerate bf16.
-    """
+    """Phase 1's output (see intra.py): w, qp, kg `[*, H, K]` and u, ou `[*, H, V]` in the inputs' dtype,
+    gc `[NC, H, K]` in fp32."""
 
     w: torch.Tensor
-    u: torch.Tensor
-    qg: torch.Tensor
+    qp: torch.Tensor
     kg: torch.Tensor
-    aqk: torch.Tensor
+    u: torch.Tensor
+    ou: torch.Tensor
     gc: torch.Tensor
 
 
@@ -101,13 +97,12 @@ def intra_fwd(q, k, v, g, beta, scale: float, chunks: Chunks) -> Workspace:
     """Phase 1 for every chunk of every head at once."""
     H, K, V = q.shape[2], q.shape[3], v.shape[3]
     ws = Workspace(
-        w=torch.empty_like(k), u=torch.empty_like(v, dtype=torch.float32), qg=torch.empty_like(q),
-        kg=torch.empty_like(k), aqk=q.new_empty(*q.shape[:3], CHUNK, dtype=torch.float32),
-        gc=torch.empty(chunks.num_chunks, H, K, device=q.device, dtype=torch.float32),
+        w=torch.empty_like(k), qp=torch.empty_like(q), kg=torch.empty_like(k), u=torch.empty_like(v),
+        ou=torch.empty_like(v), gc=torch.empty(chunks.num_chunks, H, K, device=q.device, dtype=torch.float32),
     )
     BK = _pow2(K)
     INTRA_FWD[(chunks.num_chunks, H)](
-        q, k, v, g, beta, ws.w, ws.u, ws.qg, ws.kg, ws.aqk, ws.gc,
+        q, k, v, g, beta, ws.w, ws.qp, ws.kg, ws.u, ws.ou, ws.gc,
         chunks.cu_seqlens, chunks.indices, scale,
         H=H, K=K, V=V, C=CHUNK, BK=BK, BV=_pow2(V), PREC=_precision(q.dtype), defaults=dict(num_warps=_warps(BK)),
     )
@@ -119,11 +114,11 @@ def inter_fwd(ws: Workspace, h0: torch.Tensor | None, chunks: Chunks, *, store_o
     """Phase 2 forward: (o `[*, H, V]`, final state `[N, H, K, V]` fp32, entering states `[NC, H, K, V]`)."""
     H, K, V = ws.w.shape[2], ws.w.shape[3], ws.u.shape[3]
     N = chunks.num_seqs
-    o = ws.u.new_empty(ws.u.shape, dtype=ws.w.dtype) if store_o else None
+    o = torch.empty_like(ws.u) if store_o else None
     ht = ws.w.new_empty(N, H, K, V, dtype=torch.float32) if store_ht else None
     states = ws.w.new_empty(chunks.num_chunks, H, K, V) if store_states else None
     INTER_FWD[lambda meta: (triton.cdiv(V, meta["BV"]), N * H)](
-        ws.w, ws.u, ws.qg, ws.kg, ws.aqk, ws.gc, h0, o, ht, states,
+        ws.w, ws.qp, ws.kg, ws.u, ws.ou, ws.gc, h0, o, ht, states,
         chunks.cu_seqlens, chunks.offsets,
         H=H, K=K, V=V, C=CHUNK, BK=_pow2(K), PREC=_precision(ws.w.dtype),
         USE_H0=h0 is not None, STORE_O=store_o, STORE_HT=store_ht, STORE_STATES=store_states,
@@ -138,10 +133,10 @@ def inter_bwd(ws: Workspace, do: torch.Tensor, dht: torch.Tensor | None, h0: tor
     H, K, V = ws.w.shape[2], ws.w.shape[3], ws.u.shape[3]
     N = chunks.num_seqs
     dstates = ws.w.new_empty(chunks.num_chunks, H, K, V)
-    dvn = torch.empty_like(ws.u)  # fp32, like u: dv = Diag(beta) T^T dV' reads it directly
+    dvn = torch.empty_like(ws.u, dtype=torch.float32)  # fp32: dv and dbeta are read off it directly
     dh0 = torch.empty_like(h0) if h0 is not None else None
     INTER_BWD[lambda meta: (triton.cdiv(V, meta["BV"]), N * H)](
-        ws.w, ws.qg, ws.kg, ws.aqk, ws.gc, do, dht, dh0, dstates, dvn,
+        ws.w, ws.qp, ws.kg, ws.gc, do, dht, dh0, dstates, dvn,
         chunks.cu_seqlens, chunks.offsets,
         H=H, K=K, V=V, C=CHUNK, BK=_pow2(K), PREC=_precision(ws.w.dtype),
         USE_DHT=dht is not None, STORE_DH0=h0 is not None,
