@@ -141,29 +141,40 @@ def _segment_sums(x: torch.Tensor) -> torch.Tensor:
     return (x[..., :, None, :] * after[:, :, None]).cumsum(-3)
 
 
-def _decayed_products(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _suffix_sums(g: torch.Tensor) -> torch.Tensor:
+    """`[..., n, K]` -> `[..., n, K]`: `out[i] = g_{i+1} + ... + g_{n-1}` (exclusive, zero at the end).
+
+    One matmul with a constant mask: sums of same-signed steps, not `total - prefix` (which would
+    cancel the digits of a small tail after a huge step).
+    """
+    n = g.shape[-2]
+    return torch.ones(n, n, dtype=g.dtype, device=g.device).triu(1) @ g
+
+
+def _decayed_products(
+    q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, G_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`A_kk[i,j] = sum_d k_id k_jd exp(G_id - G_jd)` (j < i) and `A_qk` (same with q_i, j <= i), `[M, H, C, C]`.
 
-    exp(G_i - G_j) is never formed per pair. The chunk is cut into blocks of `SUB_CHUNK` tokens:
-    - a pair in different blocks J < I factorises at the end r of block I-1: exp(G_i - r) exp(r - G_j),
-      both factors <= 1 (nothing can overflow), with every exponent a sum of same-signed steps;
+    q, k, g `[M, H, C, K]`; G_b `[M, H, nb, b, K]` the cumsum of g inside each block of b = `SUB_CHUNK`
+    tokens. exp(G_i - G_j) is never formed per pair:
     - a pair inside one block factorises through the midpoint c of that block's range, so both factors
       stay within exp(+-span/2); a block whose span is too wide for the dtype (only possible with an
-      unbounded gate) is recomputed by `_pairwise_products`.
+      unbounded gate) is recomputed by `_pairwise_products`;
+    - a pair in blocks J < I factorises at the end r of block I-1: exp(G_i - r) exp(r - G_j), both
+      factors <= 1 (nothing can overflow), every exponent a sum of same-signed steps.
     """
-    M, H, C, K = g.shape
-    b = min(C, SUB_CHUNK)
-    nb = C // b
+    M, H, nb, b, K = G_b.shape
     q_b, k_b, g_b = (x.view(M, H, nb, b, K) for x in (q, k, g))
-    G_b = g_b.cumsum(-2)  # cumsum inside each block
     lim = _max_half_span(g.dtype)
     # the products do not depend on c, so c needs no gradient
     c = (0.5 * (G_b[..., :1, :] + G_b[..., -1:, :])).detach()
     # the clamp only bites in blocks that the pairwise form overwrites; it keeps their unused values finite
-    e = (G_b - c).clamp(-lim, lim)
-    k_col = k_b * torch.exp(-e)
-    D_kk = (k_b * torch.exp(e)) @ k_col.transpose(-1, -2)  # [M, H, nb, b, b]
-    D_qk = (q_b * torch.exp(e)) @ k_col.transpose(-1, -2)
+    e = (G_b - c).clamp_(-lim, lim)
+    up = e.exp()
+    k_col = k_b * torch.exp(-e)  # not 1 / up: its backward, -1 / up^2, would overflow
+    D_kk = (k_b * up) @ k_col.mT  # [M, H, nb, b, b]
+    D_qk = (q_b * up) @ k_col.mT
     wide = (G_b[..., 0, :] - G_b[..., -1, :]).amax(-1) > 2 * lim  # [M, H, nb]
     if wide.any():
         idx = wide.nonzero(as_tuple=True)
@@ -173,27 +184,26 @@ def _decayed_products(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor) -> tupl
     lower = torch.ones(b, b, dtype=torch.bool, device=g.device).tril()
     D_kk = torch.where(lower.tril(-1), D_kk, 0.0)
     D_qk = torch.where(lower, D_qk, 0.0)
-    eye_nb = torch.eye(nb, dtype=g.dtype, device=g.device)[:, None, :, None]
-    # block-diagonal [nb, b, nb, b] -> [C, C]
-    A_kk = (D_kk[..., None, :] * eye_nb).reshape(M, H, C, C)
-    A_qk = (D_qk[..., None, :] * eye_nb).reshape(M, H, C, C)
-    if nb > 1:
-        # r - G_j for j in block J < I: the steps after j in block J, then whole blocks J+1 .. I-1
-        tail = _suffix_sums(g_b)
-        seg = _segment_sums(G_b[..., -1, :])  # [M, H, nb, nb, K]: block totals summed over (J, I']
-        between = torch.cat([torch.zeros_like(seg[..., :1, :, :]), seg[..., :-1, :, :]], dim=-3)
-        earlier = torch.ones(nb, nb, dtype=torch.bool, device=g.device).tril(-1)[:, :, None, None]  # [I, J]
-        expo = torch.where(earlier, between[..., None, :] + tail[..., None, :, :, :], -torch.inf)
-        cols = (k_b[..., None, :, :, :] * torch.exp(expo)).reshape(M, H, nb, C, K)  # [M, H, I, (J, j), K]
-        rows = torch.exp(G_b)
-        A_kk = A_kk + ((k_b * rows) @ cols.transpose(-1, -2)).reshape(M, H, C, C)
-        A_qk = A_qk + ((q_b * rows) @ cols.transpose(-1, -2)).reshape(M, H, C, C)
-    return A_kk, A_qk
+    if nb == 1:
+        return D_kk.view(M, H, b, b), D_qk.view(M, H, b, b)
+    I, J = torch.tril_indices(nb, nb, -1, device=g.device)  # the P block pairs J < I
+    # decay over the whole blocks strictly between J and I: block totals summed over (J, I - 1]
+    between = _segment_sums(G_b[..., -1, :])[:, :, I - 1, J].exp()  # [M, H, P, K]
+    rows = G_b.exp()  # exp(G_i - r): from the start of i's block
+    cols = (k_b * _suffix_sums(g_b).exp())[:, :, J] * between[..., None, :]  # [M, H, P, b, K]
+    off_kk = (k_b * rows)[:, :, I] @ cols.mT  # [M, H, P, b, b]
+    off_qk = (q_b * rows)[:, :, I] @ cols.mT
+    return _assemble_blocks(D_kk, off_kk, I, J), _assemble_blocks(D_qk, off_qk, I, J)
 
 
-def _suffix_sums(g: torch.Tensor) -> torch.Tensor:
-    """`[..., C, K]` -> `[..., C, K]`: `out[i] = g_{i+1} + ... + g_{C-1}` (exclusive, zero at the end)."""
-    return torch.cat([g[..., 1:, :].flip(-2).cumsum(-2).flip(-2), torch.zeros_like(g[..., :1, :])], dim=-2)
+def _assemble_blocks(D: torch.Tensor, off: torch.Tensor, I: torch.Tensor, J: torch.Tensor) -> torch.Tensor:
+    """Diagonal blocks D `[M, H, nb, b, b]` and blocks `off` `[M, H, P, b, b]` at (I, J) -> `[M, H, C, C]`."""
+    M, H, nb, b, _ = D.shape
+    A = D.new_zeros(M, H, nb, nb, b, b)
+    diag = torch.arange(nb, device=D.device)
+    A[:, :, diag, diag] = D
+    A[:, :, I, J] = off
+    return A.transpose(3, 4).reshape(M, H, nb * b, nb * b)
 
 
 def _pairwise_products(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -215,18 +225,20 @@ def intra_chunk(
         q, k, g: `[M, H, C, K]` in the compute dtype; v `[M, H, C, V]`; beta `[M, H, C]`.
         scale: query scale.
     """
-    C = g.shape[-2]
-    G = g.cumsum(-2)
+    M, H, C, K = g.shape
+    b = min(C, SUB_CHUNK)
+    G_b = g.view(M, H, C // b, b, K).cumsum(-2)
+    G = G_b.view(M, H, C, K) if b == C else g.cumsum(-2)
     q = q * scale
-    A_kk, A_qk = _decayed_products(q, k, g)
+    A_kk, A_qk = _decayed_products(q, k, g, G_b)
     eye = torch.eye(C, dtype=g.dtype, device=g.device)
     # (I + L)^-1 by a batched triangular solve: backward-stable, as fast here as FlashKDA's product form
     # (I - L)(I + L^2)(I + L^4)(I + L^8), which loses digits from C = 32 on when keys in a chunk correlate.
     inv = torch.linalg.solve_triangular(eye + beta[..., None] * A_kk, eye, upper=False, unitriangular=True)
+    inv = inv * beta[..., None, :]  # (I + L)^-1 Diag(beta): beta folded into the small matrix
     decay_in = G.exp()
-    W = inv @ (beta[..., None] * k * decay_in)
-    U = inv @ (beta[..., None] * v)
-    return ChunkWorkspace(W=W, U=U, Qg=q * decay_in, Aqk=A_qk, Kd=k * _suffix_sums(g).exp(), decay=G[..., -1, :].exp())
+    return ChunkWorkspace(W=inv @ (k * decay_in), U=inv @ v, Qg=q * decay_in, Aqk=A_qk,
+                          Kd=k * _suffix_sums(g).exp(), decay=decay_in[..., -1, :])
 
 
 def inter_chunk_step(S: torch.Tensor, ws: ChunkWorkspace) -> tuple[torch.Tensor, torch.Tensor]:
