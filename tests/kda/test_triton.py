@@ -91,8 +91,8 @@ def test_matches_naive(B, T, H, K, V, dtype, with_state):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_varlen_matches_naive(dtype):
-    cu_seqlens = torch.tensor([0, 9, 40, 77], device=DEVICE)
-    inputs = make_inputs(1, 77, 2, 64, 64, 3, dtype, seed=2)
+    cu_seqlens = torch.tensor([0, 1, 10, 41, 77], device=DEVICE)  # lengths 1, 9, 31, 36
+    inputs = make_inputs(1, 77, 2, 64, 64, 4, dtype, seed=2)
     got = run(lambda *a, **kw: kda_chunk(*a, **kw, backend="triton"), inputs, cu_seqlens, True)
     check(got, run(kda_naive, fp64(inputs), cu_seqlens, True), TOL[dtype], "fp64 kda_naive, varlen")
 

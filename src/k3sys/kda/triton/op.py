@@ -1,6 +1,6 @@
 """KDA on Triton: launchers for the two phases and the autograd function that wires their gradients.
 
-Forward: phase 1 (intra_fwd_kernel) writes W, U, Aqk, qg, kg, G_C for every chunk at once; phase 2
+Forward: phase 1 (intra_fwd_kernel) writes W, Q', kg, U, Ou, G_C for every chunk at once; phase 2
 (inter_fwd_kernel) walks the chunks. Backward recomputes phase 1 and the per-chunk states from the
 inputs (nothing but the inputs is saved), runs the reverse recurrence (inter_bwd_kernel), then the
 token-parallel gradient kernel (intra_bwd_kernel).
