@@ -45,6 +45,7 @@ import torch
 from k3sys.kda.validate import check_inputs, compute_dtype
 
 MAX_HEAD_DIM = 256
+BACKENDS = ("auto", "torch", "triton")
 # Block size for the intra-chunk decay products: FlashKDA's tile; inside it the factorised form is safe
 # for the bounded gate (16 steps of at most -5 span exp(+-40)).
 SUB_CHUNK = 16
@@ -301,6 +302,7 @@ def kda_chunk(
     output_final_state: bool = False,
     cu_seqlens: torch.Tensor | None = None,
     chunk_size: int = 16,
+    backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chunked KDA (two phases), differentiable; same arguments and results as `kda_naive`.
 
@@ -314,6 +316,9 @@ def kda_chunk(
         output_final_state: return the final state `[N, H, K, V]` (else None).
         cu_seqlens: `[N + 1]` int64 offsets of packed sequences (B must be 1).
         chunk_size: tokens per chunk C, default 16.
+        backend: "torch" (this module), "triton" (`k3sys.kda.triton`: CUDA tensors, or CPU under
+            TRITON_INTERPRET=1; chunk_size 16, bf16/fp16/fp32, the safe gate g >= -5), or "auto": Triton on
+            CUDA tensors when it supports the call, torch otherwise.
 
     Returns:
         o `[B, T, H, V]` in v's dtype, and the final state in the compute dtype (fp32, or fp64 when any
@@ -324,6 +329,16 @@ def kda_chunk(
             chunk_size > SUB_CHUNK and chunk_size % SUB_CHUNK):
         raise ValueError(f"chunk_size must be a positive int, a multiple of {SUB_CHUNK} above {SUB_CHUNK}, "
                          f"got {chunk_size!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "triton" or (backend == "auto" and q.is_cuda):
+        from k3sys.kda.triton import kda_triton, triton_unsupported  # triton is optional: import when chosen
+
+        why = triton_unsupported(q, k, v, g, beta, chunk_size)
+        if why is None:
+            return kda_triton(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
+        if backend == "triton":
+            raise ValueError(f"backend='triton' cannot run this call: {why}")
     dt = compute_dtype(q, k, v, g, beta, initial_state)
     scale = dims.K**-0.5 if scale is None else scale
     device = q.device
