@@ -27,7 +27,7 @@ from k3sys.ep import plan
 from k3sys.ep.sim import H200, K3_MOE, compare
 
 RESULTS = Path(__file__).parent / "results"
-METHODS = ("static", "eplb", "capacity", "greedy", "ours", "ours_tol")
+METHODS = ("static", "eplb", "capacity", "greedy", "ours", "ours_node", "ours_tol")
 TOLERANCE = 0.05
 
 
@@ -57,7 +57,8 @@ def main() -> None:
         c = compare(mv, R, hot_shift=hs, dist=dist, tolerance=TOLERANCE)
         timing = {
             name: median_ms(lambda tpe=c.tpe, kw=kw: plan(tpe, 16, **kw), args.repeats)
-            for name, kw in (("greedy", {"strategy": "greedy"}), ("ours", {}), ("ours_tol", {"tolerance": TOLERANCE}))
+            for name, kw in (("greedy", {"strategy": "greedy"}), ("ours", {}),
+                             ("ours_tol", {"tolerance": TOLERANCE, "ranks_per_node": H200.ranks_per_node}))
         }
         rows.append({"R": R, "maxvio_target": mv, "maxvio": c.maxvio, "hot_shift": hs, "dist": dist,
                      "methods": c.methods, "plan_ms": timing})
@@ -75,14 +76,16 @@ def main() -> None:
     quality = Table(title="Planner quality: moved tokens (pairs) and expert copies; plan time median of "
                     f"{args.repeats} (ms, this CPU)")
     for col in ("R", "prefs/shift", "maxvio", "moved LB", "moved greedy", "moved ours", "ratio",
-                "copies greedy", "copies ours", "ratio", f"copies tol{TOLERANCE:g}", "ms greedy", "ms ours", "ms tol"):
+                "copies greedy", "copies ours", "ratio", "copies node", f"copies tol{TOLERANCE:g}",
+                "ms greedy", "ms ours", "ms tol"):
         quality.add_column(col, justify="right")
     for r in rows:
-        g, o, t = (r["methods"][k] for k in ("greedy", "ours", "ours_tol"))
+        g, o, n, t = (r["methods"][k] for k in ("greedy", "ours", "ours_node", "ours_tol"))
         quality.add_row(
             str(r["R"]), f"{r['dist'][:4]}/{r['hot_shift']:g}", f"{r['maxvio']:.2f}", f"{o['lower_bound']:,}",
             f"{g['moved_tokens']:,}", f"{o['moved_tokens']:,}", f"{o['moved_tokens'] / max(g['moved_tokens'], 1):.3f}",
-            str(g["copies"]), str(o["copies"]), f"{o['copies'] / max(g['copies'], 1):.3f}", str(t["copies"]),
+            str(g["copies"]), str(o["copies"]), f"{o['copies'] / max(g['copies'], 1):.3f}", str(n["copies"]),
+            str(t["copies"]),
             *(f"{r['plan_ms'][k]:.2f}" for k in ("greedy", "ours", "ours_tol")),
         )
     console.print(quality)
