@@ -32,12 +32,17 @@ TOLERANCE = 0.05
 
 
 def median_ms(fn, repeats: int) -> float:
+    """Median wall time of `fn` in ms, single-threaded: the planner is a latency-bound chain of small
+    ops, where intra-op threads only add contention (the machine is shared)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     fn()  # warm-up
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
+    torch.set_num_threads(threads)
     return 1e3 * statistics.median(times)
 
 

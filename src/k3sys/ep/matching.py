@@ -46,14 +46,18 @@ class _Side:
             heapq.heappop(self.heap)
 
     def exact(self, a: int, other_than: int = -1) -> int | None:
-        ids = self.by_amount.get(a, set()) - {other_than}
-        return min(ids) if ids else None
+        ids = self.by_amount.get(a)
+        if not ids or ids == {other_than}:
+            return None
+        return min(ids) if other_than not in ids else min(j for j in ids if j != other_than)
 
     def pair(self, total: int) -> tuple[tuple[int, int], tuple[int, int]] | None:
         """Two ids whose amounts sum to `total` (the first found in a fixed order), or None."""
+        by_amount = self.by_amount
         for i, a in self.now.items():
-            if a < total and (j := self.exact(total - a, other_than=i)) is not None:
-                return (i, a), (j, total - a)
+            ids = by_amount.get(total - a)
+            if ids and ids != {i}:
+                return (i, a), (self.exact(total - a, other_than=i), total - a)
         return None
 
     def set(self, i: int, a: int) -> None:
