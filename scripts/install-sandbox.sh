@@ -1,0 +1,102 @@
+#!/usr/bin/env bash
+# System pieces for k3sys.sandbox (idempotent; a cached re-run takes well under a second):
+#   - Debian packages: runc, busybox-static, debootstrap, and CRIU's build dependencies;
+#   - CRIU 4.1.x built from Debian trixie's source (bookworm's 3.17 fails on recent kernels' vDSO),
+#     with our patch for Linux >= 6.16 (patches/criu-4.1-inet-passcred.patch), installed into
+#     $K3SYS_SYSTEM_DIR/bin/criu, plus the wrapper runc is pointed at with `runc --criu`;
+#   - the `busybox` template (the `debian` one is built by the runtime on first use).
+# Everything lands under K3SYS_SYSTEM_DIR (default /opt/k3sys); the system's apt sources are untouched
+# (trixie's source index goes to a private apt state directory).
+set -euo pipefail
+
+PREFIX=${K3SYS_SYSTEM_DIR:-/opt/k3sys}
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+PATCH="$ROOT/scripts/patches/criu-4.1-inet-passcred.patch"
+CRIU_SERIES=4.1
+
+log() { echo "[install-sandbox] $*"; }
+
+if [ "$(id -u)" != 0 ]; then
+    log "not root: skipping (sandboxes need root; their tests skip with that reason)"
+    exit 0
+fi
+if [ "$(uname -s)" != Linux ] || ! command -v apt-get >/dev/null; then
+    log "not a Debian-like Linux: skipping (install runc, busybox-static and CRIU >= $CRIU_SERIES by hand)"
+    exit 0
+fi
+
+# --- Debian packages ---------------------------------------------------------------------------
+PKGS=(runc busybox-static debootstrap
+      gcc make pkg-config libbsd-dev libcap-dev libgnutls28-dev libnet1-dev libnl-3-dev
+      libprotobuf-c-dev libprotobuf-dev protobuf-c-compiler protobuf-compiler uuid-dev)
+missing=()
+for p in "${PKGS[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+    log "apt-get install ${missing[*]}"
+    apt-get update -q >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+# --- CRIU --------------------------------------------------------------------------------------
+# The stamp holds what the binary was built from; a changed patch or script rebuilds it.
+want=$(cat "$PATCH" "$0" | sha256sum | cut -c1-16)
+stamp="$PREFIX/stamps/criu"
+if [ ! -x "$PREFIX/bin/criu" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+    build="$PREFIX/build"
+    apt_dir="$build/apt"
+    mkdir -p "$apt_dir/lists/partial" "$apt_dir/cache/archives/partial" "$PREFIX/bin" "$PREFIX/stamps"
+    # Reuse the Debian mirror the machine already uses; deb-src for trixie in a private source list.
+    mirror=$(grep -hoE '(https?://[^ ]+/debian)/?( |$)' /etc/apt/sources.list.d/*.sources \
+             /etc/apt/sources.list.d/*.list /etc/apt/sources.list 2>/dev/null | head -n1 | tr -d ' ' || true)
+    mirror=${mirror%/}
+    mirror=${mirror:-http://deb.debian.org/debian}
+    echo "deb-src [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] $mirror trixie main" \
+        > "$apt_dir/sources.list"
+    apt_opts=(-o "Dir::Etc::SourceList=$apt_dir/sources.list" -o Dir::Etc::SourceParts=/dev/null -o APT::Sandbox::User=root
+              -o "Dir::State::Lists=$apt_dir/lists" -o "Dir::Cache=$apt_dir/cache")
+    log "fetching CRIU source index (trixie) from $mirror"
+    apt-get "${apt_opts[@]}" update -q >/dev/null
+    src=$(apt-cache "${apt_opts[@]}" showsrc criu)
+    dir=$(awk '/^Directory:/ {print $2; exit}' <<<"$src")
+    # Only the upstream tarball: we build with make and apply our own patch, not Debian's packaging.
+    # Its SHA-256 comes from the signed Sources index, so apt-helper verifies what it downloads.
+    read -r sha orig < <(awk '/^Checksums-Sha256:/ {f=1; next} /^[^ ]/ {f=0} f && $3 ~ /\.orig\.tar/ {print $1, $3; exit}' <<<"$src")
+    version=${orig#criu_}; version=${version%.orig.tar*}
+    case "$version" in
+        "$CRIU_SERIES".*|"$CRIU_SERIES") ;;
+        *) log "trixie has CRIU $version, this script expects $CRIU_SERIES.x: update it and the patch"; exit 1 ;;
+    esac
+    log "downloading $orig"
+    /usr/lib/apt/apt-helper "${apt_opts[@]}" download-file "$mirror/$dir/$orig" "$build/$orig" "SHA256:$sha" >/dev/null
+    rm -rf "$build/criu-$version"
+    tar -xf "$build/$orig" -C "$build"
+    log "building CRIU $version (make -j$(nproc) criu)"
+    patch -d "$build/criu-$version" -p1 --forward --quiet < "$PATCH"
+    make -C "$build/criu-$version" -j"$(nproc)" criu >"$build/criu-build.log" 2>&1 \
+        || { tail -n 30 "$build/criu-build.log"; exit 1; }
+    install -m 0755 "$build/criu-$version/criu/criu" "$PREFIX/bin/criu.new"
+    mv -f "$PREFIX/bin/criu.new" "$PREFIX/bin/criu"
+    rm -rf "$build/criu-$version"
+    echo "$want" > "$stamp"
+    log "installed $("$PREFIX/bin/criu" --version | head -n1) into $PREFIX/bin/criu"
+fi
+
+# runc talks to CRIU through `criu swrk`; the wrapper adds what runc cannot pass: no network lock
+# (it needs iptables, absent here; sandboxes have loopback only, so nothing outside can race the dump).
+wrapper="$PREFIX/bin/criu-runc"
+body="#!/bin/sh
+exec $PREFIX/bin/criu --network-lock skip \"\$@\""
+if [ "$(cat "$wrapper" 2>/dev/null)" != "$body" ]; then
+    printf '%s\n' "$body" > "$wrapper.new" && chmod 0755 "$wrapper.new" && mv -f "$wrapper.new" "$wrapper"
+fi
+
+# --- templates ---------------------------------------------------------------------------------
+# The runtime builds templates on first use; prebuild the small default one when the project's
+# Python is at hand (the Makefile creates it before running this script).
+py="$ROOT/.venv/bin/python"
+if [ -x "$py" ] && [ ! -e "$PREFIX/templates/busybox/rootfs" ]; then
+    K3SYS_SYSTEM_DIR="$PREFIX" PYTHONPATH="$ROOT/src" "$py" -m k3sys.sandbox.templates busybox
+fi
+exit 0
