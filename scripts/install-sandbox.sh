@@ -2,8 +2,9 @@
 # System pieces for k3sys.sandbox (idempotent; a cached re-run takes well under a second):
 #   - Debian packages: runc, busybox-static, debootstrap, and CRIU's build dependencies;
 #   - CRIU 4.1.x built from Debian trixie's source (bookworm's 3.17 fails on recent kernels' vDSO),
-#     with our patch for Linux >= 6.16 (patches/criu-4.1-inet-passcred.patch), installed into
-#     $K3SYS_SYSTEM_DIR/bin/criu, plus the wrapper runc is pointed at with `runc --criu`;
+#     with our patches (scripts/patches: tolerate Linux >= 6.16's SO_PASSCRED refusal on inet sockets;
+#     skip the conntrack walk for empty network namespaces), installed into $K3SYS_SYSTEM_DIR/bin/criu,
+#     plus the wrapper runc is pointed at with `runc --criu`;
 #   - the `busybox` template (the `debian` one is built by the runtime on first use).
 # Everything lands under K3SYS_SYSTEM_DIR (default /opt/k3sys); the system's apt sources are untouched
 # (trixie's source index goes to a private apt state directory).
@@ -11,8 +12,11 @@ set -euo pipefail
 
 PREFIX=${K3SYS_SYSTEM_DIR:-/opt/k3sys}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
-PATCH="$ROOT/scripts/patches/criu-4.1-inet-passcred.patch"
+PATCHES=("$ROOT"/scripts/patches/criu-4.1-*.patch)
 CRIU_SERIES=4.1
+# CRIU caches what it learns about the kernel (20 ms per run here) only in a tmpfs directory, and
+# /run is not tmpfs on every host; /dev/shm is. The runtime re-creates it (root, 0700) after a reboot.
+KDAT_DIR=/dev/shm/k3sys-criu
 
 log() { echo "[install-sandbox] $*"; }
 
@@ -41,7 +45,7 @@ fi
 
 # --- CRIU --------------------------------------------------------------------------------------
 # The stamp holds what the binary was built from; a changed patch or script rebuilds it.
-want=$(cat "$PATCH" "$0" | sha256sum | cut -c1-16)
+want=$(cat "${PATCHES[@]}" "$0" | sha256sum | cut -c1-16)
 stamp="$PREFIX/stamps/criu"
 if [ ! -x "$PREFIX/bin/criu" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     build="$PREFIX/build"
@@ -73,8 +77,10 @@ if [ ! -x "$PREFIX/bin/criu" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; 
     rm -rf "$build/criu-$version"
     tar -xf "$build/$orig" -C "$build"
     log "building CRIU $version (make -j$(nproc) criu)"
-    patch -d "$build/criu-$version" -p1 --forward --quiet < "$PATCH"
-    make -C "$build/criu-$version" -j"$(nproc)" criu >"$build/criu-build.log" 2>&1 \
+    for p in "${PATCHES[@]}"; do
+        patch -d "$build/criu-$version" -p1 --forward --quiet < "$p"
+    done
+    make -C "$build/criu-$version" -j"$(nproc)" RUNDIR="$KDAT_DIR" criu >"$build/criu-build.log" 2>&1 \
         || { tail -n 30 "$build/criu-build.log"; exit 1; }
     install -m 0755 "$build/criu-$version/criu/criu" "$PREFIX/bin/criu.new"
     mv -f "$PREFIX/bin/criu.new" "$PREFIX/bin/criu"
@@ -91,6 +97,8 @@ exec $PREFIX/bin/criu --network-lock skip \"\$@\""
 if [ "$(cat "$wrapper" 2>/dev/null)" != "$body" ]; then
     printf '%s\n' "$body" > "$wrapper.new" && chmod 0755 "$wrapper.new" && mv -f "$wrapper.new" "$wrapper"
 fi
+
+install -d -m 0700 -o root -g root "$KDAT_DIR"
 
 # --- templates ---------------------------------------------------------------------------------
 # The runtime builds templates on first use; prebuild the small default one when the project's

@@ -13,7 +13,7 @@
     └── StoreError                        the checkpoint store (`k3sys.sandbox.store`)
         ├── CheckpointNotFoundError       unknown checkpoint id (also a NotFoundError)
         ├── CheckpointExistsError         commit with an id that is already taken
-        ├── TreeError                     bad input tree, destination or entry path (also a ValueError)
+        ├── StoreInputError               bad id, tree, destination or entry path (also a ValueError)
         └── CorruptStoreError             missing or damaged chunk, pack or manifest
 
 Each class has a stable `code`, so a remote client rebuilds the same exception from an error body
@@ -106,10 +106,11 @@ class CheckpointExistsError(StoreError):
     code = "checkpoint_exists"
 
 
-class TreeError(StoreError, ValueError):
-    """A tree to commit, a checkout destination or a manifest entry is not acceptable."""
+class StoreInputError(StoreError, ValueError):
+    """An argument is not acceptable: an id or tree name, a tree to commit, a checkout destination,
+    or an entry path that would leave its tree."""
 
-    code = "tree_error"
+    code = "store_input"
 
 
 class CorruptStoreError(StoreError):

@@ -1,0 +1,73 @@
+"""What a sandbox is asked to be (`SandboxSpec`) and what running a command gives back (`CommandResult`)."""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from k3sys.sandbox.errors import InvalidArgumentError
+
+_ID = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
+
+
+def check_id(what: str, value: object) -> str:
+    """`value` if it is a usable id (lowercase letters, digits, `_.-`, at most 63 characters)."""
+    if not isinstance(value, str) or not _ID.match(value):
+        raise InvalidArgumentError(f"{what}: expected 1-63 characters of [a-z0-9_.-] starting with a letter or "
+                                   f"digit, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class SandboxSpec:
+    """Resources and shape of a sandbox.
+
+    `cpu` in cores (a CFS quota), `memory_mb` in MiB (a hard cgroup limit, no swap), `pids` the most
+    tasks at once, `network` False for a private network namespace with loopback only, True to share
+    the host's; `timeout_s` the sandbox's lifetime in seconds (None: until killed).
+    """
+
+    template: str = "busybox"
+    cpu: float = 1.0
+    memory_mb: int = 512
+    pids: int = 256
+    network: bool = False
+    timeout_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.template, str) or not self.template:
+            raise InvalidArgumentError(f"template: expected a template name, got {self.template!r}")
+        if isinstance(self.cpu, bool) or not isinstance(self.cpu, int | float) or not (0.01 <= self.cpu <= 1024):
+            raise InvalidArgumentError(f"cpu: expected 0.01 <= cpu <= 1024 cores, got {self.cpu!r}")
+        if isinstance(self.memory_mb, bool) or not isinstance(self.memory_mb, int) or not (16 <= self.memory_mb <= 1 << 20):
+            raise InvalidArgumentError(f"memory_mb: expected an integer 16 <= memory_mb <= 1048576, got {self.memory_mb!r}")
+        if isinstance(self.pids, bool) or not isinstance(self.pids, int) or not (8 <= self.pids <= 1 << 22):
+            raise InvalidArgumentError(f"pids: expected an integer 8 <= pids <= 4194304, got {self.pids!r}")
+        if not isinstance(self.network, bool):
+            raise InvalidArgumentError(f"network: expected a bool, got {self.network!r}")
+        if self.timeout_s is not None and (
+            isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, int | float)
+            or not math.isfinite(self.timeout_s) or self.timeout_s <= 0
+        ):
+            raise InvalidArgumentError(f"timeout_s: expected None or a positive number of seconds, got {self.timeout_s!r}")
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> SandboxSpec:
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+
+
+@dataclass(frozen=True)
+class CommandResult:
+    """A finished command: its output (decoded as UTF-8, undecodable bytes replaced) and exit code.
+
+    `exit_code` is negative (-signal) when the command was killed by a signal.
+    """
+
+    stdout: str
+    stderr: str
+    exit_code: int
