@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from k3sys.sandbox.errors import InvalidArgumentError, PathEscapeError, SandboxFileNotFoundError, SandboxError
+from k3sys.sandbox.errors import InvalidArgumentError, PathEscapeError, SandboxError, SandboxFileNotFoundError
 
 _MAX_LINKS = 40  # as the kernel's own limit on symlinks followed in one lookup
 _KINDS = {stat.S_IFREG: "file", stat.S_IFDIR: "dir", stat.S_IFLNK: "symlink"}

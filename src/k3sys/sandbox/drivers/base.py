@@ -65,9 +65,13 @@ class Driver(Protocol):
         """Thaw a frozen sandbox."""
 
     def snapshot(self, sid: str, dirs: SandboxDirs, images: Path, fs: Path, layer: Path | None,
-                 *, stop: bool, network: bool) -> dict[str, float]:
-        """Consistent checkpoint into `images` and `fs` (new directories); the sandbox keeps running
-        unless `stop`. Returns seconds spent per phase."""
+                 *, thaw: bool, network: bool) -> dict[str, float]:
+        """Consistent checkpoint into `images` and `fs` (new directories; `layer` is the sandbox's
+        sealed lower layer, if any). The sandbox is left as it was if `thaw`, else frozen (a failed
+        snapshot always leaves it as it was). Returns seconds spent per phase."""
+
+    def kill_tree(self, pid: int) -> None:
+        """SIGKILL the process `pid` returned by `exec` and everything it started."""
 
     def destroy(self, sid: str, dirs: SandboxDirs) -> None:
         """Kill every process and release mounts and cgroups; safe on a half-created sandbox."""

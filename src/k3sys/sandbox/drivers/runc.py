@@ -5,8 +5,8 @@ Shape of a sandbox: root = overlay (sealed layer, template; own upper); own moun
 pids and CPU; Docker's default capability set minus NET_RAW; no new privileges.
 
 Choices that keep checkpoints small and fast, measured on this host (see docs/sandbox.md):
-- no tmpfs mounts in the container (`/dev` lives in the overlay; masked directories are read-only
-  binds of an empty directory): CRIU archives every tmpfs with tar + gzip on each dump;
+- as few tmpfs mounts as possible (`/dev` lives in the overlay, /sys/firmware is masked by a bind):
+  CRIU archives every tmpfs with tar + gzip on each dump;
 - the private network namespace is dumped as empty (`--empty-ns network`): it only ever holds `lo`,
   which a prestart hook brings up again after a restore (runc does not save network setup);
 - pause and resume write the freezer cgroup directly instead of spawning runc (the same kernel
@@ -15,6 +15,7 @@ Choices that keep checkpoints small and fast, measured on this host (see docs/sa
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -30,9 +31,11 @@ from k3sys.sandbox.system import SystemPaths, system_paths
 
 _CAPS = ["CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FSETID", "CAP_FOWNER", "CAP_MKNOD", "CAP_SETGID", "CAP_SETUID",
          "CAP_SETFCAP", "CAP_SETPCAP", "CAP_NET_BIND_SERVICE", "CAP_SYS_CHROOT", "CAP_KILL", "CAP_AUDIT_WRITE"]
-_MASKED_FILES = ["/proc/kcore", "/proc/keys", "/proc/latency_stats", "/proc/timer_list", "/proc/timer_stats",
-                 "/proc/sched_debug"]
-_MASKED_DIRS = ["/proc/acpi", "/proc/scsi", "/sys/firmware"]
+# Masked by runc (a file gets /dev/null, a directory an empty read-only tmpfs: runc allows nothing
+# else inside /proc). /sys/firmware is masked with a bind instead, which CRIU need not archive.
+_MASKED = ["/proc/acpi", "/proc/scsi", "/proc/kcore", "/proc/keys", "/proc/latency_stats", "/proc/timer_list",
+           "/proc/timer_stats", "/proc/sched_debug"]
+_MASKED_BY_BIND = ["/sys/firmware"]
 _READONLY = ["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger"]
 _PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # PID 1 of every sandbox: drop the host-side stdio runc hands it (CRIU cannot dump host files), then
@@ -110,7 +113,7 @@ class RuncDriver:
             {"destination": "/sys", "type": "sysfs", "source": "sysfs", "options": ["nosuid", "noexec", "nodev", "ro"]},
         ] + [
             {"destination": d, "type": "bind", "source": str(self.empty), "options": ["rbind", "ro", "nosuid", "nodev"]}
-            for d in _MASKED_DIRS if os.path.isdir(d)
+            for d in _MASKED_BY_BIND if os.path.isdir(d)
         ]
         if spec.network:  # the host's resolver configuration, read-only
             mounts.append({"destination": "/etc/resolv.conf", "type": "bind", "source": "/etc/resolv.conf",
@@ -142,7 +145,7 @@ class RuncDriver:
                 },
                 "cgroupsPath": f"/k3sys-{sid}",
                 "namespaces": namespaces,
-                "maskedPaths": _MASKED_FILES,
+                "maskedPaths": _MASKED,
                 "readonlyPaths": _READONLY,
             },
         }
@@ -200,7 +203,7 @@ class RuncDriver:
         self._set_frozen(sid, False)
 
     def snapshot(self, sid: str, dirs: SandboxDirs, images: Path, fs: Path, layer: Path | None,
-                 *, stop: bool, network: bool) -> dict[str, float]:
+                 *, thaw: bool, network: bool) -> dict[str, float]:
         t: dict[str, float] = {}
         t0 = time.perf_counter()
         was_frozen = self._freezer_frozen(sid)
@@ -211,13 +214,13 @@ class RuncDriver:
         t["freeze"] = time.perf_counter() - t0
         work = dirs.logs / "dump"
         work.mkdir(parents=True, exist_ok=True)
-        images.mkdir(parents=True, exist_ok=True)
-        args = ["--criu", str(self.system.criu_wrapper), "checkpoint", "--image-path", str(images),
-                "--work-path", str(work), "--tcp-established", "--file-locks"]
-        if not stop:
-            args.append("--leave-running")
+        images.mkdir(parents=True)
+        # Always --leave-running: a hibernating sandbox is killed only once its checkpoint is durable.
+        args = ["--criu", str(self.system.criu_wrapper), "checkpoint", "--leave-running", "--image-path",
+                str(images), "--work-path", str(work), "--tcp-established", "--file-locks"]
         if not network:
             args += ["--empty-ns", "network"]
+        ok = False
         try:
             t1 = time.perf_counter()
             self._run([*args, sid], log=work / "dump.log")
@@ -225,19 +228,29 @@ class RuncDriver:
             t1 = time.perf_counter()
             layers.seal(dirs.upper, fs, layer)
             t["seal"] = time.perf_counter() - t1
+            ok = True
         finally:
-            if not was_frozen and self.status(sid) == "paused":
+            if not was_frozen and (thaw or not ok):
                 t1 = time.perf_counter()
                 self.resume(sid)
                 t["thaw"] = time.perf_counter() - t1
         return t
 
     def destroy(self, sid: str, dirs: SandboxDirs) -> None:
-        if self.status(sid) != "missing":
+        if (self.runc_root / sid).exists():
             # `delete --force` kills and thaws a frozen container, then removes its cgroups and state.
             self._run(["delete", "--force", sid], timeout=60)
         self._remove_cgroups(sid)
         layers.unmount(dirs.rootfs)
+
+    def kill_tree(self, pid: int) -> None:
+        for _ in range(3):  # again, for children forked while we were killing
+            victims = descendants(pid)
+            for p in victims:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p, signal.SIGKILL)
+            if len(victims) <= 1 and not _alive(pid):
+                break
 
     def status(self, sid: str) -> str:
         state = self.runc_root / sid / "state.json"
@@ -313,15 +326,11 @@ class RuncDriver:
         dirs = self._cgroup_dirs(sid)
         for d in dirs:
             for pid in (d / "cgroup.procs").read_text().split():
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.kill(int(pid), signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
         if dirs:
-            try:
+            with contextlib.suppress(DriverError):
                 self._set_frozen(sid, False)
-            except DriverError:
-                pass
         for d in dirs:
             deadline = time.monotonic() + 5
             while True:
@@ -348,10 +357,8 @@ class RuncDriver:
             if ppid in stale and cmd.startswith(criu):
                 stale.add(pid)
         for pid in stale:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         for target in sorted(_mounts_matching("/.criu.cgyard."), key=len, reverse=True):
             layers.unmount(Path(target))
             try:
@@ -388,6 +395,14 @@ def descendants(pid: int) -> list[int]:
         out.append(p)
         todo += children.get(p, [])
     return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
 
 
 def _mounts_matching(fragment: str) -> list[str]:
