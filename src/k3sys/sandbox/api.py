@@ -14,6 +14,7 @@ as an HTTP client, passed as `runtime=`. The facade itself holds nothing but the
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -276,10 +277,8 @@ class Sandbox:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        try:
+        with contextlib.suppress(NotFoundError):
             self.kill()
-        except NotFoundError:
-            pass
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Sandbox) and other.id == self.id and other._rt is self._rt

@@ -159,8 +159,9 @@ class SandboxFS:
             base = "/" + "/".join(_parts(path))
             for name in sorted(os.listdir(fd)):
                 st = os.stat(name, dir_fd=fd, follow_symlinks=False)
-                out.append(EntryInfo(name, (base.rstrip("/") + "/" + name), _KINDS.get(stat.S_IFMT(st.st_mode), "other"),
-                                     st.st_size, stat.S_IMODE(st.st_mode), st.st_mtime))
+                kind = _KINDS.get(stat.S_IFMT(st.st_mode), "other")
+                out.append(EntryInfo(name, base.rstrip("/") + "/" + name, kind, st.st_size, stat.S_IMODE(st.st_mode),
+                                     st.st_mtime))
             return out
         finally:
             os.close(fd)

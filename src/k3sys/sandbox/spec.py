@@ -20,6 +20,13 @@ def check_id(what: str, value: object) -> str:
     return value
 
 
+def _check_number(name: str, value: object, lo: float, hi: float, unit: str, integer: bool = False) -> None:
+    kinds = int if integer else int | float
+    if isinstance(value, bool) or not isinstance(value, kinds) or not math.isfinite(value) or not lo <= value <= hi:
+        what = "an integer" if integer else "a number"
+        raise InvalidArgumentError(f"{name}: expected {what} in [{lo:g}, {hi:g}] {unit}, got {value!r}")
+
+
 @dataclass(frozen=True)
 class SandboxSpec:
     """Resources and shape of a sandbox.
@@ -39,19 +46,13 @@ class SandboxSpec:
     def __post_init__(self) -> None:
         if not isinstance(self.template, str) or not self.template:
             raise InvalidArgumentError(f"template: expected a template name, got {self.template!r}")
-        if isinstance(self.cpu, bool) or not isinstance(self.cpu, int | float) or not (0.01 <= self.cpu <= 1024):
-            raise InvalidArgumentError(f"cpu: expected 0.01 <= cpu <= 1024 cores, got {self.cpu!r}")
-        if isinstance(self.memory_mb, bool) or not isinstance(self.memory_mb, int) or not (16 <= self.memory_mb <= 1 << 20):
-            raise InvalidArgumentError(f"memory_mb: expected an integer 16 <= memory_mb <= 1048576, got {self.memory_mb!r}")
-        if isinstance(self.pids, bool) or not isinstance(self.pids, int) or not (8 <= self.pids <= 1 << 22):
-            raise InvalidArgumentError(f"pids: expected an integer 8 <= pids <= 4194304, got {self.pids!r}")
+        _check_number("cpu", self.cpu, 0.01, 1024, "cores")
+        _check_number("memory_mb", self.memory_mb, 16, 1 << 20, "MiB", integer=True)
+        _check_number("pids", self.pids, 8, 1 << 22, "tasks", integer=True)
         if not isinstance(self.network, bool):
             raise InvalidArgumentError(f"network: expected a bool, got {self.network!r}")
-        if self.timeout_s is not None and (
-            isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, int | float)
-            or not math.isfinite(self.timeout_s) or self.timeout_s <= 0
-        ):
-            raise InvalidArgumentError(f"timeout_s: expected None or a positive number of seconds, got {self.timeout_s!r}")
+        if self.timeout_s is not None:
+            _check_number("timeout_s", self.timeout_s, 1e-3, 1e9, "seconds (or None)")
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -55,7 +55,8 @@ class Driver(Protocol):
     def restore(self, sid: str, dirs: SandboxDirs, spec: SandboxSpec, lowers: list[Path], images: Path) -> None:
         """Start a sandbox from process images over `lowers` (the sealed layer first) with an empty upper."""
 
-    def exec(self, sid: str, argv: list[str], cwd: str, env: dict[str, str], stdin: bool) -> tuple[subprocess.Popen, int]:
+    def exec(self, sid: str, argv: list[str], cwd: str, env: dict[str, str],
+             stdin: bool) -> tuple[subprocess.Popen, int]:
         """Start `argv` in the sandbox with piped stdio; returns the process and the host pid of `argv`."""
 
     def pause(self, sid: str) -> None:

@@ -175,7 +175,8 @@ class RuncDriver:
         if self._freezer_frozen(sid):
             self.resume(sid)
 
-    def exec(self, sid: str, argv: list[str], cwd: str, env: dict[str, str], stdin: bool) -> tuple[subprocess.Popen, int]:
+    def exec(self, sid: str, argv: list[str], cwd: str, env: dict[str, str],
+             stdin: bool) -> tuple[subprocess.Popen, int]:
         pid_file = self.runc_root / f".exec-{sid}-{os.getpid()}-{time.monotonic_ns()}.pid"
         args = [self.runc, "--root", str(self.runc_root), "exec", "--pid-file", str(pid_file), "--cwd", cwd]
         for k, v in env.items():
@@ -361,10 +362,8 @@ class RuncDriver:
                 os.kill(pid, signal.SIGKILL)
         for target in sorted(_mounts_matching("/.criu.cgyard."), key=len, reverse=True):
             layers.unmount(Path(target))
-            try:
+            with contextlib.suppress(OSError):
                 os.rmdir(target)
-            except OSError:
-                pass
 
 
 def _process_table() -> dict[int, tuple[int, str]]:
