@@ -57,8 +57,8 @@ def write_all(fd: int, *data: Buffer) -> None:
 class PackWriter:
     """Appends chunks to a new pack under `tmp_path`; `finish` makes it durable at `final_path`.
 
-    `add` only queues a chunk run; `then(fn, x)` writes what is queued and calls `fn(x)` once it is
-    written (to recycle the buffer the runs came from). Small batches are written right away, in
+    `add` only queues a chunk run; `flush` writes what is queued, and `then(fn, x)` also calls
+    `fn(x)` once it is written (to recycle the buffer the runs came from). Small batches are written right away, in
     one `writev`; from the first batch of `ASYNC_BYTES` on (a large new file), the writes move to a
     background thread, so hashing the next window overlaps copying this one into the page cache,
     and that thread flushes every `SYNC_EVERY` bytes so the final fsync finds little left to do.
@@ -98,7 +98,7 @@ class PackWriter:
 
     def then(self, fn: Callable[[Any], object], arg: Any) -> None:
         """Write the queued chunks, then call `fn(arg)` (on the writer thread, if one is running)."""
-        self._flush()
+        self.flush()
         if self._thread is None:
             fn(arg)
         else:
@@ -106,7 +106,7 @@ class PackWriter:
 
     def finish(self) -> None:
         """Write the rest, the index and footer, fsync, and rename the pack into place (durably)."""
-        self._flush()
+        self.flush()
         self._drain()
         if self._error is not None:
             raise self._error
@@ -129,7 +129,8 @@ class PackWriter:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.tmp_path)
 
-    def _flush(self) -> None:
+    def flush(self) -> None:
+        """Write (or hand to the writer thread) the chunks queued so far."""
         batch, self._batch, n, self._batch_bytes = self._batch, [], self._batch_bytes, 0
         if not batch:
             return

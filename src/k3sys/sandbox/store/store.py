@@ -306,6 +306,42 @@ class Store:
                 problems += [f"{label} offset {off}: chunk {d.hex()} does not match its data" for d, off in bad]
             return problems
 
+    def compact(self, min_live: float = 0.5) -> dict[str, int]:
+        """Rewrite the still-referenced chunks of packs less than `min_live` full into one new pack.
+
+        Deleting old checkpoints of a long chain leaves packs mostly dead but kept alive by a few
+        pages; this bounds that waste. Holds the lock exclusively. Returns counts and bytes freed.
+        """
+        with self._flock(exclusive=True), self._mu:
+            self._refresh()
+            self._settle()
+            refs, where = self._refs, self._where
+            victims: dict[int, list[tuple[bytes, int, int]]] = {}
+            for no, p in self._packs.items():
+                live = [(d, off, n) for d, off, n in p.rows if d in refs and where[d] == no << _OFFSET_BITS | off]
+                if live and sum(n for _, _, n in live) < min_live * p.data_end:
+                    victims[no] = live
+            if not victims:
+                return {"packs": 0, "bytes": 0}
+            name = f"{time.time_ns():016x}-{secrets.token_hex(4)}.pack"
+            writer = PackWriter(os.path.join(self._tdir, name), os.path.join(self._pdir, name))
+            try:
+                for no, live in victims.items():
+                    with open(self._packs[no].path, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mm:
+                        for d, off, n in live:
+                            writer.add([d], mm[off : off + n], PAGE if n == PAGE else n)
+                    writer.flush()  # one old pack's worth at a time: memory stays bounded
+                writer.finish()
+            finally:
+                writer.abort()
+            self._index_pack(name, writer.rows, writer.offset, os.path.getsize(writer.final_path))
+            # The old copies sort first and stay indexed until their packs go; then the new ones take over.
+            before = sum(self._packs[no].size for no in victims)
+            for no in victims:
+                os.unlink(self._unindex_pack(no).path)
+            fsync_dir(self._pdir)
+            return {"packs": len(victims), "bytes": before - os.path.getsize(writer.final_path)}
+
     def stats(self) -> dict[str, int]:
         """Sizes in bytes and counts: on disk (packs + manifests), logical, unique chunk data."""
         with self._mu:
@@ -496,6 +532,8 @@ class Store:
             path = os.path.join(self._pdir, name)
             try:
                 rows, data_end = read_index(path)
+            except FileNotFoundError:  # removed by another process since we listed it
+                continue
             except (CorruptStoreError, OSError) as e:
                 self._broken[name] = str(e)
                 continue
@@ -510,6 +548,8 @@ class Store:
             try:
                 with open(os.path.join(self._mdir, f"{id}.mf"), "rb") as f:
                     m = decode(f.read(), f"manifests/{id}.mf")
+            except FileNotFoundError:
+                continue
             except (CorruptStoreError, OSError) as e:
                 self._broken[f"{id}.mf"] = str(e)
                 continue
