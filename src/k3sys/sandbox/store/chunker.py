@@ -4,8 +4,10 @@ CRIU page images (`pages-<n>.img`) hold a process's memory page after page, so t
 `PAGE` (4 KiB): dirtying a few pages changes only those chunks, and whole-page insertions keep the
 others aligned. Every other file is cut at fixed `BLOCK` (64 KiB) offsets: CRIU's other images are a
 few KiB (one chunk each) and an overlay upper layer changes by whole new files, appends and in-place
-writes, which fixed offsets dedup as well as content-defined cuts would, without a rolling hash
-over every byte (a Python-speed pass that would cost more than the BLAKE3 hashing itself).
+writes, which fixed offsets dedup as well as content-defined cuts would. Content-defined cuts pay
+only for insertions into the middle of large files, and need a rolling hash over every byte: even
+vectorised in numpy (a windowed sum of per-byte random values) that measured ~0.5 s per 64 MiB
+here, against ~13 ms to BLAKE3 the same bytes in 64 KiB blocks.
 
 A second checkpoint of a sandbox rewrites its whole memory image, almost all of it unchanged.
 Hashing 16k pages one BLAKE3 call each costs ~2 us per page of interpreter overhead (~33 ms per 64

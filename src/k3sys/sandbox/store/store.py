@@ -12,12 +12,12 @@ fsyncs the directory, then writes the manifest to `tmp/`, fsyncs it and links it
 (and fsyncs that directory). A manifest is therefore visible only once every chunk it names is
 durable, and a crash at any point leaves earlier checkpoints intact and at worst a pack no manifest
 references (or a temp file), which `gc()` removes and `verify()` reports. Nothing else is stored:
-the chunk index (digest -> pack, offset, length) and the reference counts are rebuilt in memory
-from the pack indexes and manifests when the store opens, so they can never disagree with the disk.
+the chunk index (digest -> pack, offset) and the reference counts are rebuilt in memory from the
+pack indexes and manifests when the store opens, so they can never disagree with the disk.
 
 Concurrency: `fcntl.flock` on `LOCK`, taken on a fresh file descriptor per call, so it excludes
-threads of one process as well as other processes: commit and checkout hold it shared, delete,
-gc and verify exclusive (they remove or judge data that a commit in flight may be relying on). The
+threads of one process as well as other processes: commit and checkout hold it shared; delete,
+gc, compact and verify exclusive (they move, remove or judge data a commit in flight may rely on). The
 in-memory index and counts are updated under a thread lock; hashing, comparing and file I/O run
 outside it. Dictionary reads outside the lock are single, GIL-atomic lookups, and a chunk found
 in the index cannot disappear while the shared lock is held. Another process's commits and deletes
@@ -149,9 +149,7 @@ class Store:
                     raise CheckpointExistsError(f"checkpoint {id!r} already exists")
                 base = self._manifests.get(parent) if parent is not None else None
             scanned = {name: tree.scan(Path(path)) for name, path in trees.items()}
-            # Names sort by creation time: the oldest copy of a chunk is the indexed one.
-            pack_name = f"{time.time_ns():016x}-{secrets.token_hex(4)}.pack"
-            writer = PackWriter(os.path.join(self._tdir, pack_name), os.path.join(self._pdir, pack_name))
+            pack_name, writer = self._new_pack()
             fresh: set[bytes] = set()  # digests written to this pack
             with self._mu:  # read buffers are reused across commits: fresh memory costs page faults
                 ring = self._rings.pop() if self._rings else chunker.BufferRing()
@@ -173,20 +171,7 @@ class Store:
                 _crash_point("after-pack")
                 m = Manifest(id, parent, time.time(), sum(e.size for es in out.values() for e in es),
                              sum(n for _, _, n in writer.rows), meta, out)
-                fd = os.open(tmp_manifest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-                try:
-                    write_all(fd, encode(m))
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-                _crash_point("before-manifest")
-                with self._mu:
-                    try:
-                        os.link(tmp_manifest, os.path.join(self._mdir, f"{id}.mf"))
-                    except FileExistsError as e:  # another process took the id after our check
-                        raise CheckpointExistsError(f"checkpoint {id!r} already exists") from e
-                    self._add_manifest(m)
-                fsync_dir(self._mdir)
+                self._publish_manifest(m, tmp_manifest)
                 return m
             finally:
                 writer.abort()
@@ -323,8 +308,7 @@ class Store:
                     victims[no] = live
             if not victims:
                 return {"packs": 0, "bytes": 0}
-            name = f"{time.time_ns():016x}-{secrets.token_hex(4)}.pack"
-            writer = PackWriter(os.path.join(self._tdir, name), os.path.join(self._pdir, name))
+            name, writer = self._new_pack()
             try:
                 for no, live in victims.items():
                     with open(self._packs[no].path, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mm:
@@ -407,6 +391,28 @@ class Store:
             last = i
         if run:
             writer.add(run, buf[first * cs : (last + 1) * cs], cs)
+
+    def _new_pack(self) -> tuple[str, PackWriter]:
+        # Names sort by creation time, so the oldest copy of a chunk is the indexed one.
+        name = f"{time.time_ns():016x}-{secrets.token_hex(4)}.pack"
+        return name, PackWriter(os.path.join(self._tdir, name), os.path.join(self._pdir, name))
+
+    def _publish_manifest(self, m: Manifest, tmp: str) -> None:
+        """Write `m` durably to `tmp`, then link it into place (no-clobber: the id may have been taken)."""
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        try:
+            write_all(fd, encode(m))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        _crash_point("before-manifest")
+        with self._mu:
+            try:
+                os.link(tmp, os.path.join(self._mdir, f"{m.id}.mf"))
+            except FileExistsError as e:  # another process took the id after our check
+                raise CheckpointExistsError(f"checkpoint {m.id!r} already exists") from e
+            self._add_manifest(m)
+        fsync_dir(self._mdir)
 
     def _publish_pack(self, writer: PackWriter, name: str) -> None:
         """Make the pack durable and index its chunks (after which other commits may dedup against it)."""
