@@ -41,10 +41,6 @@ _PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # PID 1 of every sandbox: drop the host-side stdio runc hands it (CRIU cannot dump host files), then
 # sleep forever; the shell's wait loop also reaps orphans re-parented to it.
 _INIT = "exec </dev/null >/dev/null 2>&1; trap 'exit 0' TERM; while :; do sleep 86400 & wait $!; done"
-# Prestart hook (runs on the host, container state JSON on stdin): bring loopback up in the sandbox's
-# network namespace. Needed after a restore; harmless after a create, where runc already did it.
-_LO_UP = ("pid=$(sed -n 's/.*\"pid\": *\\([0-9]*\\).*/\\1/p'); "
-          "exec nsenter -t \"$pid\" -n /bin/busybox ip link set lo up")
 
 
 def _criu_seconds(log: Path) -> float:
@@ -76,6 +72,8 @@ class RuncDriver:
         if reason:
             raise DriverError(reason)
         self.runc = self.system.runc
+        # runc runs CRIU as `criu swrk` with no way to pass options; CRIU reads them from this file.
+        self._env = {**os.environ, "CRIU_CONFIG_FILE": str(self.system.criu_config)}
         self.runc_root = state_dir / "runc"
         self.runc_root.mkdir(parents=True, exist_ok=True)
         self.empty = state_dir / "empty"
@@ -89,7 +87,8 @@ class RuncDriver:
         """Run `runc <args>`; DriverError with runc's message (and CRIU's log tail, if any) on failure."""
         cmd = [self.runc, "--root", str(self.runc_root), *args]
         try:
-            p = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout)
+            p = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout,
+                               env=self._env)
         except subprocess.TimeoutExpired as e:
             raise DriverError(f"runc {args[0]} timed out after {timeout} s") from e
         if p.returncode != 0:
@@ -105,7 +104,7 @@ class RuncDriver:
         err = dirs.logs / "runc.err"
         with open(os.devnull, "r+b") as null, open(err, "wb") as errf:
             p = subprocess.run([self.runc, "--root", str(self.runc_root), *args], stdin=null, stdout=null,
-                               stderr=errf, cwd=dirs.bundle, timeout=120)
+                               stderr=errf, cwd=dirs.bundle, timeout=120, env=self._env)
         if p.returncode != 0:
             detail = _tail(err)
             if log is not None and log.exists():
@@ -143,7 +142,8 @@ class RuncDriver:
             # Constant on purpose: a fork keeps its source's UTS namespace, so an id here would lie.
             "hostname": "sandbox",
             "mounts": mounts,
-            "hooks": {"prestart": [{"path": "/bin/sh", "args": ["sh", "-c", _LO_UP]}]} if not spec.network else {},
+            # Brings loopback up: needed after a restore, harmless after a create (runc did it).
+            "hooks": {"prestart": [{"path": str(self.system.lo_up)}]} if not spec.network else {},
             "linux": {
                 "resources": {
                     "devices": [{"allow": False, "access": "rwm"}],
@@ -182,7 +182,7 @@ class RuncDriver:
                 "--tcp-established", "--file-locks"]
         if not spec.network:
             args += ["--empty-ns", "network"]
-        self._detached(["--criu", str(self.system.criu_wrapper), *args, sid], dirs, log=work / "restore.log")
+        self._detached(["--criu", str(self.system.criu), *args, sid], dirs, log=work / "restore.log")
         t["runc+criu"] = time.perf_counter() - t1
         t["criu"] = _criu_seconds(work / "restore.log")
         # A checkpoint taken while frozen restores frozen (CRIU keeps the freezer state).
@@ -232,7 +232,7 @@ class RuncDriver:
         work.mkdir(parents=True, exist_ok=True)
         images.mkdir(parents=True)
         # Always --leave-running: a hibernating sandbox is killed only once its checkpoint is durable.
-        args = ["--criu", str(self.system.criu_wrapper), "checkpoint", "--leave-running", "--image-path",
+        args = ["--criu", str(self.system.criu), "checkpoint", "--leave-running", "--image-path",
                 str(images), "--work-path", str(work), "--tcp-established", "--file-locks"]
         if not network:
             args += ["--empty-ns", "network"]
