@@ -277,6 +277,11 @@ def report(rec: Recorder, console: Console) -> dict:
         where = ", ".join(f"{k} {v:.0f}" for k, v in phases.items() if k not in ("total",) and v >= 0.5)
         table.add_row(label, f"{ours:.1f}", f"{target}" if target else "", f"{ours / target:.2f}" if target else "",
                       kimi, agentenv, e2b, where)
+    for op, label in (("checkpoint_64mib", "checkpoint, 64 MiB: sandbox frozen for"),
+                      ("incremental_checkpoint", "2nd checkpoint: sandbox frozen for")):
+        frozen = rec.phase_medians(op).get("frozen") if op in rec.runs else None
+        if frozen is not None:
+            table.add_row(label, f"{frozen:.1f}", "", "", "", "", "", "freeze -> CRIU dump -> seal upper -> thaw")
     console.print(table)
     console.print(f"2nd checkpoint after dirtying 1 MiB of 64: bytes_new / bytes_total = {ratio:.2%} (target <= 5%)")
     if mem:

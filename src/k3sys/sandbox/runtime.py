@@ -119,7 +119,7 @@ class Runtime:
     """Sandboxes of one runtime directory; see the module docstring. Use one per directory."""
 
     def __init__(self, root: Path | str | None = None, driver: Driver | None = None) -> None:
-        self.root = Path(root) if root is not None else default_root()
+        self.root = (Path(root) if root is not None else default_root()).resolve()
         for d in ("sandboxes", "layers", "tmp"):
             (self.root / d).mkdir(parents=True, exist_ok=True)
         self._lock_file = open(self.root / "runtime.lock", "a+")  # noqa: SIM115 (held for our lifetime)

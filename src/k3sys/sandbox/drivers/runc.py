@@ -74,6 +74,7 @@ class RuncDriver:
         self.runc = self.system.runc
         # runc runs CRIU as `criu swrk` with no way to pass options; CRIU reads them from this file.
         self._env = {**os.environ, "CRIU_CONFIG_FILE": str(self.system.criu_config)}
+        self.state_dir = state_dir.resolve()
         self.runc_root = state_dir / "runc"
         self.runc_root.mkdir(parents=True, exist_ok=True)
         self.empty = state_dir / "empty"
@@ -251,6 +252,7 @@ class RuncDriver:
                 t1 = time.perf_counter()
                 self.resume(sid)
                 t["thaw"] = time.perf_counter() - t1
+                t["frozen"] = time.perf_counter() - t0  # how long the sandbox's processes stood still
         return t
 
     def destroy(self, sid: str, dirs: SandboxDirs) -> None:
@@ -397,7 +399,10 @@ class RuncDriver:
         for pid in stale:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-        for target in sorted(_mounts_matching("/.criu.cgyard."), key=len, reverse=True):
+        # Only yards under our own directory (CRIU makes them in its work directory): another
+        # runtime's CRIU may be restoring right now, and its yard is not ours to take away.
+        mine = [m for m in _mounts_matching("/.criu.cgyard.") if m.startswith(f"{self.state_dir}/")]
+        for target in sorted(mine, key=len, reverse=True):
             layers.unmount(Path(target))
             with contextlib.suppress(OSError):
                 os.rmdir(target)
