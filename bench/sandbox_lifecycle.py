@@ -299,17 +299,18 @@ def plot(rec: Recorder, path: Path) -> None:
 
     ops = [op for op in ("checkpoint_64mib", "incremental_checkpoint", "hibernate", "resume_hibernated",
                          "resume_hibernated_idle", "restore", "restore_from_tmpfs_images") if op in rec.runs]
-    phases = ["freeze", "criu", "runc", "seal", "store", "mount", "other"]
+    phases = ["freeze", "criu", "runc", "seal", "store", "mount", "stop", "other"]
     data = {p: [] for p in phases}
     for op in ops:
         m = rec.phase_medians(op)
         runc = max(0.0, m.get("runc+criu", 0.0) - m.get("criu", 0.0))
         known = {"freeze": m.get("freeze", 0.0), "criu": m.get("criu", 0.0), "runc": runc,
-                 "seal": m.get("seal", 0.0), "store": m.get("store", 0.0), "mount": m.get("mount", 0.0)}
+                 "seal": m.get("seal", 0.0), "store": m.get("store", 0.0), "mount": m.get("mount", 0.0),
+                 "stop": m.get("stop", 0.0)}
         known["other"] = max(0.0, rec.median(op) - sum(known.values()))
         for p in phases:
             data[p].append(known[p])
-    fig, ax = plt.subplots(figsize=(9, 4.5))
+    fig, ax = plt.subplots(figsize=(10, 4.5))
     left = [0.0] * len(ops)
     for p in phases:
         ax.barh(ops, data[p], left=left, label=p)
@@ -320,7 +321,7 @@ def plot(rec: Recorder, path: Path) -> None:
     ax.text(49, len(ops) - 0.4, " K3 resume 49 ms", fontsize=8)
     ax.set_xlabel("median ms")
     ax.set_title("Where the time goes: runc vs CRIU vs store")
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
