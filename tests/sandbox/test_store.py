@@ -14,7 +14,6 @@ import threading
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 from blake3 import blake3
 
@@ -30,7 +29,7 @@ from k3sys.sandbox.store import (
     StoreError,
     StoreInputError,
 )
-from k3sys.sandbox.store.manifest import encode
+from k3sys.sandbox.store.manifest import decode, encode
 
 PAGE = 4096
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (chown, mknod, trusted.* xattrs)")
@@ -564,7 +563,9 @@ def test_manifest_encoding_round_trip():
     e = Entry("a/b", "file", 0o640, 1, 2, 3, size=5, chunk_size=PAGE, chunks=bytes(range(32)),
               xattrs=(("user.x", b"\x00\xff"),))
     m = Manifest("id", "p", 1.5, 5, 5, {"k": [1, "v"]}, {"t": (Entry(".", "dir", 0o755, 0, 0, 0), e)})
-    from k3sys.sandbox.store.manifest import decode
-
-    assert decode(encode(m)) == m
-    assert np.frombuffer(encode(m)[-32:], np.uint8).size == 32
+    data = encode(m)
+    assert decode(data) == m
+    damaged = bytearray(data)
+    damaged[len(data) // 2] ^= 1
+    with pytest.raises(CorruptStoreError, match="checksum mismatch"):
+        decode(bytes(damaged), "x.mf")
