@@ -174,6 +174,19 @@ def test_round_trip_sizes(store: Store, tmp_path: Path, shm: Path, size: int, na
     assert store.verify() == []
 
 
+def test_zero_chunks_come_back_as_holes(store: Store, tmp_path: Path, shm: Path):
+    pages = rand(PAGE, 1) + bytes(100 * PAGE) + rand(PAGE, 2) + bytes(50 * PAGE)  # ends in a hole
+    blob = bytes(3 << 16) + b"end"
+    write(tmp_path / "t/pages-1.img", pages)
+    write(tmp_path / "t/blob.bin", blob)
+    m = store.commit({"t": tmp_path / "t"})
+    assert m.bytes_new == 3 * PAGE + (1 << 16) + 3  # one zero page, one zero block, the rest
+    store.checkout(m.id, {"t": shm / "out"})
+    assert (shm / "out/pages-1.img").read_bytes() == pages and (shm / "out/blob.bin").read_bytes() == blob
+    assert os.stat(shm / "out/pages-1.img").st_blocks * 512 <= 2 * PAGE  # only the two data pages
+    assert os.stat(shm / "out/blob.bin").st_blocks * 512 <= PAGE
+
+
 # ------------------------------------------------------------------ dedup and the page diff
 
 

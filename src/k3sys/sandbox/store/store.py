@@ -437,7 +437,10 @@ class Store:
             return self._packs[no].pages()
 
     def _fill(self, fd: int, e: Entry, fds: dict[int, int], where: str) -> None:
-        """Write file entry `e`'s bytes to `fd`: one in-kernel copy per run of chunks adjacent in a pack."""
+        """Write file entry `e`'s bytes to `fd`: one in-kernel copy per run of chunks adjacent in a pack.
+
+        All-zero chunks become holes (a sparse file: no tmpfs memory, no copy), as in the source.
+        """
         if not e.size:
             return
         pack, off = self._locate(e.chunks)
@@ -447,11 +450,16 @@ class Store:
                                     f"missing ({lost.size} of {pack.size})")
         n = np.full(pack.size, e.chunk_size, np.int64)
         n[-1] = e.size - (pack.size - 1) * e.chunk_size
-        # Runs of chunks that lie back to back in one pack are copied with one sendfile each.
-        cut = np.flatnonzero((pack[1:] != pack[:-1]) | (off[1:] != off[:-1] + n[:-1])) + 1
-        ends = np.r_[cut, pack.size]
-        sizes = np.add.reduceat(n, np.r_[0, cut])
-        for p, start, size in zip(pack[ends - 1].tolist(), off[np.r_[0, cut]].tolist(), sizes.tolist(), strict=True):
+        zero = (chunker.as_rows(e.chunks) == chunker.zero_digest(e.chunk_size)).all(axis=1) & (n == e.chunk_size)
+        # Runs of chunks back to back in one pack are copied with one sendfile each; runs of zeros skipped.
+        cut = np.flatnonzero((pack[1:] != pack[:-1]) | (off[1:] != off[:-1] + n[:-1]) | (zero[1:] != zero[:-1])) + 1
+        starts = np.r_[0, cut]
+        runs = zip(pack[starts].tolist(), off[starts].tolist(), np.add.reduceat(n, starts).tolist(),
+                   zero[starts].tolist(), strict=True)
+        for p, start, size, hole in runs:
+            if hole:
+                os.lseek(fd, size, os.SEEK_CUR)
+                continue
             src = fds.get(p)
             if src is None:
                 with self._mu:
@@ -461,8 +469,7 @@ class Store:
                 if not sent:
                     raise CorruptStoreError(f"checkpoint {where} file {e.path!r}: a pack is truncated at {start}")
                 start, size = start + sent, size - sent
-        if os.lseek(fd, 0, os.SEEK_CUR) != e.size:
-            raise CorruptStoreError(f"checkpoint {where} file {e.path!r}: rebuilt size differs from {e.size}")
+        os.ftruncate(fd, e.size)  # a trailing hole has no bytes written to size the file
 
     # ---------------------------------------------------------------- index bookkeeping (under self._mu)
 
