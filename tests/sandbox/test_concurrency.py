@@ -16,7 +16,8 @@ COUNTER = ("sh -c 'exec 3>/tmp/log; i=0; while :; do i=$((i+1)); echo $i >&3; sl
            ">/dev/null 2>&1 &")
 
 
-def run_threads(fns) -> list[BaseException]:
+def run_threads(fns) -> None:
+    """Run each function in its own thread; re-raise the first error any of them raised."""
     errors: list[BaseException] = []
 
     def wrap(fn):
@@ -30,7 +31,8 @@ def run_threads(fns) -> list[BaseException]:
         t.start()
     for t in threads:
         t.join()
-    return errors
+    if errors:
+        raise errors[0]
 
 
 def test_racing_operations_on_one_sandbox(sbx):
@@ -58,7 +60,7 @@ def test_racing_operations_on_one_sandbox(sbx):
             except InvalidStateError as e:  # refused while another thread has it paused: fine
                 assert "paused" in str(e) or "checkpointing" in str(e)
 
-    assert run_threads([checkpoints, pauses, users]) == []
+    run_threads([checkpoints, pauses, users])
     assert sbx.state == "running"
     # A chain, not a tangle: each checkpoint's parent is the one before it.
     assert [c.parent for c in cks[1:]] == [c.id for c in cks[:-1]]
@@ -80,6 +82,6 @@ def test_sandboxes_in_parallel_threads(rt):
             with Sandbox.restore(ck) as r:
                 assert r.commands.run("cat /id").stdout == s.id
 
-    assert run_threads([life] * 4) == []
+    run_threads([life] * 4)
     assert len(set(made)) == 4
     assert not set(made) & {s.id for s in Sandbox.list(runtime=rt)}

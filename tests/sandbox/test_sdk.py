@@ -111,9 +111,10 @@ def test_pause_refuses_commands_and_files_then_resume(sbx):
 
 
 def test_paused_sandbox_gets_no_cpu(sbx):
-    sbx.commands.run("sh -c 'while :; do echo $(( $(cat /tmp/n 2>/dev/null || echo 0) + 1 )) > /tmp/n; done' "
+    # Busy counter, published by rename so a reader never sees a half-written file.
+    sbx.commands.run("sh -c 'i=0; while :; do i=$((i+1)); echo $i > /tmp/n.new; mv /tmp/n.new /tmp/n; done' "
                      ">/dev/null 2>&1 &")
-    time.sleep(0.3)
+    assert sbx.commands.run("for i in $(seq 200); do test -e /tmp/n && exit 0; sleep 0.05; done; exit 1").exit_code == 0
     sbx.pause()
     time.sleep(0.3)
     # Read the counter through the host's view of the file system: unchanged while frozen.

@@ -51,6 +51,16 @@ def _criu_seconds(log: Path) -> float:
         return float("nan")
 
 
+def _log_excerpt(path: Path) -> str:
+    """CRIU's error lines and the last lines of its log, for an error message."""
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    errors = [line for line in lines if "Error (" in line]
+    return "\n".join(errors[:10] + ["..."] + lines[-5:])
+
+
 def _tail(path: Path, n: int = 2000) -> str:
     try:
         with open(path, "rb") as f:
@@ -95,7 +105,7 @@ class RuncDriver:
         if p.returncode != 0:
             detail = (p.stderr or p.stdout).strip()
             if log is not None and log.exists():
-                detail += f"\n--- {log.name} (tail) ---\n" + _tail(log)
+                detail += f"\n--- {log} ---\n" + _log_excerpt(log)
             raise DriverError(f"runc {args[0]} failed ({p.returncode}): {detail}")
         return p
 
@@ -109,7 +119,7 @@ class RuncDriver:
         if p.returncode != 0:
             detail = _tail(err)
             if log is not None and log.exists():
-                detail += f"\n--- {log.name} (tail) ---\n" + _tail(log)
+                detail += f"\n--- {log} ---\n" + _log_excerpt(log)
             raise DriverError(f"runc {args[0]} failed ({p.returncode}): {detail.strip()}")
 
     def _config(self, sid: str, spec: SandboxSpec) -> dict:
@@ -323,8 +333,9 @@ class RuncDriver:
                 deadline = time.monotonic() + 10
                 while path.read_text().strip() != "FROZEN":
                     if time.monotonic() > deadline:
+                        stuck = _task_states(path.with_name("cgroup.procs"))
                         path.write_text("THAWED")
-                        raise DriverError(f"sandbox {sid}: processes did not freeze within 10 s")
+                        raise DriverError(f"sandbox {sid}: processes did not freeze within 10 s: {stuck}")
                     time.sleep(0.0002)
                     path.write_text("FROZEN")
             elif not self._cgroup_v1:
@@ -436,6 +447,20 @@ def descendants(pid: int) -> list[int]:
         out.append(p)
         todo += children.get(p, [])
     return out
+
+
+def _task_states(procs: Path) -> str:
+    """`pid:state:wchan cmd` of every task listed in a cgroup's `cgroup.procs` (for error messages)."""
+    out = []
+    for pid in procs.read_text().split():
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            wchan = Path(f"/proc/{pid}/wchan").read_text()
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")[:60].decode(errors="replace")
+        except OSError:
+            continue
+        out.append(f"{pid}:{state}:{wchan} {cmd.strip()}")
+    return "; ".join(out)
 
 
 def _alive(pid: int) -> bool:
