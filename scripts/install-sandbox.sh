@@ -118,6 +118,7 @@ install -d -m 0700 -o root -g root "$KDAT_DIR"
 # Python is at hand (the Makefile creates it before running this script).
 py="$ROOT/.venv/bin/python"
 if [ -x "$py" ] && [ ! -e "$PREFIX/templates/busybox/rootfs" ]; then
-    K3SYS_SYSTEM_DIR="$PREFIX" PYTHONPATH="$ROOT/src" "$py" -m k3sys.sandbox.templates busybox
+    K3SYS_SYSTEM_DIR="$PREFIX" PYTHONPATH="$ROOT/src" "$py" -c \
+        "from k3sys.sandbox.templates import main; main(['busybox'])"
 fi
 exit 0
