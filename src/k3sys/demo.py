@@ -16,6 +16,7 @@ from rich.table import Table
 # Order is the tour's order; each module owns its part.
 PARTS: list[tuple[str, str]] = [
     ("KDA", "k3sys.kda.demo"),
+    ("Sandbox", "k3sys.sandbox.demo"),
 ]
 
 

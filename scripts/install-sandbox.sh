@@ -1,0 +1,124 @@
+#!/usr/bin/env bash
+# System pieces for k3sys.sandbox (idempotent; a cached re-run takes well under a second):
+#   - Debian packages: runc, busybox-static, debootstrap, and CRIU's build dependencies;
+#   - CRIU 4.1.x built from Debian trixie's source (bookworm's 3.17 fails on recent kernels' vDSO),
+#     with our patches (scripts/sandbox/patches: tolerate Linux >= 6.16's SO_PASSCRED refusal on inet
+#     sockets; skip the conntrack walk for empty network namespaces), installed into
+#     $K3SYS_SYSTEM_DIR/bin/criu, plus the configuration the driver hands it (etc/criu.conf);
+#   - bin/k3sys-lo-up, the prestart hook that brings loopback up in restored sandboxes;
+#   - the `busybox` template (the `debian` one is built by the runtime on first use).
+# Everything lands under K3SYS_SYSTEM_DIR (default /opt/k3sys); the system's apt sources are untouched
+# (trixie's source index goes to a private apt state directory).
+set -euo pipefail
+
+PREFIX=${K3SYS_SYSTEM_DIR:-/opt/k3sys}
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+PATCHES=("$ROOT"/scripts/sandbox/patches/criu-4.1-*.patch)
+LO_UP_SRC="$ROOT/scripts/sandbox/k3sys-lo-up.c"
+CRIU_SERIES=4.1
+# CRIU caches what it learns about the kernel (20 ms per run here) only in a tmpfs directory, and
+# /run is not tmpfs on every host; /dev/shm is. The runtime re-creates it (root, 0700) after a reboot.
+KDAT_DIR=/dev/shm/k3sys-criu
+
+log() { echo "[install-sandbox] $*"; }
+
+if [ "$(id -u)" != 0 ]; then
+    log "not root: skipping (sandboxes need root; their tests skip with that reason)"
+    exit 0
+fi
+if [ "$(uname -s)" != Linux ] || ! command -v apt-get >/dev/null; then
+    log "not a Debian-like Linux: skipping (install runc, busybox-static and CRIU >= $CRIU_SERIES by hand)"
+    exit 0
+fi
+
+# --- Debian packages ---------------------------------------------------------------------------
+PKGS=(runc busybox-static debootstrap
+      gcc make pkg-config libbsd-dev libcap-dev libnet1-dev libnl-3-dev
+      libprotobuf-c-dev libprotobuf-dev protobuf-c-compiler protobuf-compiler uuid-dev)
+missing=()
+for p in "${PKGS[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+    log "apt-get install ${missing[*]}"
+    apt-get update -q >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+# --- CRIU --------------------------------------------------------------------------------------
+# The stamp holds what the binary was built from; a changed patch or build setting rebuilds it.
+want=$({ cat "${PATCHES[@]}"; echo "series=$CRIU_SERIES rundir=$KDAT_DIR no_gnutls"; } | sha256sum | cut -c1-16)
+stamp="$PREFIX/stamps/criu"
+if [ ! -x "$PREFIX/bin/criu" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+    build="$PREFIX/build"
+    apt_dir="$build/apt"
+    mkdir -p "$apt_dir/lists/partial" "$apt_dir/cache/archives/partial" "$PREFIX/bin" "$PREFIX/stamps"
+    # Reuse the Debian mirror the machine already uses; deb-src for trixie in a private source list.
+    mirror=$(grep -hoE '(https?://[^ ]+/debian)/?( |$)' /etc/apt/sources.list.d/*.sources \
+             /etc/apt/sources.list.d/*.list /etc/apt/sources.list 2>/dev/null | head -n1 | tr -d ' ' || true)
+    mirror=${mirror%/}
+    mirror=${mirror:-http://deb.debian.org/debian}
+    echo "deb-src [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] $mirror trixie main" \
+        > "$apt_dir/sources.list"
+    apt_opts=(-o "Dir::Etc::SourceList=$apt_dir/sources.list" -o Dir::Etc::SourceParts=/dev/null -o APT::Sandbox::User=root
+              -o "Dir::State::Lists=$apt_dir/lists" -o "Dir::Cache=$apt_dir/cache")
+    log "fetching CRIU source index (trixie) from $mirror"
+    apt-get "${apt_opts[@]}" update -q >/dev/null
+    src=$(apt-cache "${apt_opts[@]}" showsrc criu)
+    dir=$(awk '/^Directory:/ {print $2; exit}' <<<"$src")
+    # Only the upstream tarball: we build with make and apply our own patch, not Debian's packaging.
+    # Its SHA-256 comes from the signed Sources index, so apt-helper verifies what it downloads.
+    read -r sha orig < <(awk '/^Checksums-Sha256:/ {f=1; next} /^[^ ]/ {f=0} f && $3 ~ /\.orig\.tar/ {print $1, $3; exit}' <<<"$src")
+    version=${orig#criu_}; version=${version%.orig.tar*}
+    case "$version" in
+        "$CRIU_SERIES".*|"$CRIU_SERIES") ;;
+        *) log "trixie has CRIU $version, this script expects $CRIU_SERIES.x: update it and the patch"; exit 1 ;;
+    esac
+    log "downloading $orig"
+    /usr/lib/apt/apt-helper "${apt_opts[@]}" download-file "$mirror/$dir/$orig" "$build/$orig" "SHA256:$sha" >/dev/null
+    rm -rf "$build/criu-$version"
+    tar -xf "$build/$orig" -C "$build"
+    log "building CRIU $version (make -j$(nproc) criu)"
+    for p in "${PATCHES[@]}"; do
+        patch -d "$build/criu-$version" -p1 --forward --quiet < "$p"
+    done
+    # NO_GNUTLS: TLS is only for remote page servers; without it CRIU loads 9 shared libraries
+    # fewer, ~1 ms off each of the two CRIU starts per checkpoint or restore.
+    make -C "$build/criu-$version" -j"$(nproc)" RUNDIR="$KDAT_DIR" NO_GNUTLS=1 criu >"$build/criu-build.log" 2>&1 \
+        || { tail -n 30 "$build/criu-build.log"; exit 1; }
+    install -m 0755 "$build/criu-$version/criu/criu" "$PREFIX/bin/criu.new"
+    mv -f "$PREFIX/bin/criu.new" "$PREFIX/bin/criu"
+    rm -rf "$build/criu-$version"
+    echo "$want" > "$stamp"
+    log "installed $("$PREFIX/bin/criu" --version | head -n1) into $PREFIX/bin/criu"
+fi
+
+# runc starts CRIU as `criu swrk` and cannot pass it options; CRIU reads them from the file named by
+# CRIU_CONFIG_FILE, which the driver sets. No network lock: it needs iptables (absent here), and a
+# sandbox's namespace holds loopback only, whose traffic stops with the frozen sandbox.
+mkdir -p "$PREFIX/etc"
+conf="network-lock skip"
+if [ "$(cat "$PREFIX/etc/criu.conf" 2>/dev/null)" != "$conf" ]; then
+    printf '%s\n' "$conf" > "$PREFIX/etc/criu.conf.new" && mv -f "$PREFIX/etc/criu.conf.new" "$PREFIX/etc/criu.conf"
+fi
+
+# --- prestart hook -----------------------------------------------------------------------------
+want=$(sha256sum < "$LO_UP_SRC" | cut -c1-16)
+if [ ! -x "$PREFIX/bin/k3sys-lo-up" ] || [ "$(cat "$PREFIX/stamps/lo-up" 2>/dev/null)" != "$want" ]; then
+    gcc -O2 -static -Wall -o "$PREFIX/bin/k3sys-lo-up.new" "$LO_UP_SRC"
+    mv -f "$PREFIX/bin/k3sys-lo-up.new" "$PREFIX/bin/k3sys-lo-up"
+    echo "$want" > "$PREFIX/stamps/lo-up"
+    log "built $PREFIX/bin/k3sys-lo-up"
+fi
+
+install -d -m 0700 -o root -g root "$KDAT_DIR"
+
+# --- templates ---------------------------------------------------------------------------------
+# The runtime builds templates on first use; prebuild the small default one when the project's
+# Python is at hand (the Makefile creates it before running this script).
+py="$ROOT/.venv/bin/python"
+if [ -x "$py" ] && [ ! -e "$PREFIX/templates/busybox/rootfs" ]; then
+    K3SYS_SYSTEM_DIR="$PREFIX" PYTHONPATH="$ROOT/src" "$py" -c \
+        "from k3sys.sandbox.templates import main; main(['busybox'])"
+fi
+exit 0

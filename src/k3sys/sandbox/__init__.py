@@ -1,0 +1,59 @@
+"""Agent sandboxes with a managed life cycle (AgentENV-style): create, exec, files, pause, resume,
+incremental checkpoint, fork, hibernate, restore. Imports no torch.
+
+- `Sandbox`, `Checkpoint` (api.py): the SDK facade; `Runtime` (runtime.py): the embedded runtime
+  behind it, over a driver (drivers/runc.py: runc + CRIU + overlayfs).
+- `k3sys.sandbox.store`: the content-addressed chunk store behind incremental checkpoints.
+- `k3sys.sandbox.errors`: the exception tree (`SandboxError` and subclasses).
+"""
+
+from k3sys.sandbox.api import Backend, Checkpoint, CommandHandle, Sandbox, default_runtime
+from k3sys.sandbox.errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CommandTimeoutError,
+    CorruptStoreError,
+    DriverError,
+    InvalidArgumentError,
+    InvalidStateError,
+    NotFoundError,
+    PathEscapeError,
+    RuntimeLockedError,
+    SandboxError,
+    SandboxFileNotFoundError,
+    StoreError,
+    StoreInputError,
+    UnknownTemplateError,
+)
+from k3sys.sandbox.runtime import CheckpointInfo, Runtime, SandboxInfo
+from k3sys.sandbox.sandboxfs import EntryInfo
+from k3sys.sandbox.spec import CommandResult, SandboxSpec
+
+__all__ = [
+    "Backend",
+    "Checkpoint",
+    "CheckpointExistsError",
+    "CheckpointInfo",
+    "CheckpointNotFoundError",
+    "CommandHandle",
+    "CommandResult",
+    "CommandTimeoutError",
+    "CorruptStoreError",
+    "DriverError",
+    "EntryInfo",
+    "InvalidArgumentError",
+    "InvalidStateError",
+    "NotFoundError",
+    "PathEscapeError",
+    "Runtime",
+    "RuntimeLockedError",
+    "Sandbox",
+    "SandboxError",
+    "SandboxFileNotFoundError",
+    "SandboxInfo",
+    "SandboxSpec",
+    "StoreError",
+    "StoreInputError",
+    "UnknownTemplateError",
+    "default_runtime",
+]

@@ -1,0 +1,89 @@
+"""What the runtime asks of an isolation driver (runc + CRIU today; a Firecracker VM later).
+
+The runtime owns ids, states, the store and persistence; a driver owns processes, mounts and
+cgroups of one sandbox at a time and knows nothing of the store. A checkpoint is two directories the
+driver fills (`images`: process state; `fs`: the sealed file system diff against the template) and
+a restore takes the same two back.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from k3sys.sandbox.spec import SandboxSpec
+
+
+@dataclass(frozen=True)
+class SandboxDirs:
+    """Per-sandbox directories under the runtime directory (`root` = `<runtime>/sandboxes/<id>`)."""
+
+    root: Path
+
+    @property
+    def bundle(self) -> Path:
+        return self.root / "bundle"
+
+    @property
+    def rootfs(self) -> Path:
+        """The merged view of the sandbox's file system, as mounted on the host."""
+        return self.root / "bundle" / "rootfs"
+
+    @property
+    def upper(self) -> Path:
+        return self.root / "upper"
+
+    @property
+    def work(self) -> Path:
+        return self.root / "work"
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+
+class Driver(Protocol):
+    """Life cycle of one sandbox's processes; every method may raise `DriverError`."""
+
+    name: str
+
+    def create(self, sid: str, dirs: SandboxDirs, spec: SandboxSpec, lowers: list[Path]) -> None:
+        """Start a fresh sandbox over `lowers` (top first) with an empty upper."""
+
+    def restore(self, sid: str, dirs: SandboxDirs, spec: SandboxSpec, lowers: list[Path],
+                images: Path) -> dict[str, float]:
+        """Start a sandbox from process images over `lowers` (the sealed layer first) with an empty
+        upper. Returns seconds spent per phase."""
+
+    def exec(self, sid: str, argv: list[str], cwd: str, env: dict[str, str],
+             stdin: bool) -> tuple[subprocess.Popen, int]:
+        """Start `argv` in the sandbox with piped stdio; returns the process and the host pid of `argv`."""
+
+    def pause(self, sid: str) -> None:
+        """Freeze every process of the sandbox (memory is kept)."""
+
+    def resume(self, sid: str) -> None:
+        """Thaw a frozen sandbox."""
+
+    def snapshot(self, sid: str, dirs: SandboxDirs, images: Path, fs: Path, layer: Path | None,
+                 *, thaw: bool, network: bool) -> dict[str, float]:
+        """Consistent checkpoint into `images` and `fs` (new directories; `layer` is the sandbox's
+        sealed lower layer, if any). The sandbox is left as it was if `thaw`, else frozen (a failed
+        snapshot always leaves it as it was). Returns seconds spent per phase."""
+
+    def kill_tree(self, pid: int) -> None:
+        """SIGKILL the process `pid` returned by `exec` and everything it started."""
+
+    def destroy(self, sid: str, dirs: SandboxDirs) -> None:
+        """Kill every process and release mounts and cgroups; safe on a half-created sandbox."""
+
+    def status(self, sid: str) -> str:
+        """"running", "paused", "stopped" or "missing"."""
+
+    def memory_bytes(self, sid: str) -> int:
+        """Memory charged to the sandbox now (0 when it has no processes)."""
+
+    def cleanup_stale(self) -> None:
+        """Release what a crashed runtime left behind (orphan helper processes, temporary mounts)."""

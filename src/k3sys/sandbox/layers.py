@@ -1,0 +1,140 @@
+"""Overlay layers: a sandbox's root is read-only lowers plus its own writable upper.
+
+Lowers, top first: at most one sealed layer (the file system of the checkpoint the sandbox was
+restored from) and the template. A sealed layer is self-contained relative to the template: `seal`
+flattens "sealed layer + upper" into one new tree, so no sandbox ever stacks more than two lowers,
+however many times it is checkpointed and restored. Overlay's own encoding is kept in sealed trees
+(a whiteout is a 0/0 character device, an opaque directory has `trusted.overlay.opaque=y`), so a
+sealed tree works directly as a lower layer and as a store tree.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import shutil
+import stat
+from pathlib import Path
+
+from k3sys.sandbox.errors import DriverError
+
+_OPAQUE = "trusted.overlay.opaque"
+_MNT_DETACH = 2
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _check(ret: int, what: str) -> None:
+    if ret != 0:
+        err = ctypes.get_errno()
+        raise DriverError(f"{what}: {os.strerror(err)}")
+
+
+def mount_overlay(lowers: list[Path], upper: Path, work: Path, target: Path) -> None:
+    """Mount `lowers` (top first) + `upper` at `target`.
+
+    redirect_dir and metacopy stay off so the upper holds plain files, whiteouts and opaque
+    directories only, which is all `seal` understands (a renamed lower directory is copied up).
+    """
+    opts = (f"lowerdir={':'.join(map(str, lowers))},upperdir={upper},workdir={work},"
+            "redirect_dir=off,metacopy=off,index=off")
+    _check(_libc.mount(b"overlay", os.fsencode(target), b"overlay", 0, opts.encode()), f"mount overlay at {target}")
+
+
+def unmount(target: Path) -> None:
+    """Unmount `target`; detach lazily if busy. A target that is not mounted is fine."""
+    if _libc.umount2(os.fsencode(target), 0) == 0:
+        return
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOENT):  # not a mount point (any more)
+        return
+    _check(_libc.umount2(os.fsencode(target), _MNT_DETACH), f"unmount {target}")
+
+
+def is_whiteout(st: os.stat_result) -> bool:
+    return stat.S_ISCHR(st.st_mode) and st.st_rdev == 0
+
+
+def _copy_meta(src: str, dst: str, st: os.stat_result) -> None:
+    """Owner, mode, xattrs (overlay's bookkeeping dropped, except opacity) and times of `src` onto `dst`."""
+    os.chown(dst, st.st_uid, st.st_gid, follow_symlinks=False)
+    if not stat.S_ISLNK(st.st_mode):
+        os.chmod(dst, stat.S_IMODE(st.st_mode))
+    for name in os.listxattr(src, follow_symlinks=False):
+        if name.startswith("trusted.overlay.") and name != _OPAQUE:
+            continue  # origin / impure markers refer to the live mount, meaningless in a sealed tree
+        os.setxattr(dst, name, os.getxattr(src, name, follow_symlinks=False), follow_symlinks=False)
+    os.utime(dst, ns=(st.st_atime_ns, st.st_mtime_ns), follow_symlinks=False)
+
+
+def _remove(path: str) -> None:
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(st.st_mode):
+        shutil.rmtree(path)
+    else:
+        os.unlink(path)
+
+
+def _copy_entry(src: str, dst: str, st: os.stat_result) -> None:
+    """Copy one non-directory entry (file, symlink, whiteout or other special file)."""
+    if stat.S_ISREG(st.st_mode):
+        shutil.copyfile(src, dst, follow_symlinks=False)
+    elif stat.S_ISLNK(st.st_mode):
+        os.symlink(os.readlink(src), dst)
+    else:
+        os.mknod(dst, st.st_mode, st.st_rdev)
+    _copy_meta(src, dst, st)
+
+
+def _link_tree(src: str, dst: str) -> None:
+    """`dst` := a copy of the immutable tree `src`: directories recreated, everything else hard-linked."""
+    os.mkdir(dst)
+    with os.scandir(src) as it:
+        for e in it:
+            if e.is_dir(follow_symlinks=False):
+                _link_tree(e.path, os.path.join(dst, e.name))
+            else:
+                os.link(e.path, os.path.join(dst, e.name), follow_symlinks=False)
+    _copy_meta(src, dst, os.lstat(src))  # after the children, which would bump its mtime
+
+
+def _apply_upper(upper: str, out: str) -> None:
+    """Overlay the live upper directory `upper` onto the sealed copy `out` (same relative path)."""
+    with os.scandir(upper) as it:
+        entries = sorted(it, key=lambda e: e.name)
+    for e in entries:
+        src, dst = e.path, os.path.join(out, e.name)
+        st = e.stat(follow_symlinks=False)
+        if stat.S_ISDIR(st.st_mode):
+            opaque = _OPAQUE in os.listxattr(src, follow_symlinks=False)
+            try:
+                keep = stat.S_ISDIR(os.lstat(dst).st_mode) and not opaque
+            except FileNotFoundError:
+                keep = False
+            if not keep:
+                _remove(dst)
+                os.mkdir(dst)
+            _apply_upper(src, dst)
+            _copy_meta(src, dst, st)
+        else:
+            # A whiteout stays a whiteout: the template below may still have this path.
+            _remove(dst)
+            _copy_entry(src, dst, st)
+
+
+def seal(upper: Path, dest: Path, layer: Path | None = None) -> None:
+    """Write the sandbox's file system diff against its template into the new directory `dest`.
+
+    `upper` is the live upper (the sandbox must be stopped or frozen); `layer`, when the sandbox
+    runs over a sealed layer, is that layer, whose files are hard-linked rather than copied (sealed
+    trees are never modified). `dest` then serves as the next sealed layer.
+    """
+    if layer is not None:
+        _link_tree(str(layer), str(dest))
+    else:
+        os.mkdir(dest)
+    _apply_upper(str(upper), str(dest))
+    _copy_meta(str(upper), str(dest), os.lstat(upper))

@@ -1,0 +1,74 @@
+"""What a sandbox is asked to be (`SandboxSpec`) and what running a command gives back (`CommandResult`)."""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from k3sys.sandbox.errors import InvalidArgumentError
+
+_ID = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
+
+
+def check_id(what: str, value: object) -> str:
+    """`value` if it is a usable id (lowercase letters, digits, `_.-`, at most 63 characters)."""
+    if not isinstance(value, str) or not _ID.match(value):
+        raise InvalidArgumentError(f"{what}: expected 1-63 characters of [a-z0-9_.-] starting with a letter or "
+                                   f"digit, got {value!r}")
+    return value
+
+
+def _check_number(name: str, value: object, lo: float, hi: float, unit: str, integer: bool = False) -> None:
+    kinds = int if integer else int | float
+    if isinstance(value, bool) or not isinstance(value, kinds) or not math.isfinite(value) or not lo <= value <= hi:
+        what = "an integer" if integer else "a number"
+        raise InvalidArgumentError(f"{name}: expected {what} in [{lo:g}, {hi:g}] {unit}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class SandboxSpec:
+    """Resources and shape of a sandbox.
+
+    `cpu` in cores (a CFS quota), `memory_mb` in MiB (a hard cgroup limit, no swap), `pids` the most
+    tasks at once, `network` False for a private network namespace with loopback only, True to share
+    the host's; `timeout_s` the sandbox's lifetime in seconds (None: until killed).
+    """
+
+    template: str = "busybox"
+    cpu: float = 1.0
+    memory_mb: int = 512
+    pids: int = 256
+    network: bool = False
+    timeout_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.template, str) or not self.template:
+            raise InvalidArgumentError(f"template: expected a template name, got {self.template!r}")
+        _check_number("cpu", self.cpu, 0.01, 1024, "cores")
+        _check_number("memory_mb", self.memory_mb, 16, 1 << 20, "MiB", integer=True)
+        _check_number("pids", self.pids, 8, 1 << 22, "tasks", integer=True)
+        if not isinstance(self.network, bool):
+            raise InvalidArgumentError(f"network: expected a bool, got {self.network!r}")
+        if self.timeout_s is not None:
+            _check_number("timeout_s", self.timeout_s, 1e-3, 1e9, "seconds (or None)")
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> SandboxSpec:
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+
+
+@dataclass(frozen=True)
+class CommandResult:
+    """A finished command: its output (decoded as UTF-8, undecodable bytes replaced) and exit code.
+
+    `exit_code` is negative (-signal) when the command was killed by a signal.
+    """
+
+    stdout: str
+    stderr: str
+    exit_code: int

@@ -1,0 +1,81 @@
+"""Where the host's sandbox pieces live and whether they are usable.
+
+`scripts/install-sandbox.sh` installs them under one system directory (`K3SYS_SYSTEM_DIR`, default
+`/opt/k3sys`): `bin/criu` (CRIU 4.1 with our patches), `etc/criu.conf` (options runc cannot pass it),
+`bin/k3sys-lo-up` (the prestart hook), `templates/<name>/rootfs`. runc comes from the distribution.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class SystemPaths:
+    """The host-wide pieces a runtime needs."""
+
+    root: Path
+
+    @property
+    def criu(self) -> Path:
+        return self.root / "bin" / "criu"
+
+    @property
+    def criu_config(self) -> Path:
+        return self.root / "etc" / "criu.conf"
+
+    @property
+    def lo_up(self) -> Path:
+        return self.root / "bin" / "k3sys-lo-up"
+
+    @property
+    def templates(self) -> Path:
+        return self.root / "templates"
+
+    @property
+    def runc(self) -> str | None:
+        return shutil.which("runc")
+
+    def missing(self) -> str | None:
+        """Why sandboxes cannot run on this host (None when they can)."""
+        if os.geteuid() != 0:
+            return "sandboxes need root (runc, overlayfs mounts, CRIU)"
+        if self.runc is None:
+            return "runc is not installed (run scripts/install-sandbox.sh)"
+        if not all(os.access(p, os.X_OK) for p in (self.criu, self.lo_up)) or not self.criu_config.exists():
+            return f"CRIU is not installed under {self.root} (run scripts/install-sandbox.sh)"
+        return None
+
+
+def system_paths() -> SystemPaths:
+    """The system directory from `K3SYS_SYSTEM_DIR` (default `/opt/k3sys`)."""
+    return SystemPaths(Path(os.environ.get("K3SYS_SYSTEM_DIR", "/opt/k3sys")))
+
+
+def debian_mirror() -> str:
+    """The Debian mirror the host's apt already uses (so template builds reach what apt reaches)."""
+    files = sorted(Path("/etc/apt/sources.list.d").glob("*.sources")) + sorted(
+        Path("/etc/apt/sources.list.d").glob("*.list")) + [Path("/etc/apt/sources.list")]
+    for f in files:
+        try:
+            words = f.read_text().split()
+        except OSError:
+            continue
+        for w in words:
+            if w.startswith(("http://", "https://")) and w.rstrip("/").endswith("/debian"):
+                return w.rstrip("/")
+    return "http://deb.debian.org/debian"
+
+
+def host_codename() -> str:
+    """The host's Debian release codename (`bookworm`), from /etc/os-release."""
+    try:
+        for line in Path("/etc/os-release").read_text().splitlines():
+            if line.startswith("VERSION_CODENAME="):
+                return line.split("=", 1)[1].strip('"') or "bookworm"
+    except OSError:
+        pass
+    return "bookworm"

@@ -1,0 +1,169 @@
+"""Processes keep their memory, open files and loopback TCP connections across pause, checkpoint,
+fork, hibernate/resume and restore."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from k3sys.sandbox import Sandbox
+
+pytestmark = pytest.mark.timeout(240)
+
+# A counter held in the shell's memory, written through a descriptor opened once: the log must read
+# 1, 2, 3, ... with no gap and no restart after any operation, which only holds if memory (i), the
+# descriptor's file offset and the file's content were all captured at the same instant.
+COUNTER = ("sh -c 'echo $$ > /tmp/counter.pid; exec 3>/tmp/log; i=0; "
+           "while :; do i=$((i+1)); echo $i >&3; sleep 0.02; done' >/dev/null 2>&1 &")
+
+
+def log_lines(s: Sandbox) -> list[int]:
+    """The counter's log ([] until the freshly started counter has created it)."""
+    if not s.files.exists("/tmp/log"):
+        return []
+    return [int(x) for x in s.files.read_text("/tmp/log").split()]
+
+
+def assert_counting(s: Sandbox, since: int = 0) -> list[int]:
+    """The log is 1..n with nothing missing, and it is still growing past `since`."""
+    deadline = time.monotonic() + 10
+    while True:
+        got = log_lines(s)
+        if got and got[-1] > since + 2:
+            break
+        assert time.monotonic() < deadline, f"counter stuck at {got[-1:]} (expected past {since})"
+        time.sleep(0.05)
+    assert got == list(range(1, len(got) + 1)), f"log has gaps or restarts: {got[:5]}...{got[-5:]}"
+    return got
+
+
+def test_counter_survives_every_operation(sbx):
+    sbx.commands.run(COUNTER)
+    n = assert_counting(sbx)[-1]
+
+    sbx.pause()
+    sbx.resume()
+    n = assert_counting(sbx, n)[-1]
+
+    ck = sbx.checkpoint()
+    at_ck = n
+    n = assert_counting(sbx, n)[-1]
+
+    kids = sbx.fork(2)
+    try:
+        for k in kids:
+            assert_counting(k, n)
+        # Forks run independently: each continues its own copy of the counter.
+        k0 = kids[0]
+        assert k0.commands.run("kill $(cat /tmp/counter.pid)").exit_code == 0
+        stopped = log_lines(k0)[-1]
+        time.sleep(0.3)
+        assert log_lines(k0)[-1] == stopped
+        assert_counting(kids[1], stopped)
+        n = assert_counting(sbx, n)[-1]
+    finally:
+        for k in kids:
+            k.kill()
+
+    sbx.hibernate()
+    sbx.resume()
+    n = assert_counting(sbx, n)[-1]
+
+    with Sandbox.restore(ck) as old:
+        got = assert_counting(old)
+        # The restored copy starts from the checkpoint, not from the source's present.
+        assert got[0] == 1 and at_ck <= got[-1]
+
+
+SERVER = """
+import socket
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("127.0.0.1", 7000))
+s.listen()
+open("/tmp/server-ready", "w").close()
+conn, _ = s.accept()
+f = conn.makefile("rw")
+total = 0
+for line in f:
+    total += int(line)
+    f.write(f"{total}\\n")
+    f.flush()
+"""
+
+# Holds one TCP connection open for its whole life; takes requests through files.
+CLIENT = """
+import os, socket, time
+c = socket.create_connection(("127.0.0.1", 7000))
+f = c.makefile("rw")
+n = 0
+while True:
+    try:
+        data = open("/tmp/req").read()
+    except FileNotFoundError:
+        data = ""
+    if not data.strip():  # absent, or caught between the host's create and write
+        time.sleep(0.005)
+        continue
+    os.unlink("/tmp/req")
+    n += 1
+    f.write(data.strip() + "\\n")
+    f.flush()
+    reply = f.readline().strip()
+    with open("/tmp/resp.tmp", "w") as out:
+        out.write(f"{n} {reply}")
+    os.rename("/tmp/resp.tmp", "/tmp/resp")
+"""
+
+
+def ask(s: Sandbox, k: int) -> tuple[int, int]:
+    """Send `k` over the client's long-lived connection; (requests so far, server's running total)."""
+    if s.files.exists("/tmp/resp"):
+        s.files.remove("/tmp/resp")
+    s.files.write("/tmp/req", str(k))
+    deadline = time.monotonic() + 10
+    while not s.files.exists("/tmp/resp"):
+        assert time.monotonic() < deadline, "no reply over the loopback connection"
+        time.sleep(0.01)
+    reply = s.files.read_text("/tmp/resp").split()
+    assert len(reply) == 2, f"connection broken: reply {reply!r}"
+    return int(reply[0]), int(reply[1])
+
+
+@pytest.mark.slow
+def test_python_processes_keep_memory_and_tcp_connection(rt, debian):
+    with Sandbox.create("debian", runtime=rt, memory_mb=512) as s:
+        s.files.write("/srv/server.py", SERVER)
+        s.files.write("/srv/client.py", CLIENT)
+        s.commands.run("python3 /srv/server.py >/dev/null 2>&1 &")
+        deadline = time.monotonic() + 10
+        while not s.files.exists("/tmp/server-ready"):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        s.commands.run("python3 /srv/client.py >/dev/null 2>&1 &")
+        assert ask(s, 5) == (1, 5)
+        established = s.commands.run("awk '$4 == \"01\"' /proc/net/tcp | wc -l").stdout
+        assert int(established) == 2  # both ends of the one connection
+
+        ck = s.checkpoint()
+        assert ask(s, 10) == (2, 15)
+
+        s.pause()
+        s.resume()
+        assert ask(s, 1) == (3, 16)
+
+        (kid,) = s.fork(1)
+        try:
+            assert ask(kid, 100) == (4, 116)
+            assert ask(s, 2) == (4, 18)  # the source did not see the fork's request
+        finally:
+            kid.kill()
+
+        s.hibernate()
+        assert s.memory_bytes() == 0
+        s.resume()
+        assert ask(s, 3) == (5, 21)
+
+        with Sandbox.restore(ck) as old:
+            assert ask(old, 7) == (2, 12)

@@ -1,0 +1,213 @@
+"""Every SDK call against real runc + CRIU sandboxes (busybox template)."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+
+import pytest
+
+import k3sys.sandbox as sandbox_pkg
+from k3sys.sandbox import (
+    Checkpoint,
+    CommandHandle,
+    CommandResult,
+    CommandTimeoutError,
+    InvalidStateError,
+    NotFoundError,
+    Sandbox,
+    SandboxFileNotFoundError,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_exports():
+    for name in sandbox_pkg.__all__:
+        assert hasattr(sandbox_pkg, name), name
+    assert {"Sandbox", "Checkpoint", "SandboxError", "Runtime"} <= set(sandbox_pkg.__all__)
+
+
+def test_run_returns_stdout_stderr_exit_code(sbx):
+    r = sbx.commands.run("echo out; echo err >&2; exit 3")
+    assert r == CommandResult("out\n", "err\n", 3)
+
+
+def test_run_cwd_env_stdin(sbx):
+    sbx.files.make_dir("/work/dir")
+    r = sbx.commands.run('pwd; echo "$GREETING"; cat', cwd="/work/dir", env={"GREETING": "hello"}, stdin="piped")
+    assert r.stdout == "/work/dir\nhello\npiped"
+    assert r.exit_code == 0
+
+
+def test_run_timeout_kills_the_command_tree(sbx):
+    t0 = time.monotonic()
+    with pytest.raises(CommandTimeoutError) as e:
+        sbx.commands.run("echo started; sleep 30 & sleep 30; echo never", timeout=0.5)
+    assert time.monotonic() - t0 < 10
+    assert e.value.stdout == "started\n"
+    # Both sleeps are gone: only the sandbox's own init loop sleeps remain.
+    ps = sbx.commands.run("ps -o args").stdout
+    assert "sleep 30" not in ps
+
+
+def test_background_command_wait_output_and_kill(sbx):
+    h = sbx.commands.run("echo a; sleep 0.2; echo b", background=True)
+    assert isinstance(h, CommandHandle)
+    r = h.wait(10)
+    assert r.stdout == "a\nb\n" and r.exit_code == 0
+
+    h = sbx.commands.run("echo begin; sleep 100", background=True)
+    deadline = time.monotonic() + 5
+    while h.output()[0] != "begin\n" and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert h.output() == ("begin\n", "")
+    assert h.running
+    h.kill()
+    r = h.wait(10)
+    assert r.exit_code != 0
+    assert "sleep 100" not in sbx.commands.run("ps -o args").stdout
+
+
+def test_background_wait_timeout(sbx):
+    h = sbx.commands.run("sleep 100", background=True)
+    with pytest.raises(CommandTimeoutError):
+        h.wait(0.3)
+    assert "sleep 100" not in sbx.commands.run("ps -o args").stdout
+
+
+def test_files_round_trip(sbx):
+    payload = bytes(range(256)) * 1000
+    assert sbx.files.write("/data/nested/blob.bin", payload) == len(payload)
+    assert sbx.files.read("/data/nested/blob.bin") == payload
+    # The sandbox's processes see the same bytes.
+    assert sbx.commands.run("md5sum /data/nested/blob.bin").stdout.split()[0] == hashlib.md5(payload).hexdigest()
+    sbx.commands.run("echo from-inside > /data/inside.txt")
+    assert sbx.files.read_text("/data/inside.txt") == "from-inside\n"
+    names = {(e.name, e.type) for e in sbx.files.list("/data")}
+    assert names == {("nested", "dir"), ("inside.txt", "file")}
+    entry = next(e for e in sbx.files.list("/data/nested"))
+    assert (entry.path, entry.size) == ("/data/nested/blob.bin", len(payload))
+    assert sbx.files.exists("/data/inside.txt")
+    sbx.files.remove("/data")
+    assert not sbx.files.exists("/data")
+    with pytest.raises(SandboxFileNotFoundError):
+        sbx.files.read("/data/inside.txt")
+    assert sbx.commands.run("test -e /data").exit_code == 1
+
+
+def test_pause_refuses_commands_and_files_then_resume(sbx):
+    sbx.pause()
+    assert sbx.state == "paused"
+    with pytest.raises(InvalidStateError, match="paused"):
+        sbx.commands.run("true")
+    with pytest.raises(InvalidStateError, match="paused"):
+        sbx.files.read("/etc/passwd")
+    with pytest.raises(InvalidStateError):
+        sbx.pause()
+    sbx.resume()
+    assert sbx.state == "running"
+    assert sbx.commands.run("echo back").stdout == "back\n"
+
+
+def test_paused_sandbox_gets_no_cpu(sbx):
+    # Busy counter, published by rename so a reader never sees a half-written file.
+    sbx.commands.run("sh -c 'i=0; while :; do i=$((i+1)); echo $i > /tmp/n.new; mv /tmp/n.new /tmp/n; done' "
+                     ">/dev/null 2>&1 &")
+    assert sbx.commands.run("for i in $(seq 200); do test -e /tmp/n && exit 0; sleep 0.05; done; exit 1").exit_code == 0
+    sbx.pause()
+    time.sleep(0.3)
+    # Read the counter through the host's view of the file system: unchanged while frozen.
+    n1 = (sbx._rt._dirs(sbx.id).rootfs / "tmp/n").read_text()
+    time.sleep(0.3)
+    n2 = (sbx._rt._dirs(sbx.id).rootfs / "tmp/n").read_text()
+    assert n1 == n2
+    sbx.resume()
+    time.sleep(0.3)
+    assert sbx.files.read_text("/tmp/n") != n2
+
+
+def test_checkpoint_fields_and_chain(sbx):
+    ck1 = sbx.checkpoint()
+    assert isinstance(ck1, Checkpoint)
+    assert ck1.parent is None and ck1.sandbox_id == sbx.id and ck1.template == "busybox"
+    assert 0 < ck1.bytes_new <= ck1.bytes_total
+    assert sbx.state == "running"
+    ck2 = sbx.checkpoint()
+    assert ck2.parent == ck1.id and ck2.created >= ck1.created
+    assert {ck1.id, ck2.id} <= {c.id for c in Checkpoint.list(runtime=sbx._rt)}
+    assert Checkpoint.get(ck2.id, runtime=sbx._rt) == ck2
+    ck1.delete()
+    with pytest.raises(NotFoundError):
+        Checkpoint.get(ck1.id, runtime=sbx._rt)
+    ck2.delete()
+
+
+def test_checkpoint_of_paused_sandbox_stays_paused(sbx):
+    sbx.pause()
+    ck = sbx.checkpoint()
+    assert sbx.state == "paused"
+    sbx.resume()
+    assert sbx.commands.run("echo ok").stdout == "ok\n"
+    with Sandbox.restore(ck) as other:  # restored from a frozen dump: running, not frozen
+        assert other.state == "running"
+        assert other.commands.run("echo ok").stdout == "ok\n"
+    ck.delete()
+
+
+def test_get_list_kill_and_context_manager(rt):
+    with Sandbox.create(runtime=rt, id="named-sandbox") as s:
+        assert Sandbox.get("named-sandbox", runtime=rt) == s
+        assert s in Sandbox.list(runtime=rt)
+        assert s.spec.template == "busybox" and s.spec.memory_mb == 512
+        assert s.memory_bytes() > 0
+    assert s not in Sandbox.list(runtime=rt)
+    with pytest.raises(NotFoundError):
+        Sandbox.get("named-sandbox", runtime=rt)
+    with pytest.raises(NotFoundError):
+        s.commands.run("true")
+    with pytest.raises(NotFoundError):
+        s.kill()
+
+
+def test_sandbox_timeout_kills_it(rt):
+    s = Sandbox.create(runtime=rt, timeout_s=1)
+    assert s.state == "running"
+    deadline = time.monotonic() + 10
+    while s in Sandbox.list(runtime=rt) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert s not in Sandbox.list(runtime=rt)
+
+
+def test_hibernate_releases_memory_and_resume_restores(sbx):
+    sbx.commands.run("echo kept > /root/state")
+    assert sbx.memory_bytes() > 0
+    ck = sbx.hibernate()
+    assert sbx.state == "hibernated"
+    assert sbx.memory_bytes() == 0
+    assert sbx.info.head == ck.id
+    with pytest.raises(InvalidStateError, match="hibernated"):
+        sbx.commands.run("true")
+    with pytest.raises(InvalidStateError):
+        sbx.pause()
+    sbx.resume()
+    assert sbx.state == "running"
+    assert sbx.files.read_text("/root/state") == "kept\n"
+    assert sbx.commands.run("cat /root/state").stdout == "kept\n"
+
+
+def test_restore_and_fork_give_new_sandboxes(sbx):
+    sbx.files.write("/root/f", "v1")
+    ck = sbx.checkpoint()
+    sbx.files.write("/root/f", "v2")
+    with Sandbox.restore(ck) as r:
+        assert r.id != sbx.id
+        assert r.files.read_text("/root/f") == "v1"
+    kids = sbx.fork(2)
+    try:
+        assert len({k.id for k in kids} | {sbx.id}) == 3
+        assert [k.files.read_text("/root/f") for k in kids] == ["v2", "v2"]
+        assert all(k.state == "running" for k in kids)
+    finally:
+        for k in kids:
+            k.kill()
