@@ -54,6 +54,20 @@ def leak_check():
     return leftovers
 
 
+@pytest.fixture
+def private_root(tmp_path):
+    """A runtime directory of the test's own; whatever the test leaves running there is killed."""
+    if MISSING:
+        pytest.skip(f"sandbox runtime unavailable: {MISSING}")
+    root = tmp_path / "rt"
+    yield root
+    if root.exists():
+        from k3sys.sandbox import Runtime
+
+        with Runtime(root) as runtime:
+            runtime.kill_all()
+
+
 @pytest.fixture(scope="session")
 def runtime_dir():
     d = Path(tempfile.mkdtemp(prefix="k3sys-rt-"))

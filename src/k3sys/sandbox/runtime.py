@@ -705,6 +705,7 @@ class Runtime:
 
     def _recover(self) -> None:
         self.driver.cleanup_stale()
+        self.store.gc()  # temp files and unreferenced packs of commits a crash interrupted
         for d in (self.root / "tmp").iterdir():
             _rmtree(d)
         _rmtree(self.scratch)
