@@ -1,10 +1,10 @@
 """The sandbox service's wire format, shared by server and client: JSON shapes and the error mapping.
 
 Every failure has one body shape, `{"error": {"type": <SandboxError.code>, "message": ...}}` (a
-command timeout adds `stdout` and `stderr`), and its type is repeated in the `k3sys-error-type`
-header so bodiless answers (HEAD) keep it. `status_of` (server: exception -> status) and `error_of`
-(client: status + body -> the exception the embedded SDK raises) are the only places that choose or
-read a status code:
+command timeout adds `stdout` and `stderr`); its type is repeated in the `k3sys-error-type` header,
+and for HEAD requests (answered without a body) the message in `k3sys-error-message`, URL-quoted.
+`status_of` (server: exception -> status) and `error_of` (client: status + body -> the exception the
+embedded SDK raises) are the only places that choose or read a status code:
 
     404 not_found, checkpoint_not_found, file_not_found      409 invalid_state, checkpoint_exists
     422 invalid_argument, unknown_template, path_escape,      413 too_large
@@ -19,6 +19,7 @@ import json
 from collections.abc import Mapping
 from dataclasses import asdict
 from typing import Any
+from urllib.parse import unquote
 
 from k3sys.sandbox.errors import (
     AuthError,
@@ -41,6 +42,7 @@ from k3sys.sandbox.sandboxfs import EntryInfo
 from k3sys.sandbox.spec import CommandResult, SandboxSpec
 
 ERROR_HEADER = "k3sys-error-type"
+ERROR_MESSAGE_HEADER = "k3sys-error-message"
 
 # Most specific class first is not needed: `status_of` walks the exception's MRO.
 _STATUS: dict[type[SandboxError], int] = {
@@ -94,8 +96,10 @@ def error_of(status: int, body: bytes, headers: Mapping[str, str] | None = None)
             err = parsed["error"]
     except ValueError:
         pass
-    code = err.get("type") or (headers or {}).get(ERROR_HEADER)
-    message = str(err.get("message") or f"HTTP {status}: {body[:300].decode(errors='replace')}")
+    headers = headers or {}
+    code = err.get("type") or headers.get(ERROR_HEADER)
+    message = str(err.get("message") or unquote(headers.get(ERROR_MESSAGE_HEADER, ""))
+                  or f"HTTP {status}: {body[:300].decode(errors='replace')}")
     exc = error_from_code(code, message) if isinstance(code, str) else SandboxError(message)
     if type(exc) is SandboxError and code != SandboxError.code:  # a type this client does not know
         exc = _BY_STATUS.get(status, SandboxError)(message)

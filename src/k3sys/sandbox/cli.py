@@ -59,7 +59,7 @@ EXEC_TIMEOUT, EXEC_FAILED = 124, 125
 app = typer.Typer(no_args_is_help=True, add_completion=False,
                   help="Agent sandboxes: create, exec, cp, pause, resume, hibernate, checkpoint, fork, restore, "
                        "kill; `serve` runs the HTTP service.")
-err = Console(stderr=True)
+err = Console(stderr=True, soft_wrap=True)  # messages stay one line in logs
 
 ApiUrl = Annotated[str | None, typer.Option("--api-url", envvar="K3SYS_API_URL",
                                             help="A sandbox service; default: the embedded runtime.")]
@@ -329,7 +329,7 @@ def serve(host: Annotated[str, typer.Option(help="Address to listen on (beyond l
           no_auth: Annotated[bool, typer.Option("--no-auth", help="No API key (loopback only).")] = False,
           log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "warning") -> None:
     """Serve the sandbox HTTP API until SIGINT/SIGTERM."""
-    from k3sys.sandbox._auth import KEY_FILE, load_or_create_key
+    from k3sys.sandbox._auth import KEY_FILE, check_bind, load_or_create_key
     from k3sys.sandbox.runtime import default_root
     from k3sys.sandbox.server import ServiceConfig
     from k3sys.sandbox.server import serve as run_server
@@ -341,9 +341,14 @@ def serve(host: Annotated[str, typer.Option(help="Address to listen on (beyond l
         config = ServiceConfig(root, key, max_sandboxes=max_sandboxes, max_body_bytes=int(max_body_mb * 2**20),
                                max_command_timeout_s=max_command_timeout, on_timeout=on_timeout,
                                on_shutdown=on_shutdown, **extra)
+        check_bind(host, key)
         where = "none" if no_auth else "$K3SYS_API_KEY" if os.environ.get("K3SYS_API_KEY") else str(root / KEY_FILE)
         err.print(f"k3sys sandbox service on http://{host}:{port} (data {root}, API key: {where})", highlight=False)
         run_server(config, host, port, log_level)
     except SandboxError as e:
         err.print(f"[red]error ({e.code}):[/] {e}", highlight=False)
         raise typer.Exit(exit_code(e)) from None
+
+
+if __name__ == "__main__":  # `python -m k3sys.sandbox.cli`: no other design's imports (tests start servers so)
+    app()

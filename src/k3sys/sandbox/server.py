@@ -50,6 +50,7 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
+from urllib.parse import quote
 
 import anyio
 import anyio.to_thread
@@ -63,7 +64,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from k3sys.sandbox import _metrics
 from k3sys.sandbox._auth import check_bind, check_key
 from k3sys.sandbox._limits import Admission, BodyLimit
-from k3sys.sandbox._wire import ERROR_HEADER, error_body, error_type_for_status, status_of
+from k3sys.sandbox._wire import ERROR_HEADER, ERROR_MESSAGE_HEADER, error_body, error_type_for_status, status_of
 from k3sys.sandbox.errors import InvalidArgumentError, SandboxError, UnavailableError
 from k3sys.sandbox.runtime import CheckpointInfo, Runtime, SandboxInfo
 from k3sys.sandbox.sandboxfs import EntryInfo
@@ -554,11 +555,18 @@ def _where(loc: tuple) -> str:
     return ".".join(named) if named and loc[0] == "body" else ".".join(str(p) for p in loc)
 
 
-def _error_response(exc: BaseException, status: int | None = None, code: str | None = None) -> JSONResponse:
+def _error_response(request: Request, exc: BaseException, status: int | None = None,
+                    code: str | None = None) -> JSONResponse:
     body = error_body(exc)
     if code is not None:
         body["error"]["type"] = code
-    return JSONResponse(body, status_code=status or status_of(exc), headers={ERROR_HEADER: body["error"]["type"]})
+    status = status or status_of(exc)
+    headers = {ERROR_HEADER: body["error"]["type"]}
+    if request.method == "HEAD":  # the body will not be sent: the message travels in a header
+        headers[ERROR_MESSAGE_HEADER] = quote(body["error"]["message"][:2000])
+    if status == 401:
+        headers["www-authenticate"] = 'Bearer realm="k3sys"'  # RFC 6750
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def create_app(config: ServiceConfig, runtime: Runtime | None = None) -> FastAPI:
@@ -587,21 +595,22 @@ def create_app(config: ServiceConfig, runtime: Runtime | None = None) -> FastAPI
 
     @app.exception_handler(SandboxError)
     async def _sandbox_error(request: Request, exc: SandboxError) -> JSONResponse:
-        return _error_response(exc)
+        return _error_response(request, exc)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         msgs = [f"{_where(e['loc'])}: {e['msg']}" + (f" (got {e['input']!r})" if e["type"] != "json_invalid" else "")
                 for e in exc.errors()]
-        return _error_response(InvalidArgumentError("; ".join(msgs)))
+        return _error_response(request, InvalidArgumentError("; ".join(msgs)))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return _error_response(SandboxError(str(exc.detail)), exc.status_code, error_type_for_status(exc.status_code))
+        return _error_response(request, SandboxError(str(exc.detail)), exc.status_code,
+                               error_type_for_status(exc.status_code))
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
-        return _error_response(exc)
+        return _error_response(request, exc)
 
     app.add_middleware(_CountRequests, counter=service.requests)
     app.add_middleware(BodyLimit, limit=config.max_body_bytes)
