@@ -16,6 +16,8 @@ import httpx
 from k3sys.sandbox import HTTPBackend
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
+# `mb` MB held by a shell in the sandbox (a loop, so the shell is not replaced by its last command).
+BALLAST = "sh -c 'x=$(head -c {mb}000000 /dev/zero | tr \"\\0\" c); while :; do sleep 1000; done' >/dev/null 2>&1 &"
 
 
 def free_port() -> int:
