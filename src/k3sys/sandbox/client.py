@@ -117,9 +117,11 @@ class HTTPBackend:
         self.api_url = api_url.rstrip("/")
         self.api_key = api_key if api_key is not None else os.environ.get("K3SYS_API_KEY")
         headers = {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        # Idle connections expire long before the server closes them (server.KEEP_ALIVE_S): a request
+        # never goes out on a connection the server is closing.
         self._http = self._client(base_url=self.api_url, headers=headers, timeout=timeout,
                                   limits=httpx.Limits(max_connections=max_connections,
-                                                      max_keepalive_connections=max_connections))
+                                                      max_keepalive_connections=max_connections, keepalive_expiry=5.0))
 
     def _client(self, **kw: Any) -> Any:
         return httpx.Client(**kw)
