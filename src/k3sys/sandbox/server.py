@@ -49,7 +49,7 @@ from urllib.parse import quote
 
 import anyio
 import anyio.to_thread
-from fastapi import APIRouter, Body, Depends, FastAPI, Query, Request, Response
+from fastapi import APIRouter, Depends, FastAPI, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.security import HTTPBearer
@@ -148,8 +148,8 @@ router = APIRouter(dependencies=[Depends(_authorize)])
 
 
 @router.post("/sandboxes", status_code=201, response_model=SandboxInfo, tags=["sandboxes"])
-async def create_sandbox(svc: Svc, body: CreateSandbox) -> Any:  # type: ignore[valid-type]
-    fields = body.model_dump()
+async def create_sandbox(svc: Svc, body: CreateSandbox | None = None) -> Any:  # type: ignore[valid-type]
+    fields = (body or CreateSandbox()).model_dump()
     sid = fields.pop("id")
     spec = SandboxSpec(**fields)
     return await svc.call("create", svc.create, spec, sid)
@@ -198,8 +198,8 @@ async def checkpoint(svc: Svc, sid: str) -> Any:
 
 
 @router.post("/sandboxes/{sid}/fork", status_code=201, response_model=Forked, tags=["life cycle"])
-async def fork(svc: Svc, sid: str, body: Annotated[Fork, Body()] = Fork()) -> Any:  # noqa: B008
-    ck, kids = await svc.call("fork", svc.fork, sid, body.count)
+async def fork(svc: Svc, sid: str, body: Fork | None = None) -> Any:
+    ck, kids = await svc.call("fork", svc.fork, sid, (body or Fork()).count)
     return {"checkpoint": ck, "sandboxes": kids}
 
 
@@ -253,8 +253,8 @@ async def command_events(svc: Svc, cid: str, poll: Annotated[float, Query(gt=0, 
 
 
 @router.post("/commands/{cid}/wait", response_model=CommandResult, tags=["commands"])
-async def wait_command(svc: Svc, cid: str, body: Annotated[Wait, Body()] = Wait()) -> Any:  # noqa: B008
-    return await svc.call("wait", svc.rt.wait_command, cid, svc.cap_timeout(body.timeout), io=True)
+async def wait_command(svc: Svc, cid: str, body: Wait | None = None) -> Any:
+    return await svc.call("wait", svc.rt.wait_command, cid, svc.cap_timeout((body or Wait()).timeout), io=True)
 
 
 @router.delete("/commands/{cid}", status_code=204, tags=["commands"])
@@ -327,7 +327,8 @@ async def get_checkpoint(svc: Svc, ck: str) -> Any:
 
 
 @router.post("/checkpoints/{ck}/restore", status_code=201, response_model=SandboxInfo, tags=["checkpoints"])
-async def restore(svc: Svc, ck: str, body: Annotated[Restore, Body()] = Restore()) -> Any:  # noqa: B008
+async def restore(svc: Svc, ck: str, body: Restore | None = None) -> Any:
+    body = body or Restore()
     return await svc.call("restore", svc.restore, ck, body.id, body.timeout_s)
 
 
