@@ -30,7 +30,7 @@ def leftovers(root: Path, ids: set[str] = frozenset()) -> list[str]:
     with open("/proc/self/mountinfo") as f:
         for line in f:
             point = line.split()[4]
-            if point.startswith(rootstr) or ".criu.cgyard." in point:
+            if point.startswith(rootstr):  # includes CRIU's `.criu.cgyard.*` under our work dirs
                 found.append(f"mount {point}")
     if (root / "runc").is_dir():
         found += [f"runc state {p.name}" for p in (root / "runc").iterdir()]

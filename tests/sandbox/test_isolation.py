@@ -102,3 +102,14 @@ def test_paths_cannot_escape_the_root(sbx):
     assert sbx.commands.run("test -f /etc/passwd").exit_code == 0
     # `..` that stays inside is fine.
     assert sbx.files.read("/etc/../etc/passwd").startswith(b"root:")
+
+
+def test_network_true_shares_the_host_network(rt):
+    host_links = len(os.listdir("/sys/class/net"))
+    with Sandbox.create(runtime=rt, network=True) as s:
+        assert int(s.commands.run("ls /sys/class/net | wc -l").stdout) == host_links
+        s.files.write("/root/x", "kept")
+        ck = s.checkpoint()
+        with Sandbox.restore(ck) as r:
+            assert r.files.read_text("/root/x") == "kept"
+            assert r.spec.network is True

@@ -124,7 +124,7 @@ class Runtime:
         if on_timeout not in ON_TIMEOUT:
             raise InvalidArgumentError(f"on_timeout: expected one of {ON_TIMEOUT}, got {on_timeout!r}")
         self.on_timeout = on_timeout
-        self.root = Path(root) if root is not None else default_root()
+        self.root = (Path(root) if root is not None else default_root()).resolve()
         for d in ("sandboxes", "layers", "tmp"):
             (self.root / d).mkdir(parents=True, exist_ok=True)
         self._lock_file = open(self.root / "runtime.lock", "a+")  # noqa: SIM115 (held for our lifetime)
@@ -145,6 +145,7 @@ class Runtime:
         self._records: dict[str, Record] = {}
         self._locks: dict[str, threading.RLock] = {}
         self._commands: dict[str, _Command] = {}
+        self._timings: dict[str, dict[str, float]] = {}  # sandbox id -> phases of its latest operation
         self._closed = threading.Event()
         self._recover()
         self._reaper = threading.Thread(target=self._reap_expired, name="k3sys-sandbox-reaper", daemon=True)
@@ -240,6 +241,7 @@ class Runtime:
             _rmtree(dirs.root)
             with self._mu:
                 self._records.pop(rec.id, None)
+                self._timings.pop(rec.id, None)
             rec.state = State.KILLED
             self._gc_layers()
 
@@ -264,6 +266,11 @@ class Runtime:
     @staticmethod
     def _info(rec: Record) -> SandboxInfo:
         return SandboxInfo(rec.id, rec.state.value, rec.spec, rec.created, rec.head, rec.reason)
+
+    def timings(self, sid: str) -> dict[str, float]:
+        """Seconds per phase of the sandbox's latest create / checkpoint / hibernate / resume / restore /
+        fork (`runc+criu`: the runc call, `criu`: CRIU's own part of it, `store`: the checkpoint store)."""
+        return dict(self._timings.get(sid, {}))
 
     def memory_bytes(self, sid: str) -> int:
         """Memory the sandbox's processes hold now, in bytes (0 unless running or paused)."""
@@ -501,6 +508,7 @@ class Runtime:
             raise
         self._set(rec, rec.state, head=ck, pending=None)
         t["total"] = time.perf_counter() - t0
+        self._timings[rec.id] = t
         return CheckpointInfo.from_manifest(m, t), images, fs
 
     def hibernate(self, sid: str) -> CheckpointInfo:
@@ -531,6 +539,7 @@ class Runtime:
             self._set(rec, State.HIBERNATED, head=ck, layer=None, prev=None, pending=None)
             self._gc_layers()
             t["total"] = time.perf_counter() - t0
+            self._timings[sid] = t
             return CheckpointInfo.from_manifest(m, t)
 
     def _wipe_upper(self, rec: Record) -> None:
@@ -561,13 +570,13 @@ class Runtime:
             self.store.checkout(ck, {"images": images})
         t["store"] = time.perf_counter() - t0
         try:
-            t1 = time.perf_counter()
-            self.driver.restore(rec.id, self._dirs(rec.id), rec.spec, [self._layer_dir(ck), template_rootfs(
-                rec.spec.template)], images)
-            t["restore"] = time.perf_counter() - t1
+            lowers = [self._layer_dir(ck), template_rootfs(rec.spec.template)]
+            t.update(self.driver.restore(rec.id, self._dirs(rec.id), rec.spec, lowers, images))
         finally:
             if own:
                 _rmtree(images)
+        t["total"] = time.perf_counter() - t0
+        self._timings[rec.id] = t
         return t
 
     def restore(self, ck: str, id: str | None = None, timeout_s: float | None = None) -> SandboxInfo:
@@ -637,6 +646,7 @@ class Runtime:
                     _rmtree(d)
             self._set(rec, rec.state, head=ck, pending=None)
             t["total"] = time.perf_counter() - t0
+            self._timings[sid] = t
             return CheckpointInfo.from_manifest(m, t), kids
 
     @staticmethod
