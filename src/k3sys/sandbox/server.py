@@ -25,9 +25,11 @@ Resources (all but /health need `Authorization: Bearer <key>`; see `_auth.py` fo
     DELETE /checkpoints/{ck}                                           -> 204
     GET    /health, /metrics (Prometheus text), /openapi.json
 
-Errors: one body shape and status table, in `_wire.py`. Every runtime call runs in a worker thread
-(two pools: life-cycle operations, and commands/files, so long commands never starve a pause or kill);
-the runtime serialises operations per sandbox. Limits (`ServiceConfig`): sandboxes and memory (429),
+Errors: one body shape and status table, in `_wire.py`. Every runtime call that can block runs in a
+worker thread (two pools: life-cycle operations, and commands/files, so long commands never starve a
+pause or kill); the runtime serialises operations per sandbox, so one slow checkpoint holds up only
+its own sandbox. Reads of the runtime's tables (list, info, command output) answer on the event loop:
+they never wait for a sandbox's lock. Limits (`ServiceConfig`): sandboxes and memory (429),
 body size (413), command timeouts (422 above the cap), shutting down (503). A sandbox past its
 `timeout_s` is hibernated (or killed) by the runtime's reaper. Stopping the service hibernates the
 sandboxes that hold memory (`on_shutdown`); the next start finds them and every checkpoint again.
