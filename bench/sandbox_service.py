@@ -100,11 +100,16 @@ def one_life(rt: Backend) -> dict[str, float]:
     return t
 
 
-def latencies(rt: Backend, repeats: int) -> dict[str, float]:
-    """Median milliseconds per call (one warm-up life first)."""
-    one_life(rt)
-    runs = [one_life(rt) for _ in range(repeats)]
-    return {op: 1e3 * statistics.median(r[op] for r in runs) for op in OPS}
+def latencies(backends: dict[str, Backend], repeats: int) -> dict[str, dict[str, float]]:
+    """Median milliseconds per call and backend; the backends take turns, so the shared machine's
+    load drifts over both alike (one warm-up life each first)."""
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in backends}
+    for i in range(repeats + 1):
+        for name, rt in backends.items():
+            t = one_life(rt)
+            if i:
+                runs[name].append(t)
+    return {name: {op: 1e3 * statistics.median(r[op] for r in rs) for op in OPS} for name, rs in runs.items()}
 
 
 def throughput(rt: Backend, load: Callable[[Sandbox], object], clients: int, seconds: float) -> float:
@@ -147,10 +152,8 @@ def main() -> None:
     remote = HTTPBackend(url, key)
     backends = {"embedded": embedded, "http": remote}
     try:
-        lat = {}
-        for name, rt in backends.items():
-            console.log(f"latency, {name} ...")
-            lat[name] = latencies(rt, args.repeats)
+        console.log("latency ...")
+        lat = latencies(backends, args.repeats)
         tput: dict[str, dict[str, dict[int, float]]] = {}
         for name, rt in backends.items():
             for load, fn in LOADS.items():

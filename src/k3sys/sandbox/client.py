@@ -13,6 +13,7 @@ Connections are pooled and reused; `connect` keeps one client per (url, key) per
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import os
 import threading
@@ -45,8 +46,8 @@ def _none(r: httpx.Response) -> None:
 
 @dataclass(frozen=True)
 class _Call:
-    """One request: what to send, how to read the answer. `timeout` None: the client's default;
-    `parse` also sees error answers when `raw`."""
+    """One request: what to send, how to read the answer (`parse` also sees error answers when `raw`).
+    `timeout` in seconds, None for none; by default the client's."""
 
     method: str
     path: str
@@ -54,7 +55,7 @@ class _Call:
     json: Any = None
     content: bytes | Iterable[bytes] | None = None
     parse: Callable[[httpx.Response], Any] = _none
-    timeout: httpx.Timeout | float | None | str = "default"
+    timeout: Any = httpx.USE_CLIENT_DEFAULT
     raw: bool = False
     headers: dict[str, str] = field(default_factory=dict)
 
@@ -127,11 +128,8 @@ class HTTPBackend:
         return httpx.Client(**kw)
 
     def _request(self, call: _Call) -> Any:
-        kw: dict[str, Any] = {"params": call.params, "json": call.json, "content": call.content,
-                              "headers": call.headers}
-        if call.timeout != "default":
-            kw["timeout"] = call.timeout
-        return self._http.build_request(call.method, call.path, **kw)
+        return self._http.build_request(call.method, call.path, params=call.params, json=call.json,
+                                        content=call.content, headers=call.headers, timeout=call.timeout)
 
     def _answer(self, call: _Call, r: httpx.Response) -> Any:
         if r.status_code >= 400 and not call.raw:
@@ -304,7 +302,7 @@ class AsyncHTTPBackend(HTTPBackend):
 
     async def _do(self, call: _Call) -> Any:  # type: ignore[override]
         if call.content is not None and not isinstance(call.content, bytes):
-            call = _Call(**{**call.__dict__, "content": _aiter(call.content)})
+            call = dataclasses.replace(call, content=_aiter(call.content))  # AsyncClient streams async iterables
         try:
             r = await self._http.send(self._request(call))
         except httpx.TransportError as e:
