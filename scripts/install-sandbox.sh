@@ -33,7 +33,7 @@ fi
 
 # --- Debian packages ---------------------------------------------------------------------------
 PKGS=(runc busybox-static debootstrap
-      gcc make pkg-config libbsd-dev libcap-dev libgnutls28-dev libnet1-dev libnl-3-dev
+      gcc make pkg-config libbsd-dev libcap-dev libnet1-dev libnl-3-dev
       libprotobuf-c-dev libprotobuf-dev protobuf-c-compiler protobuf-compiler uuid-dev)
 missing=()
 for p in "${PKGS[@]}"; do
@@ -47,7 +47,7 @@ fi
 
 # --- CRIU --------------------------------------------------------------------------------------
 # The stamp holds what the binary was built from; a changed patch or build setting rebuilds it.
-want=$({ cat "${PATCHES[@]}"; echo "series=$CRIU_SERIES rundir=$KDAT_DIR"; } | sha256sum | cut -c1-16)
+want=$({ cat "${PATCHES[@]}"; echo "series=$CRIU_SERIES rundir=$KDAT_DIR no_gnutls"; } | sha256sum | cut -c1-16)
 stamp="$PREFIX/stamps/criu"
 if [ ! -x "$PREFIX/bin/criu" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     build="$PREFIX/build"
@@ -82,7 +82,9 @@ if [ ! -x "$PREFIX/bin/criu" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; 
     for p in "${PATCHES[@]}"; do
         patch -d "$build/criu-$version" -p1 --forward --quiet < "$p"
     done
-    make -C "$build/criu-$version" -j"$(nproc)" RUNDIR="$KDAT_DIR" criu >"$build/criu-build.log" 2>&1 \
+    # NO_GNUTLS: TLS is only for remote page servers; without it CRIU loads 9 shared libraries
+    # fewer, ~1 ms off each of the two CRIU starts per checkpoint or restore.
+    make -C "$build/criu-$version" -j"$(nproc)" RUNDIR="$KDAT_DIR" NO_GNUTLS=1 criu >"$build/criu-build.log" 2>&1 \
         || { tail -n 30 "$build/criu-build.log"; exit 1; }
     install -m 0755 "$build/criu-$version/criu/criu" "$PREFIX/bin/criu.new"
     mv -f "$PREFIX/bin/criu.new" "$PREFIX/bin/criu"

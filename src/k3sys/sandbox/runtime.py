@@ -173,9 +173,11 @@ class Runtime:
         if lock is None:
             raise NotFoundError(f"no sandbox {sid!r}")
         with lock:
-            rec = self._records.get(sid)
-            if rec is None:  # killed while we waited for the lock
-                raise NotFoundError(f"no sandbox {sid!r}")
+            with self._mu:
+                rec = self._records.get(sid)
+                # Killed while we waited (and perhaps its id reused, under a new lock).
+                if rec is None or self._locks.get(sid) is not lock:
+                    raise NotFoundError(f"no sandbox {sid!r}")
             yield rec
 
     @staticmethod
@@ -237,13 +239,17 @@ class Runtime:
         self._kill_commands(rec.id)
         try:
             self.driver.destroy(rec.id, dirs)
-        finally:
-            _rmtree(dirs.root)
-            with self._mu:
-                self._records.pop(rec.id, None)
-                self._timings.pop(rec.id, None)
-            rec.state = State.KILLED
-            self._gc_layers()
+        except BaseException as e:
+            # Something is still held (a mount, a cgroup): keep the record so it stays visible.
+            self._set(rec, State.LOST, reason=f"kill failed: {e}")
+            raise
+        _rmtree(dirs.root)
+        with self._mu:
+            self._records.pop(rec.id, None)
+            self._locks.pop(rec.id, None)
+            self._timings.pop(rec.id, None)
+        rec.state = State.KILLED
+        self._gc_layers()
 
     def kill(self, sid: str) -> None:
         """Stop the sandbox and release its processes, memory, mounts, cgroups and files."""
