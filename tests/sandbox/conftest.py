@@ -95,9 +95,7 @@ def rt(request, runtime_dir, tmp_path_factory):
         root = tmp_path_factory.mktemp("service")
         with ServiceProcess(root, "--on-timeout", "kill", "--max-body-mb", "8") as service, service.client() as client:
             yield client
-            SEEN.update(i.id for i in client.list())
-            for i in client.list():
-                client.kill(i.id)
+            SEEN.update(service.kill_all())
         assert leftovers(root, SEEN) == []
         return
     from k3sys.sandbox import Runtime
@@ -120,11 +118,9 @@ def service(tmp_path_factory):
     from service_process import ServiceProcess
 
     root = tmp_path_factory.mktemp("svc")
-    with ServiceProcess(root, "--max-body-mb", "8") as svc, svc.client() as client:
+    with ServiceProcess(root, "--max-body-mb", "8") as svc:
         yield svc
-        ids = {i.id for i in client.list()}
-        for i in ids:
-            client.kill(i)
+        ids = svc.kill_all()
     assert leftovers(root, ids) == []
 
 

@@ -68,6 +68,14 @@ class ServiceProcess:
                 raise RuntimeError(f"service did not come up in {timeout} s:\n{self.log_tail()}")
             time.sleep(0.05)
 
+    def kill_all(self) -> set[str]:
+        """Kill every sandbox of the service; returns their ids."""
+        with self.client() as client:
+            ids = {i.id for i in client.list()}
+            for sid in ids:
+                client.kill(sid)
+        return ids
+
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 120.0) -> int:
         """Signal the service and wait for it to exit; returns its exit status."""
         if self.proc is None or self.proc.poll() is not None:

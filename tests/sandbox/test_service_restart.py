@@ -63,8 +63,7 @@ def test_sigkill_during_checkpoint_then_restart(tmp_path, leak_check):
         s.resume()
         assert s.files.read_text("/root/note") == "asleep"
         Sandbox.get("frozen", runtime=rt).resume()
-        for i in rt.list():
-            rt.kill(i.id)
+        assert svc.kill_all() == {"victim", "sleeper", "frozen"}
     assert leak_check(root, {"victim", "sleeper", "frozen"}) == []
 
 
@@ -87,8 +86,7 @@ def test_sigterm_hibernates_and_restart_resumes(tmp_path, leak_check):
         a = Sandbox.get("a", runtime=rt)
         a.resume()  # on demand
         assert_counting(a, n)
-        for i in rt.list():
-            rt.kill(i.id)
+        assert svc.kill_all() == {"a", "b", "c"}
     assert leak_check(root, {"a", "b", "c"}) == []
 
 
