@@ -1,6 +1,6 @@
 """Prometheus text exposition (format 0.0.4) for the sandbox service.
 
-Written here rather than taken from prometheus-client: counters, a histogram and gauges computed at
+Written here rather than taken from prometheus-client: counters, a histogram and gauges read at
 scrape time are all the service needs, and a sandbox node then installs one package fewer.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 import bisect
 import math
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 Labels = tuple[tuple[str, str], ...]
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -87,14 +87,14 @@ class Histogram:
 
 
 class Gauge:
-    """Values read at scrape time: `read()` returns `{labels dict as sorted tuple: value}`."""
+    """Values of one scrape: `{label set: value}` (label sets from `labels`)."""
 
-    def __init__(self, name: str, help: str, read: Callable[[], dict[Labels, float]]) -> None:
-        self.name, self.help, self.read = name, help, read
+    def __init__(self, name: str, help: str, values: dict[Labels, float]) -> None:
+        self.name, self.help, self.values = name, help, values
 
     def render(self) -> list[str]:
         lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} gauge"]
-        return lines + [f"{self.name}{_fmt_labels(k)} {_fmt_value(v)}" for k, v in sorted(self.read().items())]
+        return lines + [f"{self.name}{_fmt_labels(k)} {_fmt_value(v)}" for k, v in sorted(self.values.items())]
 
 
 def render(metrics: Sequence[Counter | Histogram | Gauge]) -> str:
@@ -103,5 +103,5 @@ def render(metrics: Sequence[Counter | Histogram | Gauge]) -> str:
 
 
 def labels(**kv: str) -> Labels:
-    """A label set as a gauge's `read()` keys it."""
+    """A label set, as `Gauge` values are keyed."""
     return _key(kv)

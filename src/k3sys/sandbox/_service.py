@@ -162,20 +162,16 @@ class Service:
         for i in infos:
             by_state[i.state] = by_state.get(i.state, 0) + 1
         stats = rt.store.stats()
-        count, mb = self.admission.usage()
-        L = _metrics.labels
+        _, mb = self.admission.usage()
+        L, G = _metrics.labels, _metrics.Gauge
         gauges = [
-            _metrics.Gauge("k3sys_sandboxes", "Sandboxes by state.",
-                           lambda: {L(state=s): n for s, n in by_state.items()}),
-            _metrics.Gauge("k3sys_sandbox_memory_reserved_bytes", "Memory limits of sandboxes holding memory.",
-                           lambda: {(): mb << 20}),
-            _metrics.Gauge("k3sys_limit_sandboxes", "Most sandboxes holding memory at once.",
-                           lambda: {(): self.config.max_sandboxes}),
-            _metrics.Gauge("k3sys_limit_memory_bytes", "Most memory (sum of limits) of sandboxes at once.",
-                           lambda: {(): self.config.max_memory_mb << 20}),
-            _metrics.Gauge("k3sys_checkpoints", "Checkpoints in the store.", lambda: {(): stats["manifests"]}),
-            _metrics.Gauge("k3sys_store_bytes", "Checkpoint store size: on disk, logical (sum of checkpoints), "
-                           "unique chunk data.", lambda: {L(kind=k): stats[f"bytes_{k}"]
-                                                          for k in ("on_disk", "logical", "unique")}),
+            G("k3sys_sandboxes", "Sandboxes by state.", {L(state=s): n for s, n in by_state.items()}),
+            G("k3sys_sandbox_memory_reserved_bytes", "Memory limits of sandboxes holding memory.", {(): mb << 20}),
+            G("k3sys_limit_sandboxes", "Most sandboxes holding memory at once.", {(): self.config.max_sandboxes}),
+            G("k3sys_limit_memory_bytes", "Most memory (sum of limits) of sandboxes at once.",
+              {(): self.config.max_memory_mb << 20}),
+            G("k3sys_checkpoints", "Checkpoints in the store.", {(): stats["manifests"]}),
+            G("k3sys_store_bytes", "Checkpoint store size: on disk, logical (sum of checkpoints), unique chunk data.",
+              {L(kind=k): stats[f"bytes_{k}"] for k in ("on_disk", "logical", "unique")}),
         ]
         return _metrics.render([*gauges, self.latency, self.errors, self.requests])
