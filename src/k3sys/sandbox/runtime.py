@@ -710,12 +710,14 @@ class Runtime:
             if (rec.spec.on_timeout or self.on_timeout) == "kill":
                 self._discard(rec)
                 return
-            if rec.state in LIVE:
-                try:
-                    self.hibernate(sid)
-                except SandboxError:
-                    self._discard(rec)  # its time is up either way: never hold resources past it
-                    return
+            if rec.state not in LIVE:  # hibernated or lost already: nothing runs to stop
+                self._set(rec, rec.state, deadline=None)
+                return
+            try:
+                self.hibernate(sid)
+            except SandboxError:
+                self._discard(rec)  # its time is up either way: never hold resources past it
+                return
             why = f"hibernated when its timeout_s={rec.spec.timeout_s:g} ran out"
             self._set(rec, rec.state, deadline=None, reason=why)
 
