@@ -19,6 +19,9 @@ COUNTER = ("sh -c 'echo $$ > /tmp/counter.pid; exec 3>/tmp/log; i=0; "
 
 
 def log_lines(s: Sandbox) -> list[int]:
+    """The counter's log ([] until the freshly started counter has created it)."""
+    if not s.files.exists("/tmp/log"):
+        return []
     return [int(x) for x in s.files.read_text("/tmp/log").split()]
 
 

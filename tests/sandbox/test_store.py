@@ -14,7 +14,6 @@ import threading
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 from blake3 import blake3
 
@@ -30,7 +29,7 @@ from k3sys.sandbox.store import (
     StoreError,
     StoreInputError,
 )
-from k3sys.sandbox.store.manifest import encode
+from k3sys.sandbox.store.manifest import decode, encode
 
 PAGE = 4096
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (chown, mknod, trusted.* xattrs)")
@@ -173,6 +172,19 @@ def test_round_trip_sizes(store: Store, tmp_path: Path, shm: Path, size: int, na
     store.checkout(m.id, {"t": shm / "out"})
     assert (shm / "out" / name).read_bytes() == data
     assert store.verify() == []
+
+
+def test_zero_chunks_come_back_as_holes(store: Store, tmp_path: Path, shm: Path):
+    pages = rand(PAGE, 1) + bytes(100 * PAGE) + rand(PAGE, 2) + bytes(50 * PAGE)  # ends in a hole
+    blob = bytes(3 << 16) + b"end"
+    write(tmp_path / "t/pages-1.img", pages)
+    write(tmp_path / "t/blob.bin", blob)
+    m = store.commit({"t": tmp_path / "t"})
+    assert m.bytes_new == 3 * PAGE + (1 << 16) + 3  # one zero page, one zero block, the rest
+    store.checkout(m.id, {"t": shm / "out"})
+    assert (shm / "out/pages-1.img").read_bytes() == pages and (shm / "out/blob.bin").read_bytes() == blob
+    assert os.stat(shm / "out/pages-1.img").st_blocks * 512 <= 2 * PAGE  # only the two data pages
+    assert os.stat(shm / "out/blob.bin").st_blocks * 512 <= PAGE
 
 
 # ------------------------------------------------------------------ dedup and the page diff
@@ -564,7 +576,9 @@ def test_manifest_encoding_round_trip():
     e = Entry("a/b", "file", 0o640, 1, 2, 3, size=5, chunk_size=PAGE, chunks=bytes(range(32)),
               xattrs=(("user.x", b"\x00\xff"),))
     m = Manifest("id", "p", 1.5, 5, 5, {"k": [1, "v"]}, {"t": (Entry(".", "dir", 0o755, 0, 0, 0), e)})
-    from k3sys.sandbox.store.manifest import decode
-
-    assert decode(encode(m)) == m
-    assert np.frombuffer(encode(m)[-32:], np.uint8).size == 32
+    data = encode(m)
+    assert decode(data) == m
+    damaged = bytearray(data)
+    damaged[len(data) // 2] ^= 1
+    with pytest.raises(CorruptStoreError, match="checksum mismatch"):
+        decode(bytes(damaged), "x.mf")

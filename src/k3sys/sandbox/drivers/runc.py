@@ -75,9 +75,9 @@ class RuncDriver:
         # runc runs CRIU as `criu swrk` with no way to pass options; CRIU reads them from this file.
         self._env = {**os.environ, "CRIU_CONFIG_FILE": str(self.system.criu_config)}
         self.state_dir = state_dir.resolve()
-        self.runc_root = state_dir / "runc"
+        self.runc_root = self.state_dir / "runc"
         self.runc_root.mkdir(parents=True, exist_ok=True)
-        self.empty = state_dir / "empty"
+        self.empty = self.state_dir / "empty"
         self.empty.mkdir(mode=0o555, exist_ok=True)
         self._cgroup_v1 = Path("/sys/fs/cgroup/freezer").is_dir()
         _ensure_kdat_dir()

@@ -18,6 +18,7 @@ are hashed.
 
 from __future__ import annotations
 
+import functools
 import queue
 import re
 from collections.abc import Callable, Iterator
@@ -122,6 +123,12 @@ def unchanged_pages(
         sel = rest[pack[rest] == p]
         same[sel] = (new[sel] == pages_of(p)[slot[sel]]).all(axis=1)
     return same
+
+
+@functools.cache
+def zero_digest(chunk_size: int) -> np.ndarray:
+    """The digest of `chunk_size` zero bytes as `[DIGEST]` uint8 (such chunks are restored as holes)."""
+    return np.frombuffer(blake3(bytes(chunk_size)).digest(), np.uint8)
 
 
 def as_rows(chunks: bytes) -> np.ndarray:

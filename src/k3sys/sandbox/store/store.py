@@ -46,13 +46,11 @@ from blake3 import blake3
 
 from k3sys.sandbox.errors import CheckpointExistsError, CheckpointNotFoundError, CorruptStoreError, StoreInputError
 from k3sys.sandbox.store import chunker, tree
+from k3sys.sandbox.store.index import ChunkIndex, Row
 from k3sys.sandbox.store.manifest import DIGEST, Entry, Manifest, decode, encode
 from k3sys.sandbox.store.pack import PAGE, PackWriter, fsync_dir, read_index, write_all
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-_NOWHERE = -1
-_OFFSET_BITS = 40  # the index packs (pack number, offset) into one int: offsets below 1 TiB
-_OFFSET_MASK = (1 << _OFFSET_BITS) - 1
 # Test hook: name a point in `commit` at which the process dies, as a crash would kill it.
 CRASH_ENV = "K3SYS_STORE_CRASH_AT"
 
@@ -67,32 +65,6 @@ def _check_name(kind: str, value: str) -> None:
         raise StoreInputError(f"{kind} {value!r} is not a valid name (letters, digits, '._-', at most 128)")
 
 
-@dataclasses.dataclass(slots=True)
-class _Pack:
-    """A pack file known to the index: its chunk rows and, once needed, a read-only mapping."""
-
-    name: str
-    path: str
-    rows: list[tuple[bytes, int, int]]
-    data_end: int
-    size: int
-    map: mmap.mmap | None = None
-
-    def pages(self) -> np.ndarray:
-        """The chunk data as `[slots, PAGE // 8]` uint64 (page chunks sit at PAGE-aligned offsets)."""
-        if self.map is None:
-            with open(self.path, "rb") as f:
-                self.map = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
-        n = self.data_end // PAGE
-        return np.frombuffer(self.map, np.uint64, count=n * (PAGE // 8)).reshape(n, PAGE // 8)
-
-    def close(self) -> None:
-        if self.map is not None:
-            with contextlib.suppress(BufferError):  # a view still alive keeps the mapping until it dies
-                self.map.close()
-            self.map = None
-
-
 class Store:
     """A checkpoint store rooted at `root` (created if missing). See the module docstring."""
 
@@ -104,15 +76,8 @@ class Store:
         self._mu = threading.Lock()
         self._manifests: dict[str, Manifest] = {}
         self._broken: dict[str, str] = {}  # manifest or pack file name -> why it could not be read
-        self._packs: dict[int, _Pack] = {}
-        self._pack_no: dict[str, int] = {}  # pack file name -> number
-        self._next_no = 0
+        self._index = ChunkIndex(self._pdir)  # a chunk's length follows from its file entry
         self._pending: set[str] = set()  # pack file names this process is publishing right now
-        # digest -> pack number << _OFFSET_BITS | offset. A chunk's length follows from its file entry.
-        # When several packs hold a chunk (concurrent commits wrote it twice), `_where` names the copy
-        # in the pack whose name sorts first, so every process agrees on it, and `_dups` the others.
-        self._where: dict[bytes, int] = {}
-        self._dups: dict[bytes, list[int]] = {}
         # digest -> number of manifests that reference it. Counting is deferred (`_unsettled`) until
         # delete, gc, verify or stats need the counts, which keeps it off the checkpoint's path.
         self._refs: Counter[bytes] = Counter()
@@ -238,9 +203,8 @@ class Store:
                 self._refs[d] -= 1
                 if self._refs[d] <= 0:
                     del self._refs[d]
-                    dead.add(self._where.get(d, _NOWHERE) >> _OFFSET_BITS)
-                    dead.update(loc >> _OFFSET_BITS for loc in self._dups.get(d, ()))
-            self._collect(dead - {-1})
+                    dead |= self._index.holders(d)
+            self._collect(dead)
 
     def gc(self) -> dict[str, int]:
         """Remove what interrupted commits and deletes left: temp files and unreferenced packs."""
@@ -250,9 +214,9 @@ class Store:
             for name in temps:
                 os.unlink(os.path.join(self._tdir, name))
             self._settle()
-            before = len(self._packs)
-            freed = self._collect(set(self._packs))
-            return {"temp_files": len(temps), "packs": before - len(self._packs), "bytes": freed}
+            before = len(self._index.packs)
+            freed = self._collect(set(self._index.packs))
+            return {"temp_files": len(temps), "packs": before - len(self._index.packs), "bytes": freed}
 
     def verify(self) -> list[str]:
         """Re-hash every stored chunk and check every manifest; return the problems ([] if healthy).
@@ -263,21 +227,21 @@ class Store:
             with self._mu:
                 self._refresh()
                 self._settle()
-                problems = [f"{name}: {why}" for name, why in sorted(self._broken.items())]
-                manifests, packs = list(self._manifests.values()), dict(self._packs)
-                where, refs = dict(self._where), self._refs.copy()
+            # From here on the exclusive lock keeps every commit, delete and gc (any process) out.
+            index, refs = self._index, self._refs
+            problems = [f"{name}: {why}" for name, why in sorted(self._broken.items())]
             problems += [f"leftover temp file tmp/{n} (an interrupted commit; gc() removes it)"
                          for n in sorted(os.listdir(self._tdir))]
-            for m in sorted(manifests, key=lambda m: m.id):
+            for m in sorted(self._manifests.values(), key=lambda m: m.id):
                 for name, entries in m.trees.items():
                     for e in entries:
-                        missing = [d for d in chunker.split(e.chunks) if d not in where]
+                        missing = [d for d in chunker.split(e.chunks) if d not in index]
                         if missing:
                             problems.append(f"checkpoint {m.id!r} tree {name!r} file {e.path!r}: {len(missing)} "
                                             f"chunk(s) missing, first {missing[0].hex()}")
             # A pack whose chunks all have an older copy elsewhere (two commits wrote them at once) is
             # only wasted space, reclaimed by the next gc(); one that no checkpoint references is debris.
-            for p in sorted(packs.values(), key=lambda p: p.name):
+            for p in sorted(index.packs.values(), key=lambda p: p.name):
                 label = f"pack {p.name}"
                 if not any(d in refs for d, _, _ in p.rows):
                     problems.append(f"{label} holds no chunk any checkpoint references (left by an interrupted "
@@ -300,10 +264,9 @@ class Store:
         with self._flock(exclusive=True), self._mu:
             self._refresh()
             self._settle()
-            refs, where = self._refs, self._where
-            victims: dict[int, list[tuple[bytes, int, int]]] = {}
-            for no, p in self._packs.items():
-                live = [(d, off, n) for d, off, n in p.rows if d in refs and where[d] == no << _OFFSET_BITS | off]
+            victims: dict[int, list[Row]] = {}
+            for no, p in self._index.packs.items():
+                live = [r for r in self._index.indexed_rows(no) if r[0] in self._refs]
                 if live and sum(n for _, _, n in live) < min_live * p.data_end:
                     victims[no] = live
             if not victims:
@@ -311,18 +274,19 @@ class Store:
             name, writer = self._new_pack()
             try:
                 for no, live in victims.items():
-                    with open(self._packs[no].path, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mm:
+                    with open(self._index.packs[no].path, "rb") as f, \
+                            mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mm:
                         for d, off, n in live:
                             writer.add([d], mm[off : off + n], PAGE if n == PAGE else n)
                     writer.flush()  # one old pack's worth at a time: memory stays bounded
                 writer.finish()
             finally:
                 writer.abort()
-            self._index_pack(name, writer.rows, writer.offset, os.path.getsize(writer.final_path))
+            self._index.add(name, writer.rows, writer.offset, os.path.getsize(writer.final_path))
             # The old copies sort first and stay indexed until their packs go; then the new ones take over.
-            before = sum(self._packs[no].size for no in victims)
+            before = sum(self._index.packs[no].size for no in victims)
             for no in victims:
-                os.unlink(self._unindex_pack(no).path)
+                os.unlink(self._index.remove(no).path)
             fsync_dir(self._pdir)
             return {"packs": len(victims), "bytes": before - os.path.getsize(writer.final_path)}
 
@@ -332,14 +296,13 @@ class Store:
             self._refresh()
             self._settle()
             manifest_bytes = sum(os.path.getsize(os.path.join(self._mdir, f"{i}.mf")) for i in self._manifests)
-            where, refs = self._where, self._refs
+            packs = self._index.packs
             return {
-                "bytes_on_disk": sum(p.size for p in self._packs.values()) + manifest_bytes,
+                "bytes_on_disk": sum(p.size for p in packs.values()) + manifest_bytes,
                 "bytes_logical": sum(m.bytes_total for m in self._manifests.values()),
-                "bytes_unique": sum(n for no, p in self._packs.items() for d, off, n in p.rows
-                                    if d in refs and where.get(d) == no << _OFFSET_BITS | off),
+                "bytes_unique": sum(n for no in packs for d, _, n in self._index.indexed_rows(no) if d in self._refs),
                 "chunks": len(self._refs),
-                "packs": len(self._packs),
+                "packs": len(packs),
                 "manifests": len(self._manifests),
             }
 
@@ -354,7 +317,7 @@ class Store:
         base = old if old is not None and old.kind == "file" and old.chunk_size == cs == PAGE else None
         if base is not None:
             full = base.size // PAGE  # only the parent's full pages can be compared
-            pack, offset = self._locate(base.chunks[: full * DIGEST])
+            pack, offset = self._index.locate(base.chunks[: full * DIGEST])
             prev = chunker.as_rows(base.chunks)
         for start, data, buf in chunker.read_windows(path, e.size, ring):
             c0 = start // cs
@@ -375,11 +338,11 @@ class Store:
         self, buf: np.ndarray, cs: int, todo: np.ndarray, digests: list[bytes], writer: PackWriter, fresh: set[bytes]
     ) -> None:
         """Append the chunks of `buf` numbered `todo` (digests given) that the store does not hold yet."""
-        where = self._where
+        stored = self._index
         run: list[bytes] = []
         first = last = -2
         for i, d in zip(todo.tolist(), digests, strict=True):
-            if d in where or d in fresh:
+            if d in stored or d in fresh:
                 continue
             fresh.add(d)
             if i != last + 1 and run:  # the run of consecutive new chunks ends: write it in one go
@@ -421,48 +384,49 @@ class Store:
         try:
             writer.finish()
             with self._mu:
-                self._index_pack(name, writer.rows, writer.offset, os.path.getsize(writer.final_path))
+                self._index.add(name, writer.rows, writer.offset, os.path.getsize(writer.final_path))
         finally:
             with self._mu:
                 self._pending.discard(name)
 
-    def _locate(self, chunks: bytes) -> tuple[np.ndarray, np.ndarray]:
-        """Where each digest of `chunks` is stored: `[n]` int64 pack numbers (-1: nowhere) and offsets."""
-        get, digests = self._where.get, chunker.split(chunks)
-        loc = np.fromiter((get(d, _NOWHERE) for d in digests), np.int64, count=len(digests))
-        return loc >> _OFFSET_BITS, loc & _OFFSET_MASK
-
     def _pages(self, no: int) -> np.ndarray:
         with self._mu:
-            return self._packs[no].pages()
+            return self._index.packs[no].pages()
 
     def _fill(self, fd: int, e: Entry, fds: dict[int, int], where: str) -> None:
-        """Write file entry `e`'s bytes to `fd`: one in-kernel copy per run of chunks adjacent in a pack."""
+        """Write file entry `e`'s bytes to `fd`: one in-kernel copy per run of chunks adjacent in a pack.
+
+        All-zero chunks become holes (a sparse file: no tmpfs memory, no copy), as in the source.
+        """
         if not e.size:
             return
-        pack, off = self._locate(e.chunks)
+        pack, off = self._index.locate(e.chunks)
         lost = np.flatnonzero(pack < 0)
         if lost.size:
             raise CorruptStoreError(f"checkpoint {where} file {e.path!r}: chunk {e.digest(int(lost[0])).hex()} "
                                     f"missing ({lost.size} of {pack.size})")
         n = np.full(pack.size, e.chunk_size, np.int64)
         n[-1] = e.size - (pack.size - 1) * e.chunk_size
-        # Runs of chunks that lie back to back in one pack are copied with one sendfile each.
-        cut = np.flatnonzero((pack[1:] != pack[:-1]) | (off[1:] != off[:-1] + n[:-1])) + 1
-        ends = np.r_[cut, pack.size]
-        sizes = np.add.reduceat(n, np.r_[0, cut])
-        for p, start, size in zip(pack[ends - 1].tolist(), off[np.r_[0, cut]].tolist(), sizes.tolist(), strict=True):
+        zero = (chunker.as_rows(e.chunks) == chunker.zero_digest(e.chunk_size)).all(axis=1) & (n == e.chunk_size)
+        # Runs of chunks back to back in one pack are copied with one sendfile each; runs of zeros skipped.
+        cut = np.flatnonzero((pack[1:] != pack[:-1]) | (off[1:] != off[:-1] + n[:-1]) | (zero[1:] != zero[:-1])) + 1
+        starts = np.r_[0, cut]
+        runs = zip(pack[starts].tolist(), off[starts].tolist(), np.add.reduceat(n, starts).tolist(),
+                   zero[starts].tolist(), strict=True)
+        for p, start, size, hole in runs:
+            if hole:
+                os.lseek(fd, size, os.SEEK_CUR)
+                continue
             src = fds.get(p)
             if src is None:
                 with self._mu:
-                    src = fds[p] = os.open(self._packs[p].path, os.O_RDONLY | os.O_CLOEXEC)
+                    src = fds[p] = os.open(self._index.packs[p].path, os.O_RDONLY | os.O_CLOEXEC)
             while size:
                 sent = os.sendfile(fd, src, start, size)
                 if not sent:
                     raise CorruptStoreError(f"checkpoint {where} file {e.path!r}: a pack is truncated at {start}")
                 start, size = start + sent, size - sent
-        if os.lseek(fd, 0, os.SEEK_CUR) != e.size:
-            raise CorruptStoreError(f"checkpoint {where} file {e.path!r}: rebuilt size differs from {e.size}")
+        os.ftruncate(fd, e.size)  # a trailing hole has no bytes written to size the file
 
     # ---------------------------------------------------------------- index bookkeeping (under self._mu)
 
@@ -474,41 +438,6 @@ class Store:
             yield
         finally:
             os.close(fd)  # closing the descriptor releases the lock
-
-    def _index_pack(self, name: str, rows: list[tuple[bytes, int, int]], data_end: int, size: int) -> None:
-        no = self._next_no
-        self._next_no += 1
-        self._packs[no] = _Pack(name, os.path.join(self._pdir, name), rows, data_end, size)
-        self._pack_no[name] = no
-        where, dups, base = self._where, self._dups, no << _OFFSET_BITS
-        for d, off, _ in rows:
-            loc, cur = base | off, where.get(d)
-            if cur is None:
-                where[d] = loc
-                continue
-            if name < self._packs[cur >> _OFFSET_BITS].name:
-                loc, where[d] = cur, loc
-            dups.setdefault(d, []).append(loc)
-
-    def _unindex_pack(self, no: int) -> _Pack:
-        """Forget pack `no`; chunks it held the indexed copy of fall back to their next copy, if any."""
-        p = self._packs.pop(no)
-        p.close()
-        del self._pack_no[p.name]
-        where, dups, base = self._where, self._dups, no << _OFFSET_BITS
-        for d, off, _ in p.rows:
-            loc, others = base | off, dups.get(d)
-            if where.get(d) == loc:
-                if others:
-                    where[d] = min(others, key=lambda x: self._packs[x >> _OFFSET_BITS].name)
-                    others.remove(where[d])
-                else:
-                    del where[d]
-            elif others and loc in others:
-                others.remove(loc)
-            if others is not None and not others:
-                del dups[d]
-        return p
 
     def _add_manifest(self, m: Manifest) -> None:
         self._manifests[m.id] = m
@@ -527,13 +456,13 @@ class Store:
         m_names = {n[:-3] for n in os.listdir(self._mdir) if n.endswith(".mf")}
         p_names = {n for n in os.listdir(self._pdir) if n.endswith(".pack")} - self._pending
         known_m = set(self._manifests) | {n[:-3] for n in self._broken if n.endswith(".mf")}
-        known_p = set(self._pack_no) | {n for n in self._broken if n.endswith(".pack")}
+        known_p = set(self._index.by_name) | {n for n in self._broken if n.endswith(".pack")}
         if m_names == known_m and p_names == known_p:
             return
         for name in known_p - p_names:
             self._broken.pop(name, None)
-            if name in self._pack_no:
-                self._unindex_pack(self._pack_no[name])
+            if name in self._index.by_name:
+                self._index.remove(self._index.by_name[name])
         for name in sorted(p_names - known_p):
             path = os.path.join(self._pdir, name)
             try:
@@ -543,7 +472,7 @@ class Store:
             except (CorruptStoreError, OSError) as e:
                 self._broken[name] = str(e)
                 continue
-            self._index_pack(name, rows, data_end, os.path.getsize(path))
+            self._index.add(name, rows, data_end, os.path.getsize(path))
         for id in known_m - m_names:
             self._broken.pop(f"{id}.mf", None)
             m = self._manifests.pop(id, None)
@@ -564,12 +493,10 @@ class Store:
     def _collect(self, candidates: set[int]) -> int:
         """Delete those of the packs numbered `candidates` that hold the indexed copy of no referenced
         chunk; return the bytes freed."""
-        refs, where = self._refs, self._where
-        dead = [no for no in candidates if not any(
-            refs.get(d) and where.get(d, _NOWHERE) >> _OFFSET_BITS == no for d, _, _ in self._packs[no].rows)]
+        dead = [no for no in candidates if not any(d in self._refs for d, _, _ in self._index.indexed_rows(no))]
         freed = 0
         for no in dead:
-            p = self._unindex_pack(no)
+            p = self._index.remove(no)
             os.unlink(p.path)
             freed += p.size
         if dead:
