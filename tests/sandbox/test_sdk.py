@@ -110,6 +110,7 @@ def test_pause_refuses_commands_and_files_then_resume(sbx):
     assert sbx.commands.run("echo back").stdout == "back\n"
 
 
+@pytest.mark.embedded
 def test_paused_sandbox_gets_no_cpu(sbx):
     # Busy counter, published by rename so a reader never sees a half-written file.
     sbx.commands.run("sh -c 'i=0; while :; do i=$((i+1)); echo $i > /tmp/n.new; mv /tmp/n.new /tmp/n; done' "
