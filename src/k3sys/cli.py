@@ -6,6 +6,8 @@ from typing import Annotated
 
 import typer
 
+from k3sys.model.cli import memory
+
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="k3sys: Kimi K3's system designs, runnable.")
 
 
@@ -20,6 +22,9 @@ def demo(part: Annotated[list[str] | None, typer.Option("--part", help="Run only
     from k3sys.demo import run_demo
 
     run_demo(parts=part)
+
+
+app.command()(memory)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import re
 from dataclasses import dataclass
 
 import torch
+from rich import box
 from rich.table import Table
 
 from k3sys.model.cache import cache_bytes
@@ -33,11 +34,12 @@ def format_tokens(n: int) -> str:
 
 
 def format_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+    """Three significant figures in binary units: '429 MiB', '3.38 GiB', '5.45 TiB'."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1000 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" or abs(n) >= 100 else f"{n:#.3g} {unit}"
         n /= 1024
-    return f"{n:.2f} TiB"
+    raise AssertionError("unreachable")
 
 
 @dataclass(frozen=True)
@@ -68,15 +70,16 @@ def memory_table(cfg: ModelConfig, contexts: tuple[int, ...] = DEFAULT_CONTEXTS,
     """A Rich table of `memory_rows` with ratios, titled with the config's parameter counts."""
     params = count_params(cfg)
     dtype_name = next((k for k, v in DTYPES.items() if v == dtype), str(dtype))
-    table = Table(title=(
-        f"{cfg.name}: decode cache per {batch} sequence(s), {dtype_name} (KDA state S in fp32)\n"
-        f"{cfg.num_layers} layers = {cfg.count('kda')} KDA + {cfg.count('mla')} MLA; "
-        f"params {params['total'] / 1e9:,.1f}B total, {params['active'] / 1e9:,.1f}B active"))
-    for col in ("context", "KDA state", "MLA latent KV", "hybrid total", "all-MLA", "all-MHA",
-                "all-MLA / hybrid", "all-MHA / hybrid"):
-        table.add_column(col, justify="right")
+    table = Table(box=box.SIMPLE_HEAD, padding=(0, 0, 0, 1), pad_edge=False, title=(
+        f"{cfg.name}: decode cache of {batch} sequence(s), {dtype_name}\n"
+        f"{cfg.num_layers} layers = {cfg.count('kda')} KDA + {cfg.count('mla')} MLA, "
+        f"{params['total'] / 1e9:,.1f}B params, {params['active'] / 1e9:,.1f}B active"),
+        caption="KDA: fixed-size state (S in fp32); MLA: latent KV.\n"
+                "all-MLA / all-MHA: every layer MLA / plain multi-head attention.")
+    for col in ("context", "KDA", "MLA", "hybrid", "all-MLA", "all-MHA", "MLA/hyb", "MHA/hyb"):
+        table.add_column(col, justify="right", no_wrap=True)
     for r in memory_rows(cfg, contexts, batch, dtype):
         table.add_row(format_tokens(r.context), format_bytes(r.kda), format_bytes(r.mla), format_bytes(r.hybrid),
                       format_bytes(r.all_mla), format_bytes(r.all_mha),
-                      f"{r.all_mla / r.hybrid:.2f}x", f"{r.all_mha / r.hybrid:.1f}x")
+                      f"{r.all_mla / r.hybrid:.2f}x", f"{r.all_mha / r.hybrid:.0f}x")
     return table
