@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from k3sys.kda.layer import KDAState
 from k3sys.model.config import ModelConfig
 
 CACHE_KINDS = ("kda", "mla", "mha")
@@ -86,6 +87,15 @@ class LatentKV:
 
 
 
+def _zero_kda_state(cfg: ModelConfig, batch: int, dtype: torch.dtype, device: torch.device | str | None) -> KDAState:
+    hk = cfg.kda_num_heads * cfg.kda_head_dim
+    return KDAState(
+        conv=torch.zeros(batch, cfg.kda_conv_size - 1, 3 * hk, dtype=dtype, device=device),
+        recurrent=torch.zeros(batch, cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_head_dim,
+                              dtype=torch.float32, device=device),
+    )
+
+
 class HybridCache:
     """Everything `HybridModel` needs to continue `batch` sequences: per layer either a KDA state
     (fixed size) or a `LatentKV` (grows with the context).
@@ -110,7 +120,7 @@ class HybridCache:
         self.seq_len = 0
         width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
         self.layers: list = [
-            zero_kda_state(cfg, batch, dtype, device) if kind == "kda"
+            _zero_kda_state(cfg, batch, dtype, device) if kind == "kda"
             else LatentKV(batch, width, dtype, device, max_len=max_len, block_size=block_size)
             for kind in cfg.layers
         ]

@@ -41,7 +41,8 @@ class Block(nn.Module):
         if self.kind == "kda":
             h, state = self.attn(h, state=cache.layers[self.index] if cache is not None else None)
             if cache is not None:
-                cache.layers[self.index] = state
+                # Into the preallocated buffers: the returned conv tail is a view of the whole prefill window.
+                cache.layers[self.index].copy_(state)
         else:
             h = self.attn(h, cache.layers[self.index] if cache is not None else None)
         x = x + h
