@@ -157,3 +157,15 @@ def test_k3_param_count_lands_within_10_percent_of_the_report():
     c = count_params(ModelConfig.from_preset("k3"))
     assert abs(c["total"] / 2.8e12 - 1) < 0.10, c
     assert abs(c["active"] / 104e9 - 1) < 0.10, c
+
+
+def test_a_bf16_cache_serves_an_fp32_model(tiny):
+    """The cache may be stored narrower than the model: decode reads it back in the model's dtype."""
+    model = build(tiny)
+    ids = torch.randint(0, tiny.vocab_size, (1, 24))
+    cache = HybridCache(tiny, batch=1, dtype=torch.bfloat16)
+    with torch.no_grad():
+        stepped = decode_logits(model, ids, prompt_len=16, cache=cache)
+        full = model(ids)
+    assert stepped.dtype == torch.float32 and cache.layers[-1].buf.dtype == torch.bfloat16
+    torch.testing.assert_close(stepped, full, rtol=0.05, atol=0.05)

@@ -5,7 +5,8 @@ memory calculator) and `HybridCache.breakdown()` both call it, and tests check i
 storage of the tensors `HybridCache` really allocates.
 
 - KDA layer: a fixed-size state, whatever the context length: the recurrent S `[B, H, K, K]` in
-  fp32 plus the short-convolution tails of q, k, v `[B, 3 * H * K, conv - 1]` in the cache dtype.
+  fp32 (fp64 in an fp64 cache) plus the short-convolution tails of q, k, v
+  `[B, conv - 1, 3 * H * K]` in the cache dtype.
 - MLA layer: `[c_kv | k_rope]` per token, `kv_lora_rank + qk_rope_head_dim` values in the cache dtype.
 - "mha" (a baseline, not a layer this package builds): full per-head keys and values,
   `H * (qk_nope + qk_rope + v)` values per token.
@@ -15,10 +16,20 @@ from __future__ import annotations
 
 import torch
 
-from k3sys.kda.layer import KDAState
+from k3sys.kda import KDAState
 from k3sys.model.config import ModelConfig
 
 CACHE_KINDS = ("kda", "mla", "mha")
+
+
+def state_dtype(dtype: torch.dtype) -> torch.dtype:
+    """dtype of the KDA recurrent state in a cache of `dtype`: fp32 (fp64 in an fp64 cache), as the layer has it."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _kda_state(cfg: ModelConfig, batch: int, dtype: torch.dtype, device: torch.device | str | None) -> KDAState:
+    return KDAState.zeros(batch, cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_conv_size,
+                          conv_dtype=dtype, recurrent_dtype=state_dtype(dtype), device=device)
 
 
 def layer_cache_bytes(cfg: ModelConfig, kind: str, tokens: int, batch: int = 1,
@@ -28,10 +39,7 @@ def layer_cache_bytes(cfg: ModelConfig, kind: str, tokens: int, batch: int = 1,
         raise ValueError(f"need tokens >= 0 and batch >= 1, got tokens={tokens}, batch={batch}")
     item = dtype.itemsize
     if kind == "kda":
-        hk = cfg.kda_num_heads * cfg.kda_head_dim
-        state = hk * cfg.kda_head_dim * torch.float32.itemsize
-        conv = 3 * hk * (cfg.kda_conv_size - 1) * item
-        return batch * (state + conv)
+        return _kda_state(cfg, batch, dtype, device="meta").nbytes()  # the very state HybridCache allocates
     if kind == "mla":
         return batch * tokens * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * item
     if kind == "mha":
@@ -87,15 +95,6 @@ class LatentKV:
 
 
 
-def _zero_kda_state(cfg: ModelConfig, batch: int, dtype: torch.dtype, device: torch.device | str | None) -> KDAState:
-    hk = cfg.kda_num_heads * cfg.kda_head_dim
-    return KDAState(
-        conv=torch.zeros(batch, cfg.kda_conv_size - 1, 3 * hk, dtype=dtype, device=device),
-        recurrent=torch.zeros(batch, cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_head_dim,
-                              dtype=torch.float32, device=device),
-    )
-
-
 class HybridCache:
     """Everything `HybridModel` needs to continue `batch` sequences: per layer either a KDA state
     (fixed size) or a `LatentKV` (grows with the context).
@@ -120,7 +119,7 @@ class HybridCache:
         self.seq_len = 0
         width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
         self.layers: list = [
-            _zero_kda_state(cfg, batch, dtype, device) if kind == "kda"
+            _kda_state(cfg, batch, dtype, device) if kind == "kda"
             else LatentKV(batch, width, dtype, device, max_len=max_len, block_size=block_size)
             for kind in cfg.layers
         ]

@@ -83,7 +83,7 @@ class GatedMLA(nn.Module):
             q = torch.cat((q[..., :self.dn], rotate(q[..., self.dn:], positions, self.rope_theta)), dim=-1)
         kv = self.latent(x, positions)
         if cache is not None:
-            kv = cache.append(kv)
+            kv = cache.append(kv).to(x.dtype)  # a no-op unless the cache is stored narrower than the model
         o = self._expanded(q, kv) if past == 0 else self._absorbed(q, kv, past)
         gate = torch.sigmoid(self.g_proj(x))
         return self.o_proj(o.reshape(B, T, -1) * gate)
