@@ -85,7 +85,8 @@ def test_generate_fills_a_given_cache(tiny):
     dict(prompt_ids=torch.zeros(3, dtype=torch.int64), max_new_tokens=1),
     dict(prompt_ids=torch.zeros(1, 3, dtype=torch.int64), max_new_tokens=-1),
     dict(prompt_ids=torch.zeros(1, 3, dtype=torch.int64), max_new_tokens=1, temperature=-0.5),
-], ids=["1d-prompt", "negative-new-tokens", "negative-temperature"])
+    dict(prompt_ids=torch.zeros(1, 3, dtype=torch.int64), max_new_tokens=4094),
+], ids=["1d-prompt", "negative-new-tokens", "negative-temperature", "past-max-context"])
 def test_generate_rejects_bad_arguments(tiny, bad):
     with pytest.raises(ValueError, match="prompt_ids|max_new_tokens|temperature"):
         generate(build(tiny), **bad)

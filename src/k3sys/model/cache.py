@@ -94,7 +94,6 @@ class LatentKV:
         return self.buf[:, :end]
 
 
-
 class HybridCache:
     """Everything `HybridModel` needs to continue `batch` sequences: per layer either a KDA state
     (fixed size) or a `LatentKV` (grows with the context).
@@ -104,8 +103,10 @@ class HybridCache:
         batch: number of sequences B.
         max_len: allocate every MLA cache at this many tokens up front (and refuse to grow past
             it); None grows the caches in blocks of `block_size` tokens as tokens arrive.
-        dtype: storage dtype of the MLA latents and the KDA conv tails (KDA's S is always fp32).
+        dtype: storage dtype of the MLA latents and the KDA conv tails (KDA's S stays fp32, fp64
+            in an fp64 cache).
         device: where the cache lives.
+        block_size: growth granule of the MLA caches, in tokens.
     """
 
     def __init__(self, cfg: ModelConfig, batch: int, max_len: int | None = None,
@@ -118,7 +119,7 @@ class HybridCache:
         self.cfg, self.batch, self.max_len, self.dtype = cfg, batch, max_len, dtype
         self.seq_len = 0
         width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
-        self.layers: list = [
+        self.layers: list[KDAState | LatentKV] = [
             _kda_state(cfg, batch, dtype, device) if kind == "kda"
             else LatentKV(batch, width, dtype, device, max_len=max_len, block_size=block_size)
             for kind in cfg.layers
@@ -129,11 +130,11 @@ class HybridCache:
         """Tokens the MLA caches hold without growing (0 when the model has no MLA layer)."""
         return max((c.capacity for c in self.layers if isinstance(c, LatentKV)), default=0)
 
-    def reserve(self, batch: int, new_tokens: int) -> None:
-        """Check that `new_tokens` more tokens of `batch` sequences fit; raise ValueError if not."""
+    def check_room(self, batch: int, new_tokens: int) -> None:
+        """Raise ValueError unless `new_tokens` more tokens of `batch` sequences fit."""
         if batch != self.batch:
             raise ValueError(f"cache holds batch={self.batch} sequences, got ids for batch={batch}")
-        limit = min(self.max_len or self.cfg.max_context, self.cfg.max_context)
+        limit = self.max_len or self.cfg.max_context
         if self.seq_len + new_tokens > limit:
             raise ValueError(f"{self.seq_len} cached + {new_tokens} new tokens exceed the cache limit {limit}")
 

@@ -26,6 +26,9 @@ def generate(model: HybridModel, prompt_ids: torch.Tensor, max_new_tokens: int, 
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     B, T = prompt_ids.shape
+    if T + max_new_tokens > model.cfg.max_context:
+        raise ValueError(f"prompt length {T} + max_new_tokens {max_new_tokens} exceeds the model's "
+                         f"max_context {model.cfg.max_context}")
     if cache is None:
         param = next(model.parameters())
         cache = HybridCache(model.cfg, B, max_len=T + max_new_tokens, dtype=param.dtype, device=param.device)

@@ -65,7 +65,7 @@ class HybridModel(nn.Module):
         if ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32) or ids.shape[1] == 0:
             raise ValueError(f"ids must be a non-empty int64 tensor [B, T], got {ids.dtype} {list(ids.shape)}")
         if cache is not None:
-            cache.reserve(ids.shape[0], ids.shape[1])
+            cache.check_room(ids.shape[0], ids.shape[1])
         x = self.embed(ids)
         for block in self.blocks:
             x = block(x, cache)
