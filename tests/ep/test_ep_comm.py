@@ -17,6 +17,7 @@ from k3sys.ep.comm_reference import (
     prefetch_reference,
     reduce_grads_reference,
 )
+from k3sys.ep.measure import hot_on_rank0
 
 H = 16
 WEIGHT_SHAPES = {"w_in": (H, 24), "w_out": (24, H)}
@@ -25,11 +26,8 @@ WEIGHT_SHAPES = {"w_in": (H, 24), "w_out": (24, H)}
 def make_inputs(R: int, E: int, K: int, S: int, maxvio: float, hot_rank0: bool, step: int = 0):
     """Every rank's (x [s_r, H], topk_ids [s_r, K], topk_weights [s_r, K]), uneven s_r <= S, same on every rank."""
     ids = make_routing(R, S, E, K, maxvio, seed=7, step=step)
-    if hot_rank0:  # rename experts so the most loaded ones are rank 0's home experts
-        load = torch.bincount(ids.reshape(-1), minlength=E)
-        rename = torch.empty(E, dtype=torch.long)
-        rename[load.argsort(descending=True, stable=True)] = torch.arange(E)
-        ids = rename[ids]
+    if hot_rank0:
+        ids = hot_on_rank0(ids, E)
     g = torch.Generator().manual_seed(100 + step)
     sizes = [S - (r * 7 + step) % (S // 2) for r in range(R)]
     xs = [torch.randn(s, H, generator=g) for s in sizes]

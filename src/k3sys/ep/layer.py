@@ -159,12 +159,19 @@ class MoELayer(nn.Module):
         if x.shape[-1] != self.hidden:
             raise ValueError(f"x must be [..., {self.hidden}], got {list(x.shape)}")
         x_sh = x.reshape(-1, self.hidden)
-        ids_sk, weights_sk = self.route(x_sh)
-        experts = self._local_experts if self.buffer is None else self._parallel_experts
-        out_sh = experts(x_sh, ids_sk, weights_sk)
+        out_sh = self.routed_experts(x_sh, *self.route(x_sh))
         if self.shared is not None:
             out_sh = out_sh + self.shared(x_sh)
         return out_sh.view(x.shape)
+
+    def routed_experts(self, x_sh: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """The routed half of the layer for a given routing: `sum_k w[t, k] * expert_{ids[t, k]}(x[t])`.
+
+        x_sh `[s, h]`, topk_ids `[s, K]`, topk_weights `[s, K]` -> `[s, h]`. `forward` calls it with the
+        router's choice; benchmarks and custom routers call it directly. Sets `last_stats`.
+        """
+        experts = self._local_experts if self.buffer is None else self._parallel_experts
+        return experts(x_sh, topk_ids, topk_weights)
 
     def _local_experts(self, x_sh: torch.Tensor, ids_sk: torch.Tensor, weights_sk: torch.Tensor) -> torch.Tensor:
         s, k = ids_sk.shape
