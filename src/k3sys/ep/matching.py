@@ -7,11 +7,14 @@ most a few R matching rounds after one small device-to-host copy. They return qu
 - `greedy_quotas`, the published MoonEP policy: fill the roomiest rank completely from the most
   over-loaded group, even past that group's own surplus (it then becomes a rank with room). Every
   rank takes one quota from one group, so it needs at most epn replica slots.
-- `match_quotas`, ours: pair the largest surplus with the largest room, preferring a partner of
-  exactly the same size (that closes both with one copy), and move min(surplus, room). A group never
-  sends more than its surplus, so moved pairs meet the lower bound sum_h max(0, load_h - limit_h),
-  and the leftovers shrink like in the differencing heuristic for number partitioning, so late rounds
-  often close both sides at once. When a rank's last replica slot would leave it short, the group
+- `match_quotas`, ours: repeatedly take the largest surplus and the largest room and move
+  min(surplus, room). A group never sends more than its surplus, so moved pairs meet the lower
+  bound sum_h max(0, load_h - limit_h). Copies: a plan over n sending groups and m receiving ranks
+  has n + m - c pieces, where c counts the sets of groups and ranks whose surpluses and rooms sum to
+  the same total, so the loop closes sides together where it can: before the largest-with-largest
+  move it looks for a partner of exactly the same size, then for two partners summing to it. The
+  leftovers shrink as in the differencing heuristic for number partitioning, so late rounds often
+  close both sides at once. When a rank's last replica slot would leave it short, the group
   overshoots instead (fills it, as the greedy does), which keeps every rank within epn slots.
 """
 
@@ -42,9 +45,16 @@ class _Side:
                 return i, -a
             heapq.heappop(self.heap)
 
-    def exact(self, a: int) -> int | None:
-        ids = self.by_amount.get(a)
+    def exact(self, a: int, other_than: int = -1) -> int | None:
+        ids = self.by_amount.get(a, set()) - {other_than}
         return min(ids) if ids else None
+
+    def pair(self, total: int) -> tuple[tuple[int, int], tuple[int, int]] | None:
+        """Two ids whose amounts sum to `total` (the first found in a fixed order), or None."""
+        for i, a in self.now.items():
+            if a < total and (j := self.exact(total - a, other_than=i)) is not None:
+                return (i, a), (j, total - a)
+        return None
 
     def set(self, i: int, a: int) -> None:
         old = self.now.pop(i, None)
@@ -84,30 +94,42 @@ def match_quotas(group_load: list[int], limit: list[int], epn: int, exact: bool)
     home_left = list(group_load)
     slots = [epn] * R
     quotas: Quotas = [{} for _ in range(R)]
+
+    def send(h: int, a: int, d: int, b: int, n: int) -> None:
+        """Group h (surplus a) sends n pairs to rank d (room b); a rank out of slots takes no more."""
+        src.set(h, a - n)
+        dst.set(d, b - n if slots[d] > 1 else 0)
+        quotas[h][d] = quotas[h].get(d, 0) + n
+        home_left[h] -= n
+        slots[d] -= 1
+
     while src:
         if not dst:
             return None
         h, a = src.largest()
         d, b = dst.largest()
-        if a != b:
-            if (same := dst.exact(a)) is not None:
-                d, b = same, a
-            elif (same := src.exact(b)) is not None:
-                h, a = same, b
-        if exact and slots[d] == 1 and a < b:
+        if a == b:
+            send(h, a, d, b, a)
+        elif (same := dst.exact(a)) is not None:
+            send(h, a, same, a, a)
+        elif (same := src.exact(b)) is not None:
+            send(same, b, d, b, b)
+        elif two := dst.pair(a):  # one group closes two ranks
+            (d1, b1), (d2, b2) = two
+            send(h, a, d1, b1, b1)
+            send(h, a - b1, d2, b2, b2)
+        elif slots[d] >= 2 and (two := src.pair(b)):  # two groups close one rank
+            (h1, a1), (h2, a2) = two
+            send(h1, a1, d, b, a1)
+            send(h2, a2, d, b - a1, a2)
+        elif exact and slots[d] == 1 and a < b:
             # d's last slot must close it: h sends all of b and is left with room of its own.
             if home_left[h] < b:
                 return None
-            src.set(h, 0)
+            send(h, a, d, b, b)
             dst.set(h, b - a)
-            n = b
         else:
-            n = min(a, b)
-            src.set(h, a - n)
-        dst.set(d, b - n if slots[d] > 1 else 0)
-        quotas[h][d] = quotas[h].get(d, 0) + n
-        home_left[h] -= n
-        slots[d] -= 1
+            send(h, a, d, b, min(a, b))
     return quotas
 
 
