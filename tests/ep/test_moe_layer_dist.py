@@ -137,14 +137,22 @@ def test_capacity_required_with_group() -> None:
         MoELayer(8, 8, 4, 2, group=object())  # type: ignore[arg-type]
 
 
-def check_dtype_change(group: dist.ProcessGroup) -> float:
-    """`.double()` moves the static buffers with the parameters; the fp64 layer matches the fp64 reference."""
+def check_module_conversions(group: dist.ProcessGroup) -> list[float]:
+    """`.double()` and meta-device construction + `.to_empty()` move the static buffers with the parameters."""
     ref, layer, x_all, mine = build(group, 16, 2, "skewed", "softmax", 1)
     ref, layer, x_all = ref.double(), layer.double(), x_all.double()
     assert layer.buffer.dtype == torch.float64
-    return rel(layer(x_all[mine]), ref(x_all)[mine])
+    errs = [rel(layer(x_all[mine]), ref(x_all)[mine])]
+    with torch.device("meta"):
+        meta = MoELayer(H, F, 16, 2, num_shared_experts=1, group=group, capacity=S)
+    meta = meta.to_empty(device="cpu").double()
+    meta.load_full_state_dict(ref.state_dict())
+    assert meta.buffer.device == torch.device("cpu") and meta.buffer.dtype == torch.float64
+    errs.append(rel(meta(x_all[mine]), ref(x_all)[mine]))
+    return errs
 
 
 @pytest.mark.timeout(60)
-def test_buffers_follow_dtype(ranks: RankPool) -> None:
-    assert all(e <= 1e-12 for e in ranks.run(check_dtype_change, ranks=2))
+def test_buffers_follow_module_conversions(ranks: RankPool) -> None:
+    for errs in ranks.run(check_module_conversions, ranks=2):
+        assert all(e <= 1e-12 for e in errs), errs

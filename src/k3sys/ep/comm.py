@@ -128,7 +128,7 @@ class EPBuffer:
         self.dtype, self.device = dtype, torch.device(device)
         self._id = next(_buffer_ids)
         # The planner sizes the buffer from S alone; an empty step asks it without any routing.
-        self.buffer_rows = self._plan(torch.zeros(R, num_experts, dtype=torch.long)).buffer_rows
+        self.buffer_rows = self._plan(torch.zeros(R, num_experts, dtype=torch.long, device="cpu")).buffer_rows
         pairs = capacity * top_k
         rows = self.buffer_rows
         self._recv_x_nh = torch.zeros(rows, hidden, dtype=dtype, device=self.device)
