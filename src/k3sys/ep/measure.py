@@ -1,11 +1,13 @@
 """Time a distributed MoE layer step on local gloo ranks: the engine of bench/ep_runtime.py and the demo.
 
 `measure_step(StepSetup(...))` spawns R processes (one thread each) on 127.0.0.1, runs fwd+bwd of the
-routed experts under synthetic routings, and returns the median step time (each step timed by its
-slowest rank), the peak RSS (max over ranks; fresh processes per call, so it is this setup's peak),
-the mean max/mean rank load and the mean replica copies. `balance=False` runs the same layer with
-balancing off (planner tolerance R - 1: every pair on its expert's home rank, no replicas), which is
-plain all_to_all expert parallelism, the DeepEP-style baseline.
+routed experts under synthetic routings, and returns per setup: the median step time (each step timed
+by its slowest rank); the median CPU time of the busiest rank per step (the compute balance, which
+other load on a shared machine does not inflate the way it stretches wall time); the peak RSS (max
+over ranks, fresh processes per call, so it is this setup's peak); the mean max/mean rank load and the
+mean replica copies. `balance=False` runs the same layer with balancing off (planner tolerance R - 1:
+every pair on its expert's home rank, no replicas): plain all_to_all expert parallelism, the
+DeepEP-style baseline.
 """
 
 from __future__ import annotations
@@ -75,31 +77,33 @@ def _worker(rank: int, c: StepSetup, port: int, out_file: str) -> None:
     x = torch.randn(c.tokens, c.hidden, generator=g).requires_grad_()
     weights = torch.rand(c.tokens, c.top_k, generator=g).softmax(-1)
     grad_out = torch.randn(c.tokens, c.hidden, generator=g)
-    times, imbalance, copies = [], [], []
+    times, cpu_times, imbalance, copies = [], [], [], []
     for i, ids in enumerate(_routings(c)):
         dist.barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         layer.routed_experts(x, ids[rank], weights).backward(grad_out)
-        elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        elapsed = torch.tensor([time.perf_counter() - t0, time.process_time() - c0], dtype=torch.float64)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         x.grad = None
         if i >= c.warmup:
             loads = torch.tensor(layer.last_stats.slots_per_rank, dtype=torch.float64)
-            times.append(float(elapsed))
+            times.append(float(elapsed[0]))
+            cpu_times.append(float(elapsed[1]))
             imbalance.append(float(loads.max() / loads.mean()))
             copies.append(layer.last_stats.copies)
     rss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024], dtype=torch.float64)
     dist.all_reduce(rss, op=dist.ReduceOp.MAX)
     if rank == 0:
         Path(out_file).write_text(json.dumps({
-            "time_s": statistics.median(times), "max_over_mean_load": statistics.mean(imbalance),
-            "copies": statistics.mean(copies), "peak_rss_mib": float(rss),
+            "time_s": statistics.median(times), "cpu_s": statistics.median(cpu_times),
+            "max_over_mean_load": statistics.mean(imbalance), "copies": statistics.mean(copies),
+            "peak_rss_mib": float(rss),
         }))
     dist.destroy_process_group()
 
 
 def measure_step(c: StepSetup) -> dict[str, float]:
-    """Run `c` on fresh local gloo ranks; returns time_s, max_over_mean_load, copies, peak_rss_mib."""
+    """Run `c` on fresh local gloo ranks; returns time_s, cpu_s, max_over_mean_load, copies, peak_rss_mib."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
