@@ -37,7 +37,8 @@ class Plan:
 
     Tensors are int64 on tpe's device.
     - cap `[R]`: slots each rank is planned to receive; floor(total*K/R), the first total*K mod R ranks
-      one more (with tolerance > 0, a rank may receive up to floor((1 + tolerance) * cap)).
+      one more.
+    - limit `[R]`: the most slots a rank may receive: cap, or floor((1 + tolerance) * cap).
     - alloc `[E, R]`: pairs of expert e processed on rank r.
     - replicas `[R, epn]`: expert id in each replica slot, ascending, -1 for an unused slot.
     - cu_seqlens `[R, 2*epn]`: padded end row of each group on each rank: the epn home experts, then
@@ -49,6 +50,7 @@ class Plan:
     """
 
     cap: torch.Tensor
+    limit: torch.Tensor
     alloc: torch.Tensor
     replicas: torch.Tensor
     cu_seqlens: torch.Tensor
@@ -76,8 +78,15 @@ class Plan:
 
     @property
     def loads(self) -> torch.Tensor:
-        """`[R]` pairs each rank processes (== cap in exact mode)."""
+        """`[R]` pairs each rank processes (== cap with tolerance 0)."""
         return self.alloc.sum(0)
+
+    @property
+    def moved_lower_bound(self) -> int:
+        """No plan moves fewer pairs: sum over ranks of the home load above the limit."""
+        R = self.num_ranks
+        home = self.tpe.sum(0).view(R, -1).sum(1)
+        return int((home - self.limit).clamp(min=0).sum())
 
     def slots(self, rank: int, topk_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Where each of `rank`'s token-k pairs goes: (dst_rank `[s, K]`, dst_row `[s, K]`).
@@ -210,7 +219,7 @@ def plan(
     alloc, used = _place(load, cap, limit, strategy, exact=tolerance == 0)
     rows_cap = S * top_k + int(S * top_k * tolerance)  # >= every rank's limit, as cap <= S*K
     buffer_rows = _align_up(rows_cap + (token_padding - 1) * 2 * epn, token_padding)
-    return _finalize(tpe, alloc, cap, top_k, buffer_rows, token_padding, used)
+    return _finalize(tpe, alloc, cap, limit, top_k, buffer_rows, token_padding, used)
 
 
 def _place(
@@ -239,8 +248,8 @@ def _place(
 
 
 def _finalize(
-    tpe: torch.Tensor, alloc: torch.Tensor, cap: torch.Tensor, top_k: int, buffer_rows: int,
-    token_padding: int, strategy: str,
+    tpe: torch.Tensor, alloc: torch.Tensor, cap: torch.Tensor, limit: torch.Tensor, top_k: int,
+    buffer_rows: int, token_padding: int, strategy: str,
 ) -> Plan:
     """Derive replicas, the padded group layout and the slot-map tables from alloc."""
     R, E = tpe.shape
@@ -272,6 +281,7 @@ def _finalize(
     run_end = expert_base.view(E, 1) + alloc.cumsum(1)
     return Plan(
         cap=cap,
+        limit=limit,
         alloc=alloc,
         replicas=replicas,
         cu_seqlens=cu_seqlens,
