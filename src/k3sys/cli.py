@@ -6,9 +6,11 @@ from typing import Annotated
 
 import typer
 
+from k3sys.ep.cli import app as ep_app
 from k3sys.model.cli import memory
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="k3sys: Kimi K3's system designs, runnable.")
+app.add_typer(ep_app, name="ep")
 
 
 @app.callback()
