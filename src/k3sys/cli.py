@@ -6,7 +6,11 @@ from typing import Annotated
 
 import typer
 
+from k3sys.ep.cli import app as ep_app
+from k3sys.model.cli import memory
+
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="k3sys: Kimi K3's system designs, runnable.")
+app.add_typer(ep_app, name="ep")
 
 
 @app.callback()
@@ -20,6 +24,9 @@ def demo(part: Annotated[list[str] | None, typer.Option("--part", help="Run only
     from k3sys.demo import run_demo
 
     run_demo(parts=part)
+
+
+app.command()(memory)
 
 
 if __name__ == "__main__":

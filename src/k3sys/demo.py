@@ -15,6 +15,8 @@ from rich.table import Table
 
 # Order is the tour's order; each module owns its part.
 PARTS: list[tuple[str, str]] = [
+    ("EP", "k3sys.ep.demo"),
+    ("Model", "k3sys.model.demo"),
 ]
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from k3sys.kda.step import delta_update
 from k3sys.kda.validate import check_inputs, compute_dtype, sequence_spans
 
 
@@ -16,11 +17,7 @@ def _recurrence(q, k, v, g, beta, S):
     """q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H]; S [B, H, K, V] -> (o [B, T, H, V], S)."""
     o = torch.empty_like(v)
     for t in range(q.shape[1]):
-        S = S * g[:, t].exp().unsqueeze(-1)
-        # (I - b k k^T) D S + b k v^T  ==  D S + k (b (v - (D S)^T k))^T
-        u = beta[:, t, :, None] * (v[:, t] - torch.einsum("bhk,bhkv->bhv", k[:, t], S))
-        S = S + k[:, t].unsqueeze(-1) * u.unsqueeze(-2)
-        o[:, t] = torch.einsum("bhk,bhkv->bhv", q[:, t], S)
+        o[:, t], S = delta_update(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], S)
     return o, S
 
 

@@ -52,7 +52,7 @@ def check_inputs(
         raise ValueError(f"q/v must be non-empty, got q {list(q.shape)} and v {list(v.shape)}")
     if max_head_dim is not None and max(K, V) > max_head_dim:
         raise ValueError(f"expected K, V <= {max_head_dim}, got K={K}, V={V}")
-    if torch.any(g > 0):
+    if g.max() > 0:
         raise ValueError(f"g is a log-decay and must be <= 0, got max {g.max().item():.4g}")
     N = B
     if cu_seqlens is not None:

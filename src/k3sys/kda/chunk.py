@@ -1,0 +1,326 @@
+"""Two-phase chunked KDA: FlashKDA's structure in PyTorch.
+
+Every sequence is cut into chunks of C tokens (the last one zero-padded: a padded token has k = v = 0,
+g = 0, beta = 0, so it leaves the state untouched). Within a chunk, with G the inclusive cumsum of g
+and S the state entering the chunk, the recurrence unrolls to
+
+    (I + L) V' = Diag(beta) V - Diag(beta) (exp(G) * K) S     L[i,j] = beta_i sum_d k_id k_jd exp(G_id - G_jd), j < i
+    O          = (scale * q * exp(G)) S + Aqk V'              Aqk[i,j] = scale sum_d q_id k_jd exp(G_id - G_jd), j <= i
+    S_next     = Diag(exp(G_last)) S + (exp(G_last - G) * K)^T V'
+
+so V' = U - W S with W = (I + L)^-1 Diag(beta) (exp(G) * K) and U = (I + L)^-1 Diag(beta) V.
+
+Phase 1, `intra_chunk`, computes everything that does not depend on S for all chunks of all sequences
+and heads in one batched pass. Phase 2, `inter_chunk`, is the only loop: over chunk steps, carrying S
+for all sequences and heads at once. FlashKDA found that fusing the two lets the low-parallelism
+recurrence drag the token-parallel work; the CPU version of that claim is measured in bench/kda.py.
+
+Chunk slots. All chunks live in one "slot" axis M, ordered step-major: sequences are sorted by chunk
+count, longest first, so at step c the sequences that still have a chunk are a prefix of that order
+and their chunks occupy the contiguous slots [offset_c, offset_c + active_c). Phase 2 therefore reads
+plain slices, and a finished sequence's state simply leaves the carried batch.
+
+Workspace legend (M slots, H heads, C chunk size, K key dim, V value dim); a backend that mirrors
+the two phases produces and consumes exactly these:
+    G      [M, H, C, K]  inclusive cumsum of g inside the chunk (<= 0, non-increasing); phase 1 only
+    W      [M, H, C, K]  (I + L)^-1 Diag(beta) (exp(G) * k)
+    U      [M, H, C, V]  (I + L)^-1 Diag(beta) v
+    Qg     [M, H, C, K]  scale * q * exp(G): queries decayed from the chunk start
+    Aqk    [M, H, C, C]  scale * sum_d q_id k_jd exp(G_id - G_jd), zero above the diagonal
+    Kd     [M, H, C, K]  k * exp(G_last - G): keys decayed to the chunk end
+    decay  [M, H, K]     exp(G_last): the whole chunk's decay
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from k3sys.kda.validate import check_inputs, compute_dtype
+
+MAX_HEAD_DIM = 256
+# Block size for the intra-chunk decay products: FlashKDA's tile; inside it the factorised form is safe
+# for the bounded gate (16 steps of at most -5 span exp(+-40)).
+SUB_CHUNK = 16
+
+
+@dataclass(frozen=True)
+class ChunkLayout:
+    """Where each token of each sequence lives on the step-major slot axis (see the module docstring).
+
+    gather_rows: `[M * H * C]` row of the token-major `[B * T * H, D]` view of an input that feeds each
+        (slot, head, position) of the slot-major `[M * H * C, D]` view; padding positions point at row 0.
+    pad_rows: `[P]` the padding positions among those `M * H * C` (they are zeroed after the gather).
+    scatter_rows: `[B * T * H]` row of the slot-major view holding each (token, head)'s output.
+    active: number of sequences that have a chunk at each step (non-increasing), one entry per step.
+    order: `[N]` sequence ids sorted by chunk count, longest first (slot rank r is sequence order[r]).
+    """
+
+    num_slots: int
+    chunk_size: int
+    gather_rows: torch.Tensor
+    pad_rows: torch.Tensor
+    scatter_rows: torch.Tensor
+    active: list[int]
+    order: torch.Tensor
+
+
+def chunk_layout(lengths: torch.Tensor, starts: torch.Tensor, chunk_size: int, num_heads: int) -> ChunkLayout:
+    """Lay out sequences of `lengths` `[N]`, starting at flat token `starts` `[N]`, in chunks of `chunk_size`."""
+    C, H, device = chunk_size, num_heads, lengths.device
+    total = int(lengths.sum())
+    n_chunks = (lengths + C - 1) // C
+    order = torch.argsort(n_chunks, descending=True, stable=True)
+    nc, ln, st = n_chunks[order], lengths[order], starts[order]
+    steps = int(nc[0])
+    # active[c] = #{sequences with more than c chunks}
+    active = lengths.numel() - torch.bincount(nc, minlength=steps + 1)[:steps].cumsum(0)
+    offsets = active.cumsum(0) - active
+    # enumerate chunks sequence by sequence (sorted rank, step), then place each at its slot
+    rank = torch.repeat_interleave(torch.arange(len(nc), device=device), nc)
+    step = torch.arange(len(rank), device=device) - torch.repeat_interleave(nc.cumsum(0) - nc, nc)
+    slot = offsets[step] + rank
+    local = step[:, None] * C + torch.arange(C, device=device)  # [M, C] position inside the sequence
+    token = torch.empty(len(slot), C, dtype=torch.long, device=device)
+    token[slot] = torch.where(local < ln[rank, None], st[rank, None] + local, -1)
+    head = torch.arange(H, device=device)
+    gather = (token[:, None, :] * H + head[:, None]).flatten()  # [M * H * C]
+    pad = token[:, None, :].expand(-1, H, -1).flatten() < 0
+    real = (token >= 0).flatten()
+    # slot-major row of (token t, head h): ((m * H + h) * C + p) where t sits at slot m, position p
+    pos = torch.arange(token.numel(), device=device)[real]
+    scatter = torch.empty(total, H, dtype=torch.long, device=device)
+    scatter[token.flatten()[real]] = ((pos // C)[:, None] * H + head) * C + (pos % C)[:, None]
+    return ChunkLayout(len(slot), C, gather.clamp(min=0), pad.nonzero().flatten(), scatter.flatten(),
+                       active.tolist(), order)
+
+
+def to_slots(x: torch.Tensor, layout: ChunkLayout, dtype: torch.dtype) -> torch.Tensor:
+    """Gather token-major `[B, T, H, D]` into slot-major `[M, H, C, D]` (zeros at padding), cast to `dtype`."""
+    rows = x.reshape(-1, x.shape[-1]).index_select(0, layout.gather_rows).to(dtype)
+    if layout.pad_rows.numel():
+        rows.index_fill_(0, layout.pad_rows, 0.0)  # in place: the gather's backward does not need its output
+    return rows.view(layout.num_slots, -1, layout.chunk_size, x.shape[-1])
+
+
+def from_slots(o: torch.Tensor, layout: ChunkLayout, B: int, T: int) -> torch.Tensor:
+    """Scatter slot-major outputs `[M, H, C, V]` back to token-major `[B, T, H, V]`."""
+    M, H, C, V = o.shape
+    return o.reshape(M * H * C, V).index_select(0, layout.scatter_rows).view(B, T, H, V)
+
+
+@dataclass(frozen=True)
+class ChunkWorkspace:
+    """Phase 1's output, phase 2's input; shapes in the module legend."""
+
+    W: torch.Tensor
+    U: torch.Tensor
+    Qg: torch.Tensor
+    Aqk: torch.Tensor
+    Kd: torch.Tensor
+    decay: torch.Tensor
+
+
+
+def _max_half_span(dtype: torch.dtype) -> float:
+    """Largest |exponent| the factorised decay may use: exp(+-x) stays far inside the normal range."""
+    return (2.0 / 3.0) * math.log(torch.finfo(dtype).max)  # fp32: 59, fp64: 473
+
+
+def _segment_sums(x: torch.Tensor) -> torch.Tensor:
+    """`[..., n, K]` -> `[..., n, n, K]` with `out[i, j] = x_{j+1} + ... + x_i` (zero for i <= j).
+
+    A masked cumsum rather than a difference of two cumsums: when the prefix sums are large (a huge
+    log-decay step earlier on), their difference would lose the small segment's digits.
+    """
+    n = x.shape[-2]
+    after = torch.ones(n, n, dtype=torch.bool, device=x.device).tril(-1)  # [t, j]: t > j
+    return (x[..., :, None, :] * after[:, :, None]).cumsum(-3)
+
+
+def _suffix_sums(g: torch.Tensor) -> torch.Tensor:
+    """`[..., n, K]` -> `[..., n, K]`: `out[i] = g_{i+1} + ... + g_{n-1}` (exclusive, zero at the end).
+
+    One matmul with a constant mask: sums of same-signed steps, not `total - prefix` (which would
+    cancel the digits of a small tail after a huge step).
+    """
+    n = g.shape[-2]
+    return torch.ones(n, n, dtype=g.dtype, device=g.device).triu(1) @ g
+
+
+def _decayed_products(
+    q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, G_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`A_kk[i,j] = sum_d k_id k_jd exp(G_id - G_jd)` (j < i) and `A_qk` (same with q_i, j <= i), `[M, H, C, C]`.
+
+    q, k, g `[M, H, C, K]`; G_b `[M, H, nb, b, K]` the cumsum of g inside each block of b = `SUB_CHUNK`
+    tokens. exp(G_i - G_j) is never formed per pair:
+    - a pair inside one block factorises through the midpoint c of that block's range, so both factors
+      stay within exp(+-span/2); a block whose span is too wide for the dtype (only possible with an
+      unbounded gate) is recomputed by `_pairwise_products`;
+    - a pair in blocks J < I factorises at the end r of block I-1: exp(G_i - r) exp(r - G_j), both
+      factors <= 1 (nothing can overflow), every exponent a sum of same-signed steps.
+    """
+    M, H, nb, b, K = G_b.shape
+    q_b, k_b, g_b = (x.view(M, H, nb, b, K) for x in (q, k, g))
+    lim = _max_half_span(g.dtype)
+    # the products do not depend on c, so c needs no gradient
+    c = (0.5 * (G_b[..., :1, :] + G_b[..., -1:, :])).detach()
+    # the clamp only bites in blocks that the pairwise form overwrites; it keeps their unused values finite
+    e = (G_b - c).clamp_(-lim, lim)
+    up = e.exp()
+    k_col = k_b * torch.exp(-e)  # not 1 / up: its backward, -1 / up^2, would overflow
+    D_kk = (k_b * up) @ k_col.mT  # [M, H, nb, b, b]
+    D_qk = (q_b * up) @ k_col.mT
+    wide = (G_b[..., 0, :] - G_b[..., -1, :]).amax(-1) > 2 * lim  # [M, H, nb]
+    if wide.any():
+        idx = wide.nonzero(as_tuple=True)
+        D_kk_w, D_qk_w = _pairwise_products(q_b[idx], k_b[idx], g_b[idx])
+        D_kk, D_qk = D_kk.index_put(idx, D_kk_w), D_qk.index_put(idx, D_qk_w)
+    # above the diagonal the factorised products may overflow (exp(G_i - G_j) > 1): select, never multiply, them away
+    lower = torch.ones(b, b, dtype=torch.bool, device=g.device).tril()
+    D_kk = torch.where(lower.tril(-1), D_kk, 0.0)
+    D_qk = torch.where(lower, D_qk, 0.0)
+    if nb == 1:
+        return D_kk.view(M, H, b, b), D_qk.view(M, H, b, b)
+    I, J = torch.tril_indices(nb, nb, -1, device=g.device)  # the P block pairs J < I
+    # decay over the whole blocks strictly between J and I: block totals summed over (J, I - 1]
+    between = _segment_sums(G_b[..., -1, :])[:, :, I - 1, J].exp()  # [M, H, P, K]
+    rows = G_b.exp()  # exp(G_i - r): from the start of i's block
+    cols = (k_b * _suffix_sums(g_b).exp())[:, :, J] * between[..., None, :]  # [M, H, P, b, K]
+    off_kk = (k_b * rows)[:, :, I] @ cols.mT  # [M, H, P, b, b]
+    off_qk = (q_b * rows)[:, :, I] @ cols.mT
+    return _assemble_blocks(D_kk, off_kk, I, J), _assemble_blocks(D_qk, off_qk, I, J)
+
+
+def _assemble_blocks(D: torch.Tensor, off: torch.Tensor, I: torch.Tensor, J: torch.Tensor) -> torch.Tensor:
+    """Diagonal blocks D `[M, H, nb, b, b]` and blocks `off` `[M, H, P, b, b]` at (I, J) -> `[M, H, C, C]`."""
+    M, H, nb, b, _ = D.shape
+    A = D.new_zeros(M, H, nb, nb, b, b)
+    diag = torch.arange(nb, device=D.device)
+    A[:, :, diag, diag] = D
+    A[:, :, I, J] = off
+    return A.transpose(3, 4).reshape(M, H, nb * b, nb * b)
+
+
+def _pairwise_products(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pairwise form of `_decayed_products` for `[n, b, K]` blocks: `[n, b, b]` each, via `[n, b, b, K]`."""
+    b = g.shape[-2]
+    lower = torch.ones(b, b, dtype=torch.bool, device=g.device).tril()
+    decay = torch.where(lower[:, :, None], _segment_sums(g), -torch.inf).exp()  # [n, i, j, K]
+    A_kk = torch.einsum("nid,njd,nijd->nij", k, k, decay)
+    A_qk = torch.einsum("nid,njd,nijd->nij", q, k, decay)
+    return A_kk, A_qk
+
+
+def intra_chunk(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float
+) -> ChunkWorkspace:
+    """Phase 1: everything that does not depend on the carried state, for all chunk slots at once.
+
+    Args:
+        q, k, g: `[M, H, C, K]` in the compute dtype; v `[M, H, C, V]`; beta `[M, H, C]`.
+        scale: query scale.
+    """
+    M, H, C, K = g.shape
+    b = min(C, SUB_CHUNK)
+    G_b = g.view(M, H, C // b, b, K).cumsum(-2)
+    G = G_b.view(M, H, C, K) if b == C else g.cumsum(-2)
+    q = q * scale
+    A_kk, A_qk = _decayed_products(q, k, g, G_b)
+    eye = torch.eye(C, dtype=g.dtype, device=g.device)
+    # (I + L)^-1 by a batched triangular solve: backward-stable, as fast here as FlashKDA's product form
+    # (I - L)(I + L^2)(I + L^4)(I + L^8), which loses digits from C = 32 on when keys in a chunk correlate.
+    inv = torch.linalg.solve_triangular(eye + beta[..., None] * A_kk, eye, upper=False, unitriangular=True)
+    inv = inv * beta[..., None, :]  # (I + L)^-1 Diag(beta): beta folded into the small matrix
+    decay_in = G.exp()
+    return ChunkWorkspace(W=inv @ (k * decay_in), U=inv @ v, Qg=q * decay_in, Aqk=A_qk,
+                          Kd=k * _suffix_sums(g).exp(), decay=decay_in[..., -1, :])
+
+
+def inter_chunk_step(S: torch.Tensor, ws: ChunkWorkspace) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk step for the A sequences in `ws` (A slots): S `[A, H, K, V]` -> (O `[A, H, C, V]`, next S)."""
+    A, H, K, V = S.shape
+    Vn = (ws.U - ws.W @ S).flatten(0, 1)
+    # baddbmm fuses each add into its matmul: one call fewer per step in the only sequential loop
+    O = torch.baddbmm((ws.Qg @ S).flatten(0, 1), ws.Aqk.flatten(0, 1), Vn)
+    S = torch.baddbmm((S * ws.decay[..., None]).flatten(0, 1), ws.Kd.flatten(0, 1).transpose(-1, -2), Vn)
+    return O.view(A, H, -1, V), S.view(A, H, K, V)
+
+
+def inter_chunk(ws: ChunkWorkspace, active: list[int], S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Phase 2: the recurrence over chunk steps, all sequences and heads at once.
+
+    Args:
+        ws: phase 1's workspace over M slots.
+        active: sequences with a chunk at each step (non-increasing); the slot ranks are sorted longest first.
+        S: `[N, H, K, V]` initial states in slot-rank order.
+
+    Returns:
+        O `[M, H, C, V]` and the final states `[N, H, K, V]` in slot-rank order.
+    """
+    steps = zip(*(t.split(active) for t in (ws.W, ws.U, ws.Qg, ws.Aqk, ws.Kd, ws.decay)), strict=True)
+    outs, finished = [], []
+    for a, step in zip(active, steps, strict=True):
+        if a < S.shape[0]:
+            finished.append(S[a:])
+            S = S[:a]
+        O, S = inter_chunk_step(S, ChunkWorkspace(*step))
+        outs.append(O)
+    # sequences leave from the highest rank down, so reversing restores rank order
+    return torch.cat(outs), torch.cat([S, *finished[::-1]])
+
+
+def kda_chunk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    chunk_size: int = 16,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Chunked KDA (two phases), differentiable; same arguments and results as `kda_naive`.
+
+    Args:
+        q, k: `[B, T, H, K]`, used as given (callers L2-normalise); K <= 256.
+        v: `[B, T, H, V]`, V <= 256.
+        g: `[B, T, H, K]` per-step natural-log decay, <= 0 (unbounded below).
+        beta: `[B, T, H]`, already activated.
+        scale: query scale, default `K ** -0.5`.
+        initial_state: `[N, H, K, V]`, default zeros.
+        output_final_state: return the final state `[N, H, K, V]` (else None).
+        cu_seqlens: `[N + 1]` int64 offsets of packed sequences (B must be 1).
+        chunk_size: tokens per chunk C, default 16.
+
+    Returns:
+        o `[B, T, H, V]` in v's dtype, and the final state in the compute dtype (fp32, or fp64 when any
+        input is fp64; bf16/fp16 inputs accumulate in fp32) or None.
+    """
+    dims = check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, max_head_dim=MAX_HEAD_DIM)
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1 or (
+            chunk_size > SUB_CHUNK and chunk_size % SUB_CHUNK):
+        raise ValueError(f"chunk_size must be a positive int, a multiple of {SUB_CHUNK} above {SUB_CHUNK}, "
+                         f"got {chunk_size!r}")
+    dt = compute_dtype(q, k, v, g, beta, initial_state)
+    scale = dims.K**-0.5 if scale is None else scale
+    device = q.device
+    if cu_seqlens is None:
+        lengths = torch.full((dims.B,), dims.T, dtype=torch.long, device=device)
+        starts = torch.arange(dims.B, device=device) * dims.T
+    else:
+        cu = cu_seqlens.to(device=device, dtype=torch.long)
+        lengths, starts = cu[1:] - cu[:-1], cu[:-1]
+    layout = chunk_layout(lengths, starts, chunk_size, dims.H)
+    ws = intra_chunk(*(to_slots(x, layout, dt) for x in (q, k, v, g)), to_slots(beta[..., None], layout, dt)[..., 0],
+                     scale)
+    S0 = (initial_state.to(dt)[layout.order] if initial_state is not None
+          else torch.zeros(dims.N, dims.H, dims.K, dims.V, dtype=dt, device=device))
+    O, S = inter_chunk(ws, layout.active, S0)
+    o = from_slots(O, layout, dims.B, dims.T).to(v.dtype)
+    return o, (S[torch.argsort(layout.order)] if output_final_state else None)

@@ -1,0 +1,99 @@
+"""Baselines against hand counts and a naive EPLB loop; the cost model against hand arithmetic."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from k3sys.ep import baselines, make_routing, plan, tokens_per_expert
+from k3sys.ep.sim import Hardware, MoEShape, compare, pad_experts, step_cost
+
+TPE = torch.tensor([[6, 0, 1, 1], [4, 2, 0, 2]])  # R=2, E=4, K=2, s=4
+
+
+def test_static_is_home_placement():
+    p = baselines.static(TPE)
+    assert p.traffic.tolist() == [[6, 2], [6, 2]]
+    assert p.loads.tolist() == [12, 4] and p.dropped == 0 and int(p.fetched.sum()) == 0
+
+
+def test_capacity_drops_above_the_local_limit():
+    p = baselines.capacity(TPE, 2, factor=1.0)  # limit ceil(1.0 * 8 / 4) = 2 per (rank, expert)
+    assert p.traffic.tolist() == [[2, 2], [4, 2]]
+    assert p.dropped == (6 - 2) + (4 - 2)
+    assert baselines.capacity(TPE, 2, factor=4.0).dropped == 0
+
+
+def naive_eplb_counts(load: list[float], slots: int, R: int) -> list[int]:
+    count = [1] * len(load)
+    for _ in range(slots - len(load)):
+        e = max((e for e in range(len(load)) if count[e] < R), key=lambda e: load[e] / count[e])
+        count[e] += 1
+    return count
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_eplb_replica_counts_match_the_sequential_greedy(seed):
+    load = torch.randint(0, 1000, (32,), generator=torch.Generator().manual_seed(seed))
+    got = baselines.eplb_replicas(load, 64, 8)
+    assert got.tolist() == naive_eplb_counts(load.tolist(), 64, 8)
+
+
+def test_eplb_conserves_pairs_and_balances_a_known_skew():
+    tpe = tokens_per_expert(make_routing(8, 512, 32, 4, 3.0, seed=1), 32)
+    p = baselines.eplb(tpe, tpe.sum(0), slots_per_rank=8)
+    assert torch.equal(p.traffic.sum(1), tpe.sum(1)) and int(p.loads.sum()) == int(tpe.sum())
+    assert float(p.loads.max()) < 1.05 * float(p.loads.float().mean()) < float(baselines.static(tpe).loads.max())
+    with pytest.raises(ValueError, match=r"slots_per_rank \(3\) \* R \(8\) must be >= E \(32\)"):
+        baselines.eplb(tpe, tpe.sum(0), slots_per_rank=3)
+
+
+def test_from_plan_fetches_each_replica_from_its_home():
+    tpe = tokens_per_expert(make_routing(4, 256, 32, 4, 4.0, seed=2), 32)
+    p = plan(tpe, 4)
+    pl = baselines.from_plan(p)
+    assert torch.equal(pl.loads, p.loads) and torch.equal(pl.traffic, p.traffic())
+    assert int(pl.fetched.sum()) == p.num_copies > 0
+    for r in range(4):
+        for home in range(4):
+            held = [e for e in p.replicas[r].tolist() if e >= 0 and e // 8 == home]
+            assert int(pl.fetched[home, r]) == len(held)
+
+
+def test_step_cost_matches_hand_arithmetic():
+    hw = Hardware(peak_flops=1e12, gemm_efficiency=0.5, nvlink_bytes_per_s=4e9, network_bytes_per_s=1e9,
+                  ranks_per_node=2)
+    shape = MoEShape(hidden=8, ffn=4, bytes_per_elem=2)
+    traffic = torch.tensor([[0, 10, 30, 0], [0, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]])
+    fetched = torch.zeros(4, 4, dtype=torch.long)
+    fetched[0, 1] = 1
+    p = baselines.Placement(torch.tensor([100, 10, 30, 0]), traffic, fetched)
+    cost = step_cost(p, shape, hw)
+    assert cost.compute.tolist() == pytest.approx([n * 6 * 8 * 4 / 0.5e12 for n in (100, 10, 30, 0)])
+    # Rank 0 sends 10 rows over NVLink (to rank 1) and 30 over the network (to rank 2), in parallel.
+    row = 8 * 2
+    assert float(cost.all_to_all[0]) == pytest.approx(2 * max(10 * row / 4e9, 30 * row / 1e9))
+    assert float(cost.all_to_all[2]) == pytest.approx(2 * 30 * row / 1e9)
+    assert float(cost.prefetch[1]) == pytest.approx(3 * 8 * 4 * 2 / 4e9)
+    assert cost.step == pytest.approx(float(cost.total.max()))
+
+
+def test_pad_experts_spreads_empty_slots():
+    tpe = torch.arange(1, 8).view(1, 7)  # E=7 over R=2: 4 and 3 real experts
+    assert pad_experts(tpe, 2).tolist() == [[1, 2, 3, 4, 5, 6, 7, 0]]
+    assert torch.equal(pad_experts(TPE, 2), TPE)
+    assert pad_experts(torch.ones(1, 6, dtype=torch.long), 4).tolist() == [[1, 1, 1, 0, 1, 1, 1, 0]]
+
+
+def test_compare_small_scale():
+    # Small experts: weight fetches are cheap next to the skewed pairs, so balancing must pay off.
+    c = compare(4.0, 8, num_experts=64, top_k=4, tokens_per_rank=256, hot_shift=0.5, shape=MoEShape(64, 16))
+    assert abs(c.maxvio - 4.0) <= 0.2 and c.tpe.shape == (8, 64)
+    m = c.methods
+    assert set(m) == {"static", "eplb", "capacity", "greedy", "ours", "ours_tol"}
+    for name in ("greedy", "ours"):
+        assert m[name]["balancedness"] == 1.0 and m[name]["peak_rows"] == 1.0 and m[name]["dropped_pct"] == 0
+    assert m["ours_tol"]["peak_rows"] <= 1.05 and m["ours_tol"]["copies"] <= m["ours"]["copies"]
+    assert m["ours"]["moved_tokens"] == m["ours"]["lower_bound"] <= m["greedy"]["moved_tokens"]
+    assert m["static"]["peak_rows"] > 1.5 and m["capacity"]["dropped_pct"] > 0
+    assert m["static"]["relative"] > 1.3 * m["ours"]["relative"]

@@ -1,0 +1,267 @@
+"""Planner invariants on random and adversarial token counts, the slot map against a naive oracle,
+and every rejected input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from k3sys.ep import make_routing, plan, tokens_per_expert
+
+
+def group_start(p, rank: int, group: int) -> int:
+    return 0 if group == 0 else int(p.cu_seqlens[rank, group - 1])
+
+
+def expert_group(p, expert: int, rank: int) -> int:
+    """Group index of `expert` on `rank`: its home slot there, else its replica slot."""
+    epn = p.experts_per_rank
+    if expert // epn == rank:
+        return expert % epn
+    return epn + p.replicas[rank].tolist().index(expert)
+
+
+def check_plan(p, tpe: torch.Tensor, top_k: int, capacity: int, token_padding: int, tolerance: float = 0.0):
+    R, E = tpe.shape
+    epn = E // R
+    slots = int(tpe.sum())
+    cap = torch.tensor([slots // R + (r < slots % R) for r in range(R)])
+    assert torch.equal(p.cap, cap)
+    if tolerance == 0:
+        assert torch.equal(p.loads, cap), "every rank receives exactly its cap"
+    else:
+        assert bool((p.loads <= cap + (cap * tolerance).floor().long()).all())
+    assert bool((p.alloc >= 0).all())
+    assert torch.equal(p.alloc.sum(1), tpe.sum(0)), "every expert's pairs are conserved"
+    remote = p.alloc.clone()
+    remote[torch.arange(E), torch.arange(E) // epn] = 0
+    assert p.moved_tokens == int(remote.sum())
+    assert p.num_copies == int((remote > 0).sum())
+    assert p.replicas.shape == (R, epn)
+    for r in range(R):
+        used = [e for e in p.replicas[r].tolist() if e >= 0]
+        assert p.replicas[r].tolist() == used + [-1] * (epn - len(used)), "used slots first"
+        assert used == sorted(used) and len(set(used)) == len(used)
+        assert used == torch.nonzero(remote[:, r]).view(-1).tolist(), "replicas are exactly the remote experts"
+    assert bool((p.cu_seqlens.diff(dim=1) >= 0).all()) and bool((p.cu_seqlens >= 0).all())
+    assert bool((p.cu_seqlens % token_padding == 0).all())
+    rows_cap = capacity * top_k + int(capacity * top_k * tolerance)
+    expected_rows = -(-(rows_cap + (token_padding - 1) * 2 * epn) // token_padding) * token_padding
+    assert p.buffer_rows == expected_rows
+    assert bool((p.cu_seqlens[:, -1] <= p.buffer_rows).all())
+    for r in range(R):
+        for g in range(2 * epn):
+            e = r * epn + g if g < epn else int(p.replicas[r, g - epn])
+            n = 0 if e < 0 else int(p.alloc[e, r])
+            padded = -(-n // token_padding) * token_padding
+            assert int(p.cu_seqlens[r, g]) - group_start(p, r, g) == padded
+
+
+def reference_slots(p, topk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Naive slot map: each expert's pairs in (source rank, token, k) order, dealt out to destinations in
+    ascending rank order, alloc[e, d] each, rows counted from the expert's group start."""
+    R, s, K = topk.shape
+    pairs: dict[int, list[tuple[int, int, int]]] = {}
+    for r in range(R):
+        for t in range(s):
+            for k in range(K):
+                pairs.setdefault(int(topk[r, t, k]), []).append((r, t, k))
+    dst = torch.full_like(topk, -1)
+    row = torch.full_like(topk, -1)
+    for e, lst in pairs.items():
+        i = 0
+        for d in range(R):
+            start = group_start(p, d, expert_group(p, e, d)) if p.alloc[e, d] else 0
+            for j in range(int(p.alloc[e, d])):
+                dst[lst[i]], row[lst[i]] = d, start + j
+                i += 1
+    return dst, row
+
+
+def check_slots(p, topk: torch.Tensor):
+    """slots() of all ranks together fill every destination's groups exactly once."""
+    R = topk.shape[0]
+    dst, row = zip(*(p.slots(r, topk[r]) for r in range(R)), strict=True)
+    dst, row = torch.stack(dst), torch.stack(row)
+    for d in range(R):
+        mine = dst == d
+        rows = row[mine]
+        assert rows.unique().numel() == rows.numel(), "no two pairs share a row"
+        assert rows.numel() == int(p.loads[d])
+        # Each row lies inside the unpadded part of its own expert's group.
+        for e in topk[mine].unique().tolist():
+            g = expert_group(p, e, d)
+            lo = group_start(p, d, g)
+            r_e = row[mine & (topk == e)]
+            assert int(r_e.min()) >= lo and int(r_e.max()) < lo + int(p.alloc[e, d])
+    sent = torch.zeros(R, R, dtype=torch.long)
+    for r in range(R):
+        sent[r] = torch.bincount(dst[r].reshape(-1), minlength=R)
+    assert torch.equal(p.traffic(), sent)
+    return dst, row
+
+
+def routing_hot_expert(R: int, s: int, E: int, K: int) -> torch.Tensor:
+    """Every token picks expert 0 (plus K-1 others): all tokens to one expert."""
+    g = torch.Generator().manual_seed(0)
+    rest = torch.rand(R, s, E - 1, generator=g).topk(K - 1, dim=-1).indices + 1
+    return torch.cat([torch.zeros(R, s, 1, dtype=torch.long), rest], dim=-1)
+
+
+def routing_hot_rank(R: int, s: int, E: int, K: int) -> torch.Tensor:
+    """Every token picks among rank 0's home experts first: one hot rank."""
+    epn = E // R
+    g = torch.Generator().manual_seed(1)
+    score = torch.rand(R, s, E, generator=g)
+    score[..., :epn] += 1
+    return score.topk(K, dim=-1).indices
+
+
+def routing_uniform(R: int, s: int, E: int, K: int) -> torch.Tensor:
+    """Token t picks experts t*K .. t*K+K-1 (mod E): every expert gets the same count when E | s*K."""
+    t = torch.arange(s).view(1, s, 1) * K + torch.arange(K).view(1, 1, K)
+    return (t % E).expand(R, s, K).contiguous()
+
+
+# name -> (routing [R, s, K], E)
+CASES = {
+    "zipf-mv2-R4-E16-K4": lambda: (make_routing(4, 96, 16, 4, 2.0, seed=3, dist="zipf"), 16),
+    "lognormal-mv1-R8-E32-K4": lambda: (make_routing(8, 64, 32, 4, 1.0, seed=5), 32),
+    "lognormal-mv5-R4-E32-K3": lambda: (make_routing(4, 80, 32, 3, 5.0, seed=7), 32),
+    "hot-expert-R4-E8-K2": lambda: (routing_hot_expert(4, 50, 8, 2), 8),
+    "hot-expert-R4-E8-K1": lambda: (routing_hot_expert(4, 50, 8, 1), 8),
+    "hot-rank-R4-E16-K3": lambda: (routing_hot_rank(4, 40, 16, 3), 16),
+    "uniform-R4-E16-K4": lambda: (routing_uniform(4, 32, 16, 4), 16),
+    "R1-E8-K2": lambda: (make_routing(1, 40, 8, 2, 1.0, seed=2), 8),
+    "epn1-R8-E8-K2": lambda: (make_routing(8, 40, 8, 2, 2.0, seed=4), 8),
+}
+
+
+@pytest.mark.parametrize("strategy", ["match", "greedy"])
+@pytest.mark.parametrize("token_padding", [1, 8], ids=["pad1", "pad8"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_invariants_and_slots(case, token_padding, strategy):
+    topk, E = CASES[case]()
+    R, s, K = topk.shape
+    tpe = tokens_per_expert(topk, E)
+    p = plan(tpe, K, token_padding=token_padding, strategy=strategy)
+    check_plan(p, tpe, K, s, token_padding)
+    dst, row = check_slots(p, topk)
+    ref_dst, ref_row = reference_slots(p, topk)
+    assert torch.equal(dst, ref_dst) and torch.equal(row, ref_row)
+
+
+def test_uniform_routing_moves_nothing():
+    topk = routing_uniform(4, 32, 16, 4)
+    p = plan(tokens_per_expert(topk, 16), 4)
+    assert p.moved_tokens == 0 and p.num_copies == 0 and bool((p.replicas == -1).all())
+
+
+def test_uneven_tokens_per_rank_with_total_tokens():
+    full = make_routing(4, 64, 16, 3, 2.0, seed=11)
+    s_r = [64, 10, 37, 2]
+    E, K = 16, 3
+    tpe = torch.stack([tokens_per_expert(full[r : r + 1, : s_r[r]], E)[0] for r in range(4)])
+    capacity = 80
+    p = plan(tpe, K, tokens_per_rank=capacity, total_tokens=sum(s_r), token_padding=4)
+    check_plan(p, tpe, K, capacity, 4)
+    assert p.cap.tolist() == [85, 85, 85, 84]  # 113 tokens * 3 = 339 = 4 * 84 + 3
+    dst = [p.slots(r, full[r, : s_r[r]])[0] for r in range(4)]
+    assert [sum(int((d == q).sum()) for d in dst) for q in range(4)] == [85, 85, 85, 84]
+
+
+def test_capacity_sizes_buffer_rows_only():
+    topk = make_routing(4, 32, 16, 4, 1.0, seed=1)
+    tpe = tokens_per_expert(topk, 16)
+    small, big = plan(tpe, 4, token_padding=8), plan(tpe, 4, tokens_per_rank=100, token_padding=8)
+    assert torch.equal(small.alloc, big.alloc) and torch.equal(small.cu_seqlens, big.cu_seqlens)
+    assert (small.buffer_rows, big.buffer_rows) == (32 * 4 + 7 * 8, 100 * 4 + 7 * 8)
+
+
+@pytest.mark.parametrize("tolerance", [0.05, 0.25])
+def test_tolerance_bounds_loads_and_saves_copies(tolerance):
+    topk = make_routing(8, 256, 64, 4, 1.5, seed=9)
+    tpe = tokens_per_expert(topk, 64)
+    exact, loose = plan(tpe, 4), plan(tpe, 4, tolerance=tolerance, token_padding=2)
+    check_plan(loose, tpe, 4, 256, 2, tolerance)
+    check_slots(loose, topk)
+    assert loose.strategy == "match"
+    assert loose.moved_tokens < exact.moved_tokens and loose.num_copies < exact.num_copies
+
+
+def test_match_meets_the_moved_lower_bound_and_the_greedy_copies():
+    for seed, mv in [(0, 0.5), (1, 2.0), (2, 8.0), (3, 0.0)]:
+        topk = make_routing(16, 512, 128, 8, mv, seed=seed)
+        tpe = tokens_per_expert(topk, 128)
+        ours, greedy = plan(tpe, 8), plan(tpe, 8, strategy="greedy")
+        home = tpe.sum(0).view(16, 8).sum(1)
+        lower_bound = int((home - ours.cap).clamp(min=0).sum())
+        assert ours.strategy == "match" and ours.moved_tokens == lower_bound
+        assert greedy.moved_tokens >= lower_bound and ours.num_copies <= greedy.num_copies
+
+
+def test_last_replica_slot_makes_a_group_overshoot():
+    # One replica slot per rank: rank 2 (room 4) cannot take the two surpluses of 2, so group 0 fills it
+    # completely and takes group 1's surplus in its own slot, as the greedy would.
+    tpe = torch.tensor([[3, 3, 0], [3, 3, 0], [2, 2, 2]])  # K=1, s=6: expert loads 8, 8, 2, caps 6
+    p = plan(tpe, 1)
+    check_plan(p, tpe, 1, 6, 1)
+    assert p.strategy == "match" and p.alloc.tolist() == [[4, 0, 4], [2, 6, 0], [0, 0, 2]]
+
+
+def test_plan_is_deterministic():
+    topk = make_routing(8, 128, 64, 4, 3.0, seed=21)
+    tpe = tokens_per_expert(topk, 64)
+    a, b = plan(tpe, 4, token_padding=4), plan(tpe.clone(), 4, token_padding=4)
+    for name in ("cap", "alloc", "replicas", "cu_seqlens"):
+        assert torch.equal(getattr(a, name), getattr(b, name))
+    assert all(torch.equal(x, y) for x, y in zip(a.slots(3, topk[3]), b.slots(3, topk[3]), strict=True))
+
+
+def test_plan_is_frozen():
+    p = plan(tokens_per_expert(routing_uniform(2, 8, 4, 2), 4), 2)
+    with pytest.raises(AttributeError):
+        p.buffer_rows = 0
+
+
+GOOD = torch.tensor([[2, 1, 1, 0], [0, 2, 1, 1]])  # R=2, E=4, K=2, s=2
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"tpe": torch.zeros(3, 4, dtype=torch.long)}, r"E \(4\) must be a positive multiple of R \(3\)"),
+        ({"tpe": torch.tensor([[2, 1, 1, 0]] * 2).T.contiguous()}, r"multiple of R"),
+        ({"tpe": torch.tensor([[3, 1, 1, -1], [0, 2, 1, 1]])}, r"counts must be >= 0, got -1"),
+        ({"tpe": torch.tensor([[2, 1, 1, 1], [0, 2, 1, 1]])}, r"row 0 sums to 5, not a multiple of top_k=2"),
+        ({"tpe": torch.tensor([[2, 1, 1, 0], [2, 2, 1, 1]])}, r"must all sum to s\*K .* total_tokens"),
+        ({"tpe": torch.tensor([[3, 1, 0, 0], [0, 2, 1, 1]])}, r"row 0 routes more than its s=2 tokens"),
+        ({"tpe": GOOD.float()}, r"integer counts, got torch.float32"),
+        ({"tpe": GOOD[0]}, r"2-D \[R, E\]"),
+        ({"top_k": 5}, r"top_k must be in \[1, E=4\], got 5"),
+        ({"top_k": 0}, r"top_k must be in \[1, E=4\], got 0"),
+        ({"total_tokens": 5}, r"tpe sums to 8 pairs, but total_tokens\*K = 10"),
+        ({"tokens_per_rank": 1}, r"tokens_per_rank \(capacity S=1\) is below this step's s=2"),
+        ({"token_padding": 0}, r"token_padding must be >= 1, got 0"),
+        ({"strategy": "eplb"}, r"strategy must be one of .* got 'eplb'"),
+        ({"tolerance": -0.1}, r"tolerance must be >= 0, got -0.1"),
+    ],
+    ids=["E-not-multiple", "R-gt-E", "negative", "row-not-sK", "uneven-no-total", "over-s", "float", "1-D",
+         "topk-gt-E", "topk-0", "total-mismatch", "capacity-below-s", "padding-0", "strategy", "tolerance"],
+)
+def test_bad_plan_input_rejected(kwargs, match):
+    args = {"tpe": GOOD, "top_k": 2} | kwargs
+    with pytest.raises(ValueError, match=match):
+        plan(**args)
+
+
+def test_bad_slots_input_rejected():
+    p = plan(GOOD, 2)
+    with pytest.raises(ValueError, match=r"rank must be in \[0, 2\), got 2"):
+        p.slots(2, torch.tensor([[0, 1], [0, 2]]))
+    with pytest.raises(ValueError, match=r"shape \[s, K=2\], got \[2, 3\]"):
+        p.slots(0, torch.tensor([[0, 1, 2], [0, 2, 3]]))
+    with pytest.raises(ValueError, match=r"must lie in \[0, 4\), got \[0, 4\]"):
+        p.slots(0, torch.tensor([[0, 1], [0, 4]]))
+    with pytest.raises(ValueError, match=r"route 1 pairs to expert 2, but the plan's tpe\[0, 2\] is 0|expert"):
+        p.slots(1, torch.tensor([[0, 1], [0, 2]]))

@@ -1,0 +1,79 @@
+import pytest
+import torch
+from kda_inputs import make_inputs, rel_rms
+
+from k3sys.kda import kda_chunk, kda_naive, kda_step
+
+
+def decode(q, k, v, g, beta, state):
+    """Token-by-token kda_step over [B, T, ...] inputs -> (o [B, T, H, V], final state)."""
+    outs = []
+    for t in range(q.shape[1]):
+        o, state = kda_step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state)
+        outs.append(o)
+    return torch.stack(outs, dim=1), state
+
+
+@pytest.mark.parametrize("gate", ["safe", "huge"])
+def test_step_by_step_decode_equals_chunk_fp64(gate):
+    q, k, v, g, beta = make_inputs(3, 40, 2, 16, 8, gate=gate)
+    S0 = torch.randn(3, 2, 16, 8, dtype=torch.float64)
+    o_ref, S_ref = kda_chunk(q, k, v, g, beta, initial_state=S0, output_final_state=True)
+    o, S = decode(q, k, v, g, beta, S0)
+    assert rel_rms(o, o_ref) <= 1e-10
+    assert rel_rms(S, S_ref) <= 1e-10
+
+
+def test_step_fp32_and_bf16_accumulate_in_fp32():
+    q, k, v, g, beta = make_inputs(2, 30, 2, 32, 16)
+    S0 = torch.randn(2, 2, 32, 16, dtype=torch.float64)
+    o_ref, S_ref = kda_naive(q, k, v, g, beta, initial_state=S0, output_final_state=True)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 5e-3)):
+        xs = [x.to(dtype) for x in (q, k, v, g, beta)]
+        o_lo, S_lo = kda_naive(*(x.double() for x in xs), initial_state=S0.float(), output_final_state=True)
+        o, S = decode(*xs, S0.float())
+        assert o.dtype == dtype and S.dtype == torch.float32
+        assert rel_rms(o, o_lo) <= tol and rel_rms(S, S_lo) <= tol
+    assert rel_rms(decode(q, k, v, g, beta, S0)[0], o_ref) <= 1e-12
+
+
+def test_step_leaves_the_given_state_untouched_and_keeps_its_shape():
+    q, k, v, g, beta = (x[:, 0] for x in make_inputs(2, 1, 3, 8, 4, dtype=torch.float32))
+    state = torch.randn(2, 3, 8, 4)
+    before = state.clone()
+    o, new = kda_step(q, k, v, g, beta, state)
+    assert torch.equal(state, before)
+    assert o.shape == (2, 3, 4) and new.shape == state.shape and new.dtype == torch.float32
+
+
+def test_step_scale_matches_naive():
+    q, k, v, g, beta = make_inputs(1, 1, 2, 8, 4)
+    S0 = torch.randn(1, 2, 8, 4, dtype=torch.float64)
+    o_ref, _ = kda_naive(q, k, v, g, beta, scale=0.3, initial_state=S0)
+    o, _ = kda_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], S0, scale=0.3)
+    assert rel_rms(o, o_ref[:, 0]) <= 1e-14
+
+
+def _step_args(N=2, H=3, K=8, V=4):
+    q, k, v, g, beta = (x[:, 0] for x in make_inputs(N, 1, H, K, V, dtype=torch.float32))
+    return dict(q=q, k=k, v=v, g=g, beta=beta, state=torch.zeros(N, H, K, V))
+
+
+@pytest.mark.parametrize("name, bad, match", [
+    ("q", torch.zeros(2, 1, 3, 8), r"q must be 3-D \[N, H, K\]"),
+    ("k", torch.zeros(2, 3, 7), r"k must have shape"),
+    ("v", torch.zeros(2, 3), r"v must be 3-D"),
+    ("g", torch.zeros(2, 3, 8, 1), r"g must be 3-D"),
+    ("beta", torch.zeros(2, 3, 1), r"beta must be 2-D \[N, H\]"),
+    ("beta", torch.zeros(2, 4), r"beta must have shape"),
+    ("state", torch.zeros(2, 3, 8, 5), r"state must have shape \[N, H, K, V\] = \[2, 3, 8, 4\], got \[2, 3, 8, 5\]"),
+    ("state", torch.zeros(3, 8, 4), r"state must be 4-D"),
+    ("state", None, r"state must be 4-D .* got NoneType"),
+    ("g", torch.full((2, 3, 8), 0.5), r"g is a log-decay and must be <= 0, got max 0.5"),
+    ("q", torch.zeros(2, 3, 8, dtype=torch.long), r"q must be a floating-point tensor"),
+])
+def test_step_rejects_bad_input(name, bad, match):
+    args = _step_args()
+    args[name] = bad
+    with pytest.raises(ValueError, match=match):
+        kda_step(**args)
