@@ -60,7 +60,8 @@ def rollout(
             raise InvalidArgumentError(f"policy must be one of {POLICIES}, got {policy!r}")
         engine = RolloutEngine(pol, pause_policy=pause_policy, max_live=max_live)
         tasks = builtin_tasks(seed, resident_mb, poll_ms)
-        total = episodes * group * turns * (2 if baseline and pause_policy != "none" else 1)
+        runs = 2 if baseline and pause_policy != "none" else 1
+        total = runs * episodes * (turns + (group - 1) * max(turns - branch_at, 0))
         with Progress(console=console, transient=True) as progress:
             bar = progress.add_task(f"rollout ({pause_policy}{', then none' if baseline else ''})", total=total)
             report = engine.run(tasks, episodes, turns, group=group, branch_at=branch_at, seed=seed,
