@@ -2,9 +2,10 @@
 # System pieces for k3sys.sandbox (idempotent; a cached re-run takes well under a second):
 #   - Debian packages: runc, busybox-static, debootstrap, and CRIU's build dependencies;
 #   - CRIU 4.1.x built from Debian trixie's source (bookworm's 3.17 fails on recent kernels' vDSO),
-#     with our patches (scripts/patches: tolerate Linux >= 6.16's SO_PASSCRED refusal on inet sockets;
-#     skip the conntrack walk for empty network namespaces), installed into $K3SYS_SYSTEM_DIR/bin/criu,
-#     plus the wrapper runc is pointed at with `runc --criu`;
+#     with our patches (scripts/sandbox/patches: tolerate Linux >= 6.16's SO_PASSCRED refusal on inet
+#     sockets; skip the conntrack walk for empty network namespaces), installed into
+#     $K3SYS_SYSTEM_DIR/bin/criu, plus the configuration the driver hands it (etc/criu.conf);
+#   - bin/k3sys-lo-up, the prestart hook that brings loopback up in restored sandboxes;
 #   - the `busybox` template (the `debian` one is built by the runtime on first use).
 # Everything lands under K3SYS_SYSTEM_DIR (default /opt/k3sys); the system's apt sources are untouched
 # (trixie's source index goes to a private apt state directory).
@@ -12,7 +13,8 @@ set -euo pipefail
 
 PREFIX=${K3SYS_SYSTEM_DIR:-/opt/k3sys}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
-PATCHES=("$ROOT"/scripts/patches/criu-4.1-*.patch)
+PATCHES=("$ROOT"/scripts/sandbox/patches/criu-4.1-*.patch)
+LO_UP_SRC="$ROOT/scripts/sandbox/k3sys-lo-up.c"
 CRIU_SERIES=4.1
 # CRIU caches what it learns about the kernel (20 ms per run here) only in a tmpfs directory, and
 # /run is not tmpfs on every host; /dev/shm is. The runtime re-creates it (root, 0700) after a reboot.
@@ -44,8 +46,8 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 
 # --- CRIU --------------------------------------------------------------------------------------
-# The stamp holds what the binary was built from; a changed patch or script rebuilds it.
-want=$(cat "${PATCHES[@]}" "$0" | sha256sum | cut -c1-16)
+# The stamp holds what the binary was built from; a changed patch or build setting rebuilds it.
+want=$({ cat "${PATCHES[@]}"; echo "series=$CRIU_SERIES rundir=$KDAT_DIR"; } | sha256sum | cut -c1-16)
 stamp="$PREFIX/stamps/criu"
 if [ ! -x "$PREFIX/bin/criu" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     build="$PREFIX/build"
@@ -89,13 +91,22 @@ if [ ! -x "$PREFIX/bin/criu" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; 
     log "installed $("$PREFIX/bin/criu" --version | head -n1) into $PREFIX/bin/criu"
 fi
 
-# runc talks to CRIU through `criu swrk`; the wrapper adds what runc cannot pass: no network lock
-# (it needs iptables, absent here; sandboxes have loopback only, so nothing outside can race the dump).
-wrapper="$PREFIX/bin/criu-runc"
-body="#!/bin/sh
-exec $PREFIX/bin/criu --network-lock skip \"\$@\""
-if [ "$(cat "$wrapper" 2>/dev/null)" != "$body" ]; then
-    printf '%s\n' "$body" > "$wrapper.new" && chmod 0755 "$wrapper.new" && mv -f "$wrapper.new" "$wrapper"
+# runc starts CRIU as `criu swrk` and cannot pass it options; CRIU reads them from the file named by
+# CRIU_CONFIG_FILE, which the driver sets. No network lock: it needs iptables (absent here), and a
+# sandbox's namespace holds loopback only, whose traffic stops with the frozen sandbox.
+mkdir -p "$PREFIX/etc"
+conf="network-lock skip"
+if [ "$(cat "$PREFIX/etc/criu.conf" 2>/dev/null)" != "$conf" ]; then
+    printf '%s\n' "$conf" > "$PREFIX/etc/criu.conf.new" && mv -f "$PREFIX/etc/criu.conf.new" "$PREFIX/etc/criu.conf"
+fi
+
+# --- prestart hook -----------------------------------------------------------------------------
+want=$(sha256sum < "$LO_UP_SRC" | cut -c1-16)
+if [ ! -x "$PREFIX/bin/k3sys-lo-up" ] || [ "$(cat "$PREFIX/stamps/lo-up" 2>/dev/null)" != "$want" ]; then
+    gcc -O2 -static -Wall -o "$PREFIX/bin/k3sys-lo-up.new" "$LO_UP_SRC"
+    mv -f "$PREFIX/bin/k3sys-lo-up.new" "$PREFIX/bin/k3sys-lo-up"
+    echo "$want" > "$PREFIX/stamps/lo-up"
+    log "built $PREFIX/bin/k3sys-lo-up"
 fi
 
 install -d -m 0700 -o root -g root "$KDAT_DIR"

@@ -18,6 +18,7 @@ from rich.table import Table
 PARTS: list[tuple[str, str]] = [
     ("EP", "k3sys.ep.demo"),
     ("Model", "k3sys.model.demo"),
+    ("Sandbox", "k3sys.sandbox.demo"),
     ("Rollout", "k3sys.sandbox.rollout.demo"),
 ]
 

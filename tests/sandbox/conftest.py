@@ -30,7 +30,7 @@ def leftovers(root: Path, ids: set[str] = frozenset()) -> list[str]:
     with open("/proc/self/mountinfo") as f:
         for line in f:
             point = line.split()[4]
-            if point.startswith(rootstr) or ".criu.cgyard." in point:
+            if point.startswith(rootstr):  # includes CRIU's `.criu.cgyard.*` under our work dirs
                 found.append(f"mount {point}")
     if (root / "runc").is_dir():
         found += [f"runc state {p.name}" for p in (root / "runc").iterdir()]
@@ -52,6 +52,20 @@ def leak_check():
     if MISSING:
         pytest.skip(f"sandbox runtime unavailable: {MISSING}")
     return leftovers
+
+
+@pytest.fixture
+def private_root(tmp_path):
+    """A runtime directory of the test's own; whatever the test leaves running there is killed."""
+    if MISSING:
+        pytest.skip(f"sandbox runtime unavailable: {MISSING}")
+    root = tmp_path / "rt"
+    yield root
+    if root.exists():
+        from k3sys.sandbox import Runtime
+
+        with Runtime(root) as runtime:
+            runtime.kill_all()
 
 
 @pytest.fixture(scope="session")

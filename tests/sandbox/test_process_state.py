@@ -99,6 +99,8 @@ while True:
     try:
         data = open("/tmp/req").read()
     except FileNotFoundError:
+        data = ""
+    if not data.strip():  # absent, or caught between the host's create and write
         time.sleep(0.005)
         continue
     os.unlink("/tmp/req")
@@ -121,8 +123,9 @@ def ask(s: Sandbox, k: int) -> tuple[int, int]:
     while not s.files.exists("/tmp/resp"):
         assert time.monotonic() < deadline, "no reply over the loopback connection"
         time.sleep(0.01)
-    n, total = s.files.read_text("/tmp/resp").split()
-    return int(n), int(total)
+    reply = s.files.read_text("/tmp/resp").split()
+    assert len(reply) == 2, f"connection broken: reply {reply!r}"
+    return int(reply[0]), int(reply[1])
 
 
 @pytest.mark.slow

@@ -274,6 +274,31 @@ def test_delete_keeps_shared_chunks_and_drops_unreferenced_packs(store: Store, t
         store.checkout(c.id, {"t": shm / "gone"})
 
 
+def test_compact_rewrites_mostly_dead_packs(store: Store, tmp_path: Path, shm: Path):
+    keep, drop = rand(40 * PAGE, 1), rand(120 * PAGE, 2)
+    write(tmp_path / "a/pages-1.img", drop)
+    write(tmp_path / "a/pages-2.img", keep)
+    write(tmp_path / "b/pages-2.img", keep)
+    write(tmp_path / "b/core.img", b"core")
+    a = store.commit({"t": tmp_path / "a"})
+    b = store.commit({"t": tmp_path / "b"}, parent=a.id)
+    store.delete(a.id)  # a's pack is 25% live: b still needs pages-2.img from it
+    before = store.stats()
+    assert store.compact(min_live=0.2) == {"packs": 0, "bytes": 0}
+    done = store.compact(min_live=0.5)
+    after = store.stats()
+    assert done["packs"] == 1 and done["bytes"] >= len(drop) - PAGE
+    assert after["bytes_on_disk"] == before["bytes_on_disk"] - done["bytes"]
+    assert after["bytes_unique"] == before["bytes_unique"] == len(keep) + 4
+    assert store.verify() == [] and Store(store.root).verify() == []
+    store.checkout(b.id, {"t": shm / "b"})
+    assert snapshot(shm / "b") == snapshot(tmp_path / "b")
+    # The compacted pages still serve as the parent of a page diff.
+    write(tmp_path / "c/pages-2.img", keep[:PAGE] + bytes(PAGE) + keep[2 * PAGE :])
+    c = store.commit({"t": tmp_path / "c"}, parent=b.id)
+    assert c.bytes_new == PAGE and c.trees["t"][1].chunks == page_digests((tmp_path / "c/pages-2.img").read_bytes())
+
+
 def test_verify_finds_corruption_and_missing_packs(store: Store, tmp_path: Path, shm: Path):
     write(tmp_path / "a/pages-1.img", rand(64 * PAGE, 1))
     write(tmp_path / "b/other.bin", rand(10_000, 2))
@@ -437,6 +462,51 @@ def test_two_processes_share_a_store(tmp_path: Path, shm: Path):
     assert ours.verify() == []
     ours.checkout("b7", {"t": shm / "out"})
     assert (shm / "out/pages-1.img").read_bytes() == bytes([7]) * 4096 * 64 + b"b" * 4096
+
+
+@pytest.mark.timeout(60)
+def test_same_data_committed_at_once_is_stored_twice_then_reclaimed(store: Store, shm: Path, monkeypatch):
+    """Two commits racing with the same new chunks both write them; gc() keeps the older copy only."""
+    write(shm / "t/pages-1.img", rand(32 * PAGE, 5))
+    barrier = threading.Barrier(2)
+    publish = Store._publish_pack
+
+    def held(self: Store, writer, name: str) -> None:
+        barrier.wait(timeout=20)  # both commits have written their packs before either is indexed
+        publish(self, writer, name)
+
+    monkeypatch.setattr(Store, "_publish_pack", held)
+    threads = [threading.Thread(target=store.commit, args=({"t": shm / "t"},), kwargs={"id": i}) for i in "xy"]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    monkeypatch.undo()
+    packs = sorted(os.listdir(store.root / "packs"))
+    assert len(packs) == 2 and store.get("x").bytes_new == store.get("y").bytes_new == 32 * PAGE
+    assert store.verify() == []
+    other = Store(store.root)  # another process's view agrees on which copy counts: the older pack
+    assert other.gc()["packs"] == 1 and sorted(os.listdir(store.root / "packs")) == packs[:1]
+    for i in "xy":
+        store.checkout(i, {"t": shm / f"out-{i}"})
+        assert snapshot(shm / f"out-{i}") == snapshot(shm / "t")
+    store.delete("x")
+    store.delete("y")
+    assert os.listdir(store.root / "packs") == [] and store.verify() == []
+
+
+def test_failed_commit_leaves_nothing(store: Store, tmp_path: Path, shm: Path):
+    """sysfs files claim 4096 bytes and hold fewer: the commit must fail cleanly and the store go on."""
+    sysfs = Path("/sys/kernel/mm/transparent_hugepage")
+    if not sysfs.is_dir():
+        pytest.skip("no sysfs tree with short files here")
+    write(tmp_path / "t/pages-1.img", rand(300 * PAGE, 1))
+    with pytest.raises(StoreInputError, match="changed size"):
+        store.commit({"big": tmp_path / "t", "sys": sysfs}, id="bad")
+    assert os.listdir(store.root / "tmp") == [] and store.list() == []
+    for i in range(3):  # the read buffers of the failed commit are not needed again
+        m = store.commit({"t": tmp_path / "t"}, id=f"ok{i}")
+    assert m.bytes_new == 0 and store.verify() == []
 
 
 # ------------------------------------------------------------------ bad input

@@ -119,7 +119,7 @@ class Runtime:
     """Sandboxes of one runtime directory; see the module docstring. Use one per directory."""
 
     def __init__(self, root: Path | str | None = None, driver: Driver | None = None) -> None:
-        self.root = Path(root) if root is not None else default_root()
+        self.root = (Path(root) if root is not None else default_root()).resolve()
         for d in ("sandboxes", "layers", "tmp"):
             (self.root / d).mkdir(parents=True, exist_ok=True)
         self._lock_file = open(self.root / "runtime.lock", "a+")  # noqa: SIM115 (held for our lifetime)
@@ -140,6 +140,7 @@ class Runtime:
         self._records: dict[str, Record] = {}
         self._locks: dict[str, threading.RLock] = {}
         self._commands: dict[str, _Command] = {}
+        self._timings: dict[str, dict[str, float]] = {}  # sandbox id -> phases of its latest operation
         self._closed = threading.Event()
         self._recover()
         self._reaper = threading.Thread(target=self._reap_expired, name="k3sys-sandbox-reaper", daemon=True)
@@ -235,6 +236,7 @@ class Runtime:
             _rmtree(dirs.root)
             with self._mu:
                 self._records.pop(rec.id, None)
+                self._timings.pop(rec.id, None)
             rec.state = State.KILLED
             self._gc_layers()
 
@@ -259,6 +261,11 @@ class Runtime:
     @staticmethod
     def _info(rec: Record) -> SandboxInfo:
         return SandboxInfo(rec.id, rec.state.value, rec.spec, rec.created, rec.head, rec.reason)
+
+    def timings(self, sid: str) -> dict[str, float]:
+        """Seconds per phase of the sandbox's latest create / checkpoint / hibernate / resume / restore /
+        fork (`runc+criu`: the runc call, `criu`: CRIU's own part of it, `store`: the checkpoint store)."""
+        return dict(self._timings.get(sid, {}))
 
     def memory_bytes(self, sid: str) -> int:
         """Memory the sandbox's processes hold now, in bytes (0 unless running or paused)."""
@@ -474,6 +481,7 @@ class Runtime:
             raise
         self._set(rec, rec.state, head=ck, pending=None)
         t["total"] = time.perf_counter() - t0
+        self._timings[rec.id] = t
         return CheckpointInfo.from_manifest(m, t), images, fs
 
     def hibernate(self, sid: str) -> CheckpointInfo:
@@ -504,6 +512,7 @@ class Runtime:
             self._set(rec, State.HIBERNATED, head=ck, layer=None, prev=None, pending=None)
             self._gc_layers()
             t["total"] = time.perf_counter() - t0
+            self._timings[sid] = t
             return CheckpointInfo.from_manifest(m, t)
 
     def _wipe_upper(self, rec: Record) -> None:
@@ -534,13 +543,13 @@ class Runtime:
             self.store.checkout(ck, {"images": images})
         t["store"] = time.perf_counter() - t0
         try:
-            t1 = time.perf_counter()
-            self.driver.restore(rec.id, self._dirs(rec.id), rec.spec, [self._layer_dir(ck), template_rootfs(
-                rec.spec.template)], images)
-            t["restore"] = time.perf_counter() - t1
+            lowers = [self._layer_dir(ck), template_rootfs(rec.spec.template)]
+            t.update(self.driver.restore(rec.id, self._dirs(rec.id), rec.spec, lowers, images))
         finally:
             if own:
                 _rmtree(images)
+        t["total"] = time.perf_counter() - t0
+        self._timings[rec.id] = t
         return t
 
     def restore(self, ck: str, id: str | None = None, timeout_s: float | None = None) -> SandboxInfo:
@@ -610,6 +619,7 @@ class Runtime:
                     _rmtree(d)
             self._set(rec, rec.state, head=ck, pending=None)
             t["total"] = time.perf_counter() - t0
+            self._timings[sid] = t
             return CheckpointInfo.from_manifest(m, t), kids
 
     @staticmethod
@@ -661,6 +671,7 @@ class Runtime:
 
     def _recover(self) -> None:
         self.driver.cleanup_stale()
+        self.store.gc()  # temp files and unreferenced packs of commits a crash interrupted
         for d in (self.root / "tmp").iterdir():
             _rmtree(d)
         _rmtree(self.scratch)

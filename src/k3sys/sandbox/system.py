@@ -1,8 +1,8 @@
 """Where the host's sandbox pieces live and whether they are usable.
 
 `scripts/install-sandbox.sh` installs them under one system directory (`K3SYS_SYSTEM_DIR`, default
-`/opt/k3sys`): `bin/criu` (CRIU 4.1 with our patch), `bin/criu-runc` (the wrapper runc is pointed at),
-`templates/<name>/rootfs`. runc itself comes from the distribution.
+`/opt/k3sys`): `bin/criu` (CRIU 4.1 with our patches), `etc/criu.conf` (options runc cannot pass it),
+`bin/k3sys-lo-up` (the prestart hook), `templates/<name>/rootfs`. runc comes from the distribution.
 """
 
 from __future__ import annotations
@@ -24,8 +24,12 @@ class SystemPaths:
         return self.root / "bin" / "criu"
 
     @property
-    def criu_wrapper(self) -> Path:
-        return self.root / "bin" / "criu-runc"
+    def criu_config(self) -> Path:
+        return self.root / "etc" / "criu.conf"
+
+    @property
+    def lo_up(self) -> Path:
+        return self.root / "bin" / "k3sys-lo-up"
 
     @property
     def templates(self) -> Path:
@@ -41,7 +45,7 @@ class SystemPaths:
             return "sandboxes need root (runc, overlayfs mounts, CRIU)"
         if self.runc is None:
             return "runc is not installed (run scripts/install-sandbox.sh)"
-        if not os.access(self.criu_wrapper, os.X_OK) or not os.access(self.criu, os.X_OK):
+        if not all(os.access(p, os.X_OK) for p in (self.criu, self.lo_up)) or not self.criu_config.exists():
             return f"CRIU is not installed under {self.root} (run scripts/install-sandbox.sh)"
         return None
 

@@ -52,8 +52,10 @@ class Driver(Protocol):
     def create(self, sid: str, dirs: SandboxDirs, spec: SandboxSpec, lowers: list[Path]) -> None:
         """Start a fresh sandbox over `lowers` (top first) with an empty upper."""
 
-    def restore(self, sid: str, dirs: SandboxDirs, spec: SandboxSpec, lowers: list[Path], images: Path) -> None:
-        """Start a sandbox from process images over `lowers` (the sealed layer first) with an empty upper."""
+    def restore(self, sid: str, dirs: SandboxDirs, spec: SandboxSpec, lowers: list[Path],
+                images: Path) -> dict[str, float]:
+        """Start a sandbox from process images over `lowers` (the sealed layer first) with an empty
+        upper. Returns seconds spent per phase."""
 
     def exec(self, sid: str, argv: list[str], cwd: str, env: dict[str, str],
              stdin: bool) -> tuple[subprocess.Popen, int]:

@@ -41,10 +41,14 @@ _PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # PID 1 of every sandbox: drop the host-side stdio runc hands it (CRIU cannot dump host files), then
 # sleep forever; the shell's wait loop also reaps orphans re-parented to it.
 _INIT = "exec </dev/null >/dev/null 2>&1; trap 'exit 0' TERM; while :; do sleep 86400 & wait $!; done"
-# Prestart hook (runs on the host, container state JSON on stdin): bring loopback up in the sandbox's
-# network namespace. Needed after a restore; harmless after a create, where runc already did it.
-_LO_UP = ("pid=$(sed -n 's/.*\"pid\": *\\([0-9]*\\).*/\\1/p'); "
-          "exec nsenter -t \"$pid\" -n /bin/busybox ip link set lo up")
+
+
+def _criu_seconds(log: Path) -> float:
+    """CRIU's own run time: the timestamp of the last line of its log (`(00.048150) ...`)."""
+    try:
+        return float(_tail(log, 200).rstrip().rsplit("\n", 1)[-1].split(")", 1)[0].lstrip("("))
+    except ValueError:
+        return float("nan")
 
 
 def _tail(path: Path, n: int = 2000) -> str:
@@ -68,6 +72,9 @@ class RuncDriver:
         if reason:
             raise DriverError(reason)
         self.runc = self.system.runc
+        # runc runs CRIU as `criu swrk` with no way to pass options; CRIU reads them from this file.
+        self._env = {**os.environ, "CRIU_CONFIG_FILE": str(self.system.criu_config)}
+        self.state_dir = state_dir.resolve()
         self.runc_root = state_dir / "runc"
         self.runc_root.mkdir(parents=True, exist_ok=True)
         self.empty = state_dir / "empty"
@@ -81,7 +88,8 @@ class RuncDriver:
         """Run `runc <args>`; DriverError with runc's message (and CRIU's log tail, if any) on failure."""
         cmd = [self.runc, "--root", str(self.runc_root), *args]
         try:
-            p = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout)
+            p = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout,
+                               env=self._env)
         except subprocess.TimeoutExpired as e:
             raise DriverError(f"runc {args[0]} timed out after {timeout} s") from e
         if p.returncode != 0:
@@ -97,7 +105,7 @@ class RuncDriver:
         err = dirs.logs / "runc.err"
         with open(os.devnull, "r+b") as null, open(err, "wb") as errf:
             p = subprocess.run([self.runc, "--root", str(self.runc_root), *args], stdin=null, stdout=null,
-                               stderr=errf, cwd=dirs.bundle, timeout=120)
+                               stderr=errf, cwd=dirs.bundle, timeout=120, env=self._env)
         if p.returncode != 0:
             detail = _tail(err)
             if log is not None and log.exists():
@@ -135,7 +143,8 @@ class RuncDriver:
             # Constant on purpose: a fork keeps its source's UTS namespace, so an id here would lie.
             "hostname": "sandbox",
             "mounts": mounts,
-            "hooks": {"prestart": [{"path": "/bin/sh", "args": ["sh", "-c", _LO_UP]}]} if not spec.network else {},
+            # Brings loopback up: needed after a restore, harmless after a create (runc did it).
+            "hooks": {"prestart": [{"path": str(self.system.lo_up)}]} if not spec.network else {},
             "linux": {
                 "resources": {
                     "devices": [{"allow": False, "access": "rwm"}],
@@ -162,18 +171,25 @@ class RuncDriver:
         self._prepare(sid, dirs, spec, lowers)
         self._detached(["run", "-d", "--bundle", str(dirs.bundle), sid], dirs)
 
-    def restore(self, sid: str, dirs: SandboxDirs, spec: SandboxSpec, lowers: list[Path], images: Path) -> None:
+    def restore(self, sid: str, dirs: SandboxDirs, spec: SandboxSpec, lowers: list[Path],
+                images: Path) -> dict[str, float]:
+        t0 = time.perf_counter()
         self._prepare(sid, dirs, spec, lowers)
         work = dirs.logs / "restore"
         work.mkdir(exist_ok=True)
+        t1 = time.perf_counter()
+        t = {"mount": t1 - t0}
         args = ["restore", "-d", "--image-path", str(images), "--work-path", str(work), "--bundle", str(dirs.bundle),
                 "--tcp-established", "--file-locks"]
         if not spec.network:
             args += ["--empty-ns", "network"]
-        self._detached(["--criu", str(self.system.criu_wrapper), *args, sid], dirs, log=work / "restore.log")
+        self._detached(["--criu", str(self.system.criu), *args, sid], dirs, log=work / "restore.log")
+        t["runc+criu"] = time.perf_counter() - t1
+        t["criu"] = _criu_seconds(work / "restore.log")
         # A checkpoint taken while frozen restores frozen (CRIU keeps the freezer state).
         if self._freezer_frozen(sid):
             self.resume(sid)
+        return t
 
     def exec(self, sid: str, argv: list[str], cwd: str, env: dict[str, str],
              stdin: bool) -> tuple[subprocess.Popen, int]:
@@ -217,7 +233,7 @@ class RuncDriver:
         work.mkdir(parents=True, exist_ok=True)
         images.mkdir(parents=True)
         # Always --leave-running: a hibernating sandbox is killed only once its checkpoint is durable.
-        args = ["--criu", str(self.system.criu_wrapper), "checkpoint", "--leave-running", "--image-path",
+        args = ["--criu", str(self.system.criu), "checkpoint", "--leave-running", "--image-path",
                 str(images), "--work-path", str(work), "--tcp-established", "--file-locks"]
         if not network:
             args += ["--empty-ns", "network"]
@@ -225,7 +241,8 @@ class RuncDriver:
         try:
             t1 = time.perf_counter()
             self._run([*args, sid], log=work / "dump.log")
-            t["criu"] = time.perf_counter() - t1
+            t["runc+criu"] = time.perf_counter() - t1
+            t["criu"] = _criu_seconds(work / "dump.log")
             t1 = time.perf_counter()
             layers.seal(dirs.upper, fs, layer)
             t["seal"] = time.perf_counter() - t1
@@ -235,11 +252,15 @@ class RuncDriver:
                 t1 = time.perf_counter()
                 self.resume(sid)
                 t["thaw"] = time.perf_counter() - t1
+                t["frozen"] = time.perf_counter() - t0  # how long the sandbox's processes stood still
         return t
 
     def destroy(self, sid: str, dirs: SandboxDirs) -> None:
+        # Kill through the cgroup and wait for the tasks to be gone before runc cleans up: runc's
+        # `delete --force` alone kills too, but then retries removing the cgroups with growing sleeps
+        # while the tasks exit (~150 ms here instead of a few).
+        self._kill_cgroup(sid)
         if (self.runc_root / sid).exists():
-            # `delete --force` kills and thaws a frozen container, then removes its cgroups and state.
             self._run(["delete", "--force", sid], timeout=60)
         self._remove_cgroups(sid)
         layers.unmount(dirs.rootfs)
@@ -333,17 +354,35 @@ class RuncDriver:
             return [d / f"k3sys-{sid}" for d in base.iterdir() if (d / f"k3sys-{sid}").is_dir()]
         return [base / f"k3sys-{sid}"] if (base / f"k3sys-{sid}").is_dir() else []
 
-    def _remove_cgroups(self, sid: str) -> None:
-        """Remove cgroups runc did not (its state gone after a crash); kill what is still inside."""
+    def _kill_cgroup(self, sid: str) -> None:
+        """SIGKILL every task of the sandbox (thawing it, or frozen tasks never die) and wait until
+        the cgroup is empty."""
         dirs = self._cgroup_dirs(sid)
-        for d in dirs:
-            for pid in (d / "cgroup.procs").read_text().split():
+        if not dirs:
+            return
+        procs = dirs[0] / "cgroup.procs"
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                pids = procs.read_text().split()
+            except FileNotFoundError:
+                return
+            if not pids:
+                return
+            for pid in pids:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(int(pid), signal.SIGKILL)
-        if dirs:
-            with contextlib.suppress(DriverError):
-                self._set_frozen(sid, False)
-        for d in dirs:
+            if self._freezer_frozen(sid):
+                with contextlib.suppress(DriverError):
+                    self._set_frozen(sid, False)
+            if time.monotonic() > deadline:
+                raise DriverError(f"sandbox {sid}: tasks {' '.join(pids[:5])} survive SIGKILL")
+            time.sleep(0.0005)
+
+    def _remove_cgroups(self, sid: str) -> None:
+        """Remove the cgroups runc left (none, unless its state was lost in a crash)."""
+        self._kill_cgroup(sid)
+        for d in self._cgroup_dirs(sid):
             deadline = time.monotonic() + 5
             while True:
                 try:
@@ -371,7 +410,10 @@ class RuncDriver:
         for pid in stale:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-        for target in sorted(_mounts_matching("/.criu.cgyard."), key=len, reverse=True):
+        # Only yards under our own directory (CRIU makes them in its work directory): another
+        # runtime's CRIU may be restoring right now, and its yard is not ours to take away.
+        mine = [m for m in _mounts_matching("/.criu.cgyard.") if m.startswith(f"{self.state_dir}/")]
+        for target in sorted(mine, key=len, reverse=True):
             layers.unmount(Path(target))
             with contextlib.suppress(OSError):
                 os.rmdir(target)

@@ -13,7 +13,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import queue
 import struct
+import threading
+from collections.abc import Callable
+from typing import Any
 
 from blake3 import blake3
 
@@ -24,8 +28,9 @@ MAGIC = b"K3SYSPK1"
 _ROW = struct.Struct("<32sQI")
 _FOOTER = struct.Struct("<8sQI32s")
 _ZEROS = bytes(PAGE)
+_IOV_MAX = os.sysconf("SC_IOV_MAX")
 
-Buffer = bytes | bytearray | memoryview
+Buffer = Any  # bytes-like: bytes, memoryview, numpy array
 
 
 def fsync_dir(path: str) -> None:
@@ -37,39 +42,76 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def write_all(fd: int, data: Buffer) -> None:
-    view = memoryview(data).cast("B")
-    while view:
-        view = view[os.write(fd, view) :]
+def write_all(fd: int, *data: Buffer) -> None:
+    """Write every buffer of `data`, in order, with as few syscalls as `writev` allows."""
+    views = [v for v in (memoryview(d).cast("B") for d in data) if v.nbytes]
+    while views:
+        n = os.writev(fd, views[:_IOV_MAX])
+        while n:  # drop what was written; a partial write leaves the rest of a view
+            if n >= views[0].nbytes:
+                n -= views.pop(0).nbytes
+            else:
+                views[0], n = views[0][n:], 0
 
 
 class PackWriter:
-    """Appends chunks to a new pack under `tmp_path`; `finish` makes it durable at `final_path`."""
+    """Appends chunks to a new pack under `tmp_path`; `finish` makes it durable at `final_path`.
+
+    `add` only queues a chunk run; `flush` writes what is queued, and `then(fn, x)` also calls
+    `fn(x)` once it is written (to recycle the buffer the runs came from). Small batches are written right away, in
+    one `writev`; from the first batch of `ASYNC_BYTES` on (a large new file), the writes move to a
+    background thread, so hashing the next window overlaps copying this one into the page cache,
+    and that thread flushes every `SYNC_EVERY` bytes so the final fsync finds little left to do.
+    """
+
+    ASYNC_BYTES = 1 << 20
+    SYNC_EVERY = 16 << 20
 
     def __init__(self, tmp_path: str, final_path: str) -> None:
         self.tmp_path, self.final_path = tmp_path, final_path
         self.fd = os.open(tmp_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         self.offset = 0
         self.rows: list[tuple[bytes, int, int]] = []  # (digest, offset, length)
+        self._batch: list[Buffer] = []
+        self._batch_bytes = 0
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._aborted = False
 
-    def add(self, digests: list[bytes], data: Buffer, chunk_size: int) -> list[int]:
-        """Append the consecutive chunks `digests` held back to back in `data`; return their offsets."""
+    def add(self, digests: list[bytes], data: Buffer, chunk_size: int) -> None:
+        """Queue the consecutive chunks `digests`, held back to back in `data` (left unchanged until
+        a following `then` calls back), as chunks of `chunk_size` bytes (the last may be shorter)."""
+        if self._error is not None:
+            raise self._error
         size = memoryview(data).nbytes
         if chunk_size == PAGE and self.offset % PAGE:
             pad = PAGE - self.offset % PAGE
-            write_all(self.fd, _ZEROS[:pad])
+            self._batch.append(_ZEROS[:pad])
             self.offset += pad
-        write_all(self.fd, data)
-        offsets = list(range(self.offset, self.offset + size, chunk_size))
-        for d, off in zip(digests, offsets, strict=True):
-            self.rows.append((d, off, min(chunk_size, self.offset + size - off)))
-        self.offset += size
-        return offsets
+        self._batch.append(data)
+        self._batch_bytes += size
+        end = self.offset + size
+        self.rows += [(d, off, min(chunk_size, end - off))
+                      for d, off in zip(digests, range(self.offset, end, chunk_size), strict=True)]
+        self.offset = end
+
+    def then(self, fn: Callable[[Any], object], arg: Any) -> None:
+        """Write the queued chunks, then call `fn(arg)` (on the writer thread, if one is running)."""
+        self.flush()
+        if self._thread is None:
+            fn(arg)
+        else:
+            self._queue.put((fn, arg))
 
     def finish(self) -> None:
-        """Write the index and footer, fsync, and rename the pack into place (durably)."""
+        """Write the rest, the index and footer, fsync, and rename the pack into place (durably)."""
+        self.flush()
+        self._drain()
+        if self._error is not None:
+            raise self._error
         index = b"".join(_ROW.pack(*r) for r in self.rows)
-        write_all(self.fd, index + _FOOTER.pack(MAGIC, self.offset, len(self.rows), blake3(index).digest()))
+        write_all(self.fd, index, _FOOTER.pack(MAGIC, self.offset, len(self.rows), blake3(index).digest()))
         os.fsync(self.fd)
         os.close(self.fd)
         self.fd = -1
@@ -77,11 +119,49 @@ class PackWriter:
         fsync_dir(os.path.dirname(self.final_path))
 
     def abort(self) -> None:
+        """Stop writing and remove the temp file (a no-op after `finish`)."""
+        self._aborted = True
+        self._batch.clear()
+        self._drain()
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.tmp_path)
+
+    def flush(self) -> None:
+        """Write (or hand to the writer thread) the chunks queued so far."""
+        batch, self._batch, n, self._batch_bytes = self._batch, [], self._batch_bytes, 0
+        if not batch:
+            return
+        if self._thread is None and n < self.ASYNC_BYTES:
+            write_all(self.fd, *batch)
+            return
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="k3sys-pack-writer", daemon=True)
+            self._thread.start()
+        self._queue.put(batch)
+
+    def _drain(self) -> None:
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None
+
+    def _run(self) -> None:
+        unsynced = 0
+        while (item := self._queue.get()) is not None:
+            if isinstance(item, tuple):  # a `then` callback: always run, so no buffer is ever lost
+                item[0](item[1])
+            elif self._error is None and not self._aborted:
+                try:
+                    write_all(self.fd, *item)
+                    unsynced += sum(memoryview(b).nbytes for b in item)
+                    if unsynced >= self.SYNC_EVERY:
+                        os.fdatasync(self.fd)
+                        unsynced = 0
+                except BaseException as e:  # noqa: BLE001 - handed to the committing thread by add/finish
+                    self._error = e
 
 
 def read_index(path: str) -> tuple[list[tuple[bytes, int, int]], int]:

@@ -12,12 +12,12 @@ fsyncs the directory, then writes the manifest to `tmp/`, fsyncs it and links it
 (and fsyncs that directory). A manifest is therefore visible only once every chunk it names is
 durable, and a crash at any point leaves earlier checkpoints intact and at worst a pack no manifest
 references (or a temp file), which `gc()` removes and `verify()` reports. Nothing else is stored:
-the chunk index (digest -> pack, offset, length) and the reference counts are rebuilt in memory
-from the pack indexes and manifests when the store opens, so they can never disagree with the disk.
+the chunk index (digest -> pack, offset) and the reference counts are rebuilt in memory from the
+pack indexes and manifests when the store opens, so they can never disagree with the disk.
 
 Concurrency: `fcntl.flock` on `LOCK`, taken on a fresh file descriptor per call, so it excludes
-threads of one process as well as other processes: commit and checkout hold it shared, delete,
-gc and verify exclusive (they remove or judge data that a commit in flight may be relying on). The
+threads of one process as well as other processes: commit and checkout hold it shared; delete,
+gc, compact and verify exclusive (they move, remove or judge data a commit in flight may rely on). The
 in-memory index and counts are updated under a thread lock; hashing, comparing and file I/O run
 outside it. Dictionary reads outside the lock are single, GIL-atomic lookups, and a chunk found
 in the index cannot disappear while the shared lock is held. Another process's commits and deletes
@@ -50,7 +50,9 @@ from k3sys.sandbox.store.manifest import DIGEST, Entry, Manifest, decode, encode
 from k3sys.sandbox.store.pack import PAGE, PackWriter, fsync_dir, read_index, write_all
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-_NOWHERE = (-1, -1, 0)
+_NOWHERE = -1
+_OFFSET_BITS = 40  # the index packs (pack number, offset) into one int: offsets below 1 TiB
+_OFFSET_MASK = (1 << _OFFSET_BITS) - 1
 # Test hook: name a point in `commit` at which the process dies, as a crash would kill it.
 CRASH_ENV = "K3SYS_STORE_CRASH_AT"
 
@@ -69,6 +71,7 @@ def _check_name(kind: str, value: str) -> None:
 class _Pack:
     """A pack file known to the index: its chunk rows and, once needed, a read-only mapping."""
 
+    name: str
     path: str
     rows: list[tuple[bytes, int, int]]
     data_end: int
@@ -105,8 +108,16 @@ class Store:
         self._pack_no: dict[str, int] = {}  # pack file name -> number
         self._next_no = 0
         self._pending: set[str] = set()  # pack file names this process is publishing right now
-        self._where: dict[bytes, tuple[int, int, int]] = {}  # digest -> (pack number, offset, length)
-        self._refs: Counter[bytes] = Counter()  # digest -> number of manifests that reference it
+        # digest -> pack number << _OFFSET_BITS | offset. A chunk's length follows from its file entry.
+        # When several packs hold a chunk (concurrent commits wrote it twice), `_where` names the copy
+        # in the pack whose name sorts first, so every process agrees on it, and `_dups` the others.
+        self._where: dict[bytes, int] = {}
+        self._dups: dict[bytes, list[int]] = {}
+        # digest -> number of manifests that reference it. Counting is deferred (`_unsettled`) until
+        # delete, gc, verify or stats need the counts, which keeps it off the checkpoint's path.
+        self._refs: Counter[bytes] = Counter()
+        self._unsettled: dict[str, Manifest] = {}
+        self._rings: list[chunker.BufferRing] = []  # idle read buffers, one ring per concurrent commit
         with self._mu:
             self._refresh()
 
@@ -138,39 +149,29 @@ class Store:
                     raise CheckpointExistsError(f"checkpoint {id!r} already exists")
                 base = self._manifests.get(parent) if parent is not None else None
             scanned = {name: tree.scan(Path(path)) for name, path in trees.items()}
-            pack_name = f"{secrets.token_hex(8)}.pack"
-            writer = PackWriter(os.path.join(self._tdir, pack_name), os.path.join(self._pdir, pack_name))
+            pack_name, writer = self._new_pack()
             fresh: set[bytes] = set()  # digests written to this pack
+            with self._mu:  # read buffers are reused across commits: fresh memory costs page faults
+                ring = self._rings.pop() if self._rings else chunker.BufferRing()
             tmp_manifest = os.path.join(self._tdir, f"{id}.{secrets.token_hex(4)}.mf")
             try:
                 out: dict[str, tuple[Entry, ...]] = {}
                 for name, items in scanned.items():
                     olds = {e.path: e for e in base.trees.get(name, ())} if base else {}
                     out[name] = tuple(
-                        self._chunk_file(e, path, olds.get(e.path), writer, fresh) if e.kind == "file" else e
+                        self._chunk_file(e, path, olds.get(e.path), writer, ring, fresh) if e.kind == "file" else e
                         for e, path in items
                     )
                 if writer.rows:
                     self._publish_pack(writer, pack_name)
                 else:
                     writer.abort()
+                with self._mu:  # every buffer is back (the writer has drained); a failed commit drops them
+                    self._rings.append(ring)
                 _crash_point("after-pack")
                 m = Manifest(id, parent, time.time(), sum(e.size for es in out.values() for e in es),
                              sum(n for _, _, n in writer.rows), meta, out)
-                fd = os.open(tmp_manifest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-                try:
-                    write_all(fd, encode(m))
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-                _crash_point("before-manifest")
-                with self._mu:
-                    try:
-                        os.link(tmp_manifest, os.path.join(self._mdir, f"{id}.mf"))
-                    except FileExistsError as e:  # another process took the id after our check
-                        raise CheckpointExistsError(f"checkpoint {id!r} already exists") from e
-                    self._add_manifest(m)
-                fsync_dir(self._mdir)
+                self._publish_manifest(m, tmp_manifest)
                 return m
             finally:
                 writer.abort()
@@ -183,6 +184,8 @@ class Store:
         `dests` may name a subset of the checkpoint's trees. On failure nothing is left behind.
         """
         with self._flock(exclusive=False):
+            with self._mu:
+                self._refresh()  # packs another process removed must not be read from
             m = self.get(id)
             unknown = sorted(set(dests) - set(m.trees))
             if unknown:
@@ -228,13 +231,15 @@ class Store:
                 raise CheckpointNotFoundError(f"no checkpoint {id!r} in store {os.fspath(self.root)!r}")
             os.unlink(os.path.join(self._mdir, f"{id}.mf"))
             fsync_dir(self._mdir)
+            self._settle()
             del self._manifests[id]
             dead = set()
             for d in m.digests():
                 self._refs[d] -= 1
                 if self._refs[d] <= 0:
                     del self._refs[d]
-                    dead.add(self._where.get(d, _NOWHERE)[0])
+                    dead.add(self._where.get(d, _NOWHERE) >> _OFFSET_BITS)
+                    dead.update(loc >> _OFFSET_BITS for loc in self._dups.get(d, ()))
             self._collect(dead - {-1})
 
     def gc(self) -> dict[str, int]:
@@ -244,6 +249,7 @@ class Store:
             temps = os.listdir(self._tdir)
             for name in temps:
                 os.unlink(os.path.join(self._tdir, name))
+            self._settle()
             before = len(self._packs)
             freed = self._collect(set(self._packs))
             return {"temp_files": len(temps), "packs": before - len(self._packs), "bytes": freed}
@@ -256,6 +262,7 @@ class Store:
         with self._flock(exclusive=True):
             with self._mu:
                 self._refresh()
+                self._settle()
                 problems = [f"{name}: {why}" for name, why in sorted(self._broken.items())]
                 manifests, packs = list(self._manifests.values()), dict(self._packs)
                 where, refs = dict(self._where), self._refs.copy()
@@ -268,11 +275,13 @@ class Store:
                         if missing:
                             problems.append(f"checkpoint {m.id!r} tree {name!r} file {e.path!r}: {len(missing)} "
                                             f"chunk(s) missing, first {missing[0].hex()}")
-            live = {where[d][0] for d in refs if d in where}
-            for no, p in sorted(packs.items(), key=lambda kv: kv[1].path):
-                label = f"pack {os.path.basename(p.path)}"
-                if no not in live:
-                    problems.append(f"{label} holds no referenced chunk (an interrupted commit; gc() removes it)")
+            # A pack whose chunks all have an older copy elsewhere (two commits wrote them at once) is
+            # only wasted space, reclaimed by the next gc(); one that no checkpoint references is debris.
+            for p in sorted(packs.values(), key=lambda p: p.name):
+                label = f"pack {p.name}"
+                if not any(d in refs for d, _, _ in p.rows):
+                    problems.append(f"{label} holds no chunk any checkpoint references (left by an interrupted "
+                                    "commit or delete; gc() removes it)")
                 try:
                     with open(p.path, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mm:
                         bad = [(d, off) for d, off, n in p.rows if blake3(memoryview(mm)[off : off + n]).digest() != d]
@@ -282,15 +291,53 @@ class Store:
                 problems += [f"{label} offset {off}: chunk {d.hex()} does not match its data" for d, off in bad]
             return problems
 
+    def compact(self, min_live: float = 0.5) -> dict[str, int]:
+        """Rewrite the still-referenced chunks of packs less than `min_live` full into one new pack.
+
+        Deleting old checkpoints of a long chain leaves packs mostly dead but kept alive by a few
+        pages; this bounds that waste. Holds the lock exclusively. Returns counts and bytes freed.
+        """
+        with self._flock(exclusive=True), self._mu:
+            self._refresh()
+            self._settle()
+            refs, where = self._refs, self._where
+            victims: dict[int, list[tuple[bytes, int, int]]] = {}
+            for no, p in self._packs.items():
+                live = [(d, off, n) for d, off, n in p.rows if d in refs and where[d] == no << _OFFSET_BITS | off]
+                if live and sum(n for _, _, n in live) < min_live * p.data_end:
+                    victims[no] = live
+            if not victims:
+                return {"packs": 0, "bytes": 0}
+            name, writer = self._new_pack()
+            try:
+                for no, live in victims.items():
+                    with open(self._packs[no].path, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mm:
+                        for d, off, n in live:
+                            writer.add([d], mm[off : off + n], PAGE if n == PAGE else n)
+                    writer.flush()  # one old pack's worth at a time: memory stays bounded
+                writer.finish()
+            finally:
+                writer.abort()
+            self._index_pack(name, writer.rows, writer.offset, os.path.getsize(writer.final_path))
+            # The old copies sort first and stay indexed until their packs go; then the new ones take over.
+            before = sum(self._packs[no].size for no in victims)
+            for no in victims:
+                os.unlink(self._unindex_pack(no).path)
+            fsync_dir(self._pdir)
+            return {"packs": len(victims), "bytes": before - os.path.getsize(writer.final_path)}
+
     def stats(self) -> dict[str, int]:
         """Sizes in bytes and counts: on disk (packs + manifests), logical, unique chunk data."""
         with self._mu:
             self._refresh()
+            self._settle()
             manifest_bytes = sum(os.path.getsize(os.path.join(self._mdir, f"{i}.mf")) for i in self._manifests)
+            where, refs = self._where, self._refs
             return {
                 "bytes_on_disk": sum(p.size for p in self._packs.values()) + manifest_bytes,
                 "bytes_logical": sum(m.bytes_total for m in self._manifests.values()),
-                "bytes_unique": sum(self._where[d][2] for d in self._refs if d in self._where),
+                "bytes_unique": sum(n for no, p in self._packs.items() for d, off, n in p.rows
+                                    if d in refs and where.get(d) == no << _OFFSET_BITS | off),
                 "chunks": len(self._refs),
                 "packs": len(self._packs),
                 "manifests": len(self._manifests),
@@ -298,27 +345,30 @@ class Store:
 
     # ---------------------------------------------------------------- commit and checkout internals
 
-    def _chunk_file(self, e: Entry, path: str, old: Entry | None, writer: PackWriter, fresh: set[bytes]) -> Entry:
+    def _chunk_file(
+        self, e: Entry, path: str, old: Entry | None, writer: PackWriter, ring: chunker.BufferRing, fresh: set[bytes]
+    ) -> Entry:
         """`e` with its chunks: diffed against `old` (same path in the parent), hashed, new ones packed."""
         cs = chunker.chunk_size_for(e.path.rpartition("/")[2])
         rows = np.empty((-(-e.size // cs), DIGEST), np.uint8)
         base = old if old is not None and old.kind == "file" and old.chunk_size == cs == PAGE else None
         if base is not None:
-            loc = self._locate(base.chunks)
             full = base.size // PAGE  # only the parent's full pages can be compared
+            pack, offset = self._locate(base.chunks[: full * DIGEST])
             prev = chunker.as_rows(base.chunks)
-        for start, buf in chunker.read_windows(path, e.size):
+        for start, data, buf in chunker.read_windows(path, e.size, ring):
             c0 = start // cs
-            same = np.zeros(-(-buf.size // cs), bool)
+            same = np.zeros(-(-data.size // cs), bool)
             if base is not None and c0 < full:
-                hit = chunker.unchanged_pages(buf, loc[c0:full, 0], loc[c0:full, 1], self._pages)
+                hit = chunker.unchanged_pages(data, pack[c0:], offset[c0:], self._pages)
                 same[: hit.size] = hit
                 rows[c0 : c0 + hit.size][hit] = prev[c0 : c0 + hit.size][hit]
             todo = np.flatnonzero(~same)
-            digests = chunker.digest_chunks(buf, cs, todo)
+            digests = chunker.digest_chunks(data, cs, todo)
             if digests:
                 rows[c0 + todo] = np.frombuffer(b"".join(digests), np.uint8).reshape(-1, DIGEST)
-            self._pack_new(buf, cs, todo, digests, writer, fresh)
+            self._pack_new(data, cs, todo, digests, writer, fresh)
+            writer.then(ring.give, buf)
         return dataclasses.replace(e, chunk_size=cs, chunks=rows.tobytes())
 
     def _pack_new(
@@ -342,6 +392,28 @@ class Store:
         if run:
             writer.add(run, buf[first * cs : (last + 1) * cs], cs)
 
+    def _new_pack(self) -> tuple[str, PackWriter]:
+        # Names sort by creation time, so the oldest copy of a chunk is the indexed one.
+        name = f"{time.time_ns():016x}-{secrets.token_hex(4)}.pack"
+        return name, PackWriter(os.path.join(self._tdir, name), os.path.join(self._pdir, name))
+
+    def _publish_manifest(self, m: Manifest, tmp: str) -> None:
+        """Write `m` durably to `tmp`, then link it into place (no-clobber: the id may have been taken)."""
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        try:
+            write_all(fd, encode(m))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        _crash_point("before-manifest")
+        with self._mu:
+            try:
+                os.link(tmp, os.path.join(self._mdir, f"{m.id}.mf"))
+            except FileExistsError as e:  # another process took the id after our check
+                raise CheckpointExistsError(f"checkpoint {m.id!r} already exists") from e
+            self._add_manifest(m)
+        fsync_dir(self._mdir)
+
     def _publish_pack(self, writer: PackWriter, name: str) -> None:
         """Make the pack durable and index its chunks (after which other commits may dedup against it)."""
         with self._mu:
@@ -354,10 +426,11 @@ class Store:
             with self._mu:
                 self._pending.discard(name)
 
-    def _locate(self, chunks: bytes) -> np.ndarray:
-        """Where each digest of `chunks` is stored, as `[n, 3]` int64 (pack, offset, length); pack -1 if nowhere."""
-        get = self._where.get
-        return np.array([get(d, _NOWHERE) for d in chunker.split(chunks)], np.int64).reshape(-1, 3)
+    def _locate(self, chunks: bytes) -> tuple[np.ndarray, np.ndarray]:
+        """Where each digest of `chunks` is stored: `[n]` int64 pack numbers (-1: nowhere) and offsets."""
+        get, digests = self._where.get, chunker.split(chunks)
+        loc = np.fromiter((get(d, _NOWHERE) for d in digests), np.int64, count=len(digests))
+        return loc >> _OFFSET_BITS, loc & _OFFSET_MASK
 
     def _pages(self, no: int) -> np.ndarray:
         with self._mu:
@@ -367,14 +440,16 @@ class Store:
         """Write file entry `e`'s bytes to `fd`: one in-kernel copy per run of chunks adjacent in a pack."""
         if not e.size:
             return
-        loc = self._locate(e.chunks)
-        lost = np.flatnonzero(loc[:, 0] < 0)
+        pack, off = self._locate(e.chunks)
+        lost = np.flatnonzero(pack < 0)
         if lost.size:
             raise CorruptStoreError(f"checkpoint {where} file {e.path!r}: chunk {e.digest(int(lost[0])).hex()} "
-                                    f"missing ({lost.size} of {len(loc)})")
-        pack, off, n = loc[:, 0], loc[:, 1], loc[:, 2]
+                                    f"missing ({lost.size} of {pack.size})")
+        n = np.full(pack.size, e.chunk_size, np.int64)
+        n[-1] = e.size - (pack.size - 1) * e.chunk_size
+        # Runs of chunks that lie back to back in one pack are copied with one sendfile each.
         cut = np.flatnonzero((pack[1:] != pack[:-1]) | (off[1:] != off[:-1] + n[:-1])) + 1
-        ends = np.r_[cut, len(loc)]
+        ends = np.r_[cut, pack.size]
         sizes = np.add.reduceat(n, np.r_[0, cut])
         for p, start, size in zip(pack[ends - 1].tolist(), off[np.r_[0, cut]].tolist(), sizes.tolist(), strict=True):
             src = fds.get(p)
@@ -403,16 +478,47 @@ class Store:
     def _index_pack(self, name: str, rows: list[tuple[bytes, int, int]], data_end: int, size: int) -> None:
         no = self._next_no
         self._next_no += 1
-        self._packs[no] = _Pack(os.path.join(self._pdir, name), rows, data_end, size)
+        self._packs[no] = _Pack(name, os.path.join(self._pdir, name), rows, data_end, size)
         self._pack_no[name] = no
-        where = self._where
-        for d, off, n in rows:
-            if d not in where:
-                where[d] = (no, off, n)
+        where, dups, base = self._where, self._dups, no << _OFFSET_BITS
+        for d, off, _ in rows:
+            loc, cur = base | off, where.get(d)
+            if cur is None:
+                where[d] = loc
+                continue
+            if name < self._packs[cur >> _OFFSET_BITS].name:
+                loc, where[d] = cur, loc
+            dups.setdefault(d, []).append(loc)
+
+    def _unindex_pack(self, no: int) -> _Pack:
+        """Forget pack `no`; chunks it held the indexed copy of fall back to their next copy, if any."""
+        p = self._packs.pop(no)
+        p.close()
+        del self._pack_no[p.name]
+        where, dups, base = self._where, self._dups, no << _OFFSET_BITS
+        for d, off, _ in p.rows:
+            loc, others = base | off, dups.get(d)
+            if where.get(d) == loc:
+                if others:
+                    where[d] = min(others, key=lambda x: self._packs[x >> _OFFSET_BITS].name)
+                    others.remove(where[d])
+                else:
+                    del where[d]
+            elif others and loc in others:
+                others.remove(loc)
+            if others is not None and not others:
+                del dups[d]
+        return p
 
     def _add_manifest(self, m: Manifest) -> None:
         self._manifests[m.id] = m
-        self._refs.update(m.digests())
+        self._unsettled[m.id] = m
+
+    def _settle(self) -> None:
+        """Count the references of manifests added since the counts were last needed."""
+        for m in self._unsettled.values():
+            self._refs.update(m.digests())
+        self._unsettled.clear()
 
     def _refresh(self) -> None:
         """Catch up with manifests and packs other processes added or removed since we last looked."""
@@ -424,21 +530,16 @@ class Store:
         known_p = set(self._pack_no) | {n for n in self._broken if n.endswith(".pack")}
         if m_names == known_m and p_names == known_p:
             return
-        gone = known_p - p_names
-        for name in gone:
+        for name in known_p - p_names:
             self._broken.pop(name, None)
-            no = self._pack_no.pop(name, None)
-            if no is not None:
-                self._packs.pop(no).close()
-        if gone:  # rebuild the index: a vanished pack may have held the indexed copy of a chunk
-            self._where.clear()
-            for no in sorted(self._packs):
-                for d, off, n in self._packs[no].rows:
-                    self._where.setdefault(d, (no, off, n))
+            if name in self._pack_no:
+                self._unindex_pack(self._pack_no[name])
         for name in sorted(p_names - known_p):
             path = os.path.join(self._pdir, name)
             try:
                 rows, data_end = read_index(path)
+            except FileNotFoundError:  # removed by another process since we listed it
+                continue
             except (CorruptStoreError, OSError) as e:
                 self._broken[name] = str(e)
                 continue
@@ -446,33 +547,31 @@ class Store:
         for id in known_m - m_names:
             self._broken.pop(f"{id}.mf", None)
             m = self._manifests.pop(id, None)
-            if m is not None:
+            if m is not None and self._unsettled.pop(id, None) is None:
                 self._refs.subtract(m.digests())
                 self._refs = +self._refs  # drop counts that reached zero
         for id in sorted(m_names - known_m):
             try:
                 with open(os.path.join(self._mdir, f"{id}.mf"), "rb") as f:
                     m = decode(f.read(), f"manifests/{id}.mf")
+            except FileNotFoundError:
+                continue
             except (CorruptStoreError, OSError) as e:
                 self._broken[f"{id}.mf"] = str(e)
                 continue
             self._add_manifest(m)
 
     def _collect(self, candidates: set[int]) -> int:
-        """Delete those of the packs numbered `candidates` that hold no referenced chunk; return bytes freed."""
+        """Delete those of the packs numbered `candidates` that hold the indexed copy of no referenced
+        chunk; return the bytes freed."""
         refs, where = self._refs, self._where
-        dead = [no for no in candidates
-                if not any(refs.get(d) and where.get(d, _NOWHERE)[0] == no for d, _, _ in self._packs[no].rows)]
+        dead = [no for no in candidates if not any(
+            refs.get(d) and where.get(d, _NOWHERE) >> _OFFSET_BITS == no for d, _, _ in self._packs[no].rows)]
         freed = 0
         for no in dead:
-            p = self._packs.pop(no)
-            p.close()
+            p = self._unindex_pack(no)
             os.unlink(p.path)
             freed += p.size
-            del self._pack_no[os.path.basename(p.path)]
-            for d, _, _ in p.rows:
-                if where.get(d, _NOWHERE)[0] == no:
-                    del where[d]
         if dead:
             fsync_dir(self._pdir)
         return freed

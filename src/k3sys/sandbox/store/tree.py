@@ -61,13 +61,13 @@ def scan(root: Path) -> list[tuple[Entry, str]]:
     `root` itself may be a symlink to a directory; nothing below it is followed. Regular files
     come back with `size` set and no chunks yet.
     """
-    top = os.fspath(root)
+    top = os.path.realpath(root)
     try:
         st = os.stat(top)
     except OSError as e:
-        raise StoreInputError(f"tree {top!r}: {e.strerror}") from e
+        raise StoreInputError(f"tree {os.fspath(root)!r}: {e.strerror}") from e
     if not stat.S_ISDIR(st.st_mode):
-        raise StoreInputError(f"tree {top!r} is not a directory")
+        raise StoreInputError(f"tree {os.fspath(root)!r} is not a directory")
     out = [(_entry(".", top, st), top)]
 
     def walk(rel_dir: str, abs_dir: str) -> None:
