@@ -75,11 +75,31 @@ def runtime_dir():
     shutil.rmtree(d, ignore_errors=True)
 
 
+def pytest_generate_tests(metafunc):
+    # Tests on the session's runtime run embedded and against the service over HTTP (server.py, in a
+    # subprocess), except those marked `embedded`: they look inside the runtime itself.
+    if "rt" in metafunc.fixturenames:
+        kinds = ["embedded"] if metafunc.definition.get_closest_marker("embedded") else ["embedded", "remote"]
+        metafunc.parametrize("rt", kinds, indirect=True, scope="session")
+
+
 @pytest.fixture(scope="session")
-def rt(runtime_dir):
-    """The session's runtime; at the end every sandbox is killed and nothing may be left behind."""
+def rt(request, runtime_dir, tmp_path_factory):
+    """The session's runtime (or a client of a service with the embedded defaults, for `remote`); at
+    the end every sandbox is killed and nothing may be left behind."""
     if MISSING:
         pytest.skip(f"sandbox runtime unavailable: {MISSING}")
+    if getattr(request, "param", "embedded") == "remote":
+        from service_process import ServiceProcess
+
+        root = tmp_path_factory.mktemp("service")
+        with ServiceProcess(root, "--on-timeout", "kill", "--max-body-mb", "8") as service, service.client() as client:
+            yield client
+            SEEN.update(i.id for i in client.list())
+            for i in client.list():
+                client.kill(i.id)
+        assert leftovers(root, SEEN) == []
+        return
     from k3sys.sandbox import Runtime
 
     runtime = Runtime(runtime_dir)
@@ -89,6 +109,23 @@ def rt(runtime_dir):
     runtime.close()
     assert leftovers(runtime_dir, SEEN) == []
     assert not runtime.scratch.exists()
+
+
+@pytest.fixture(scope="session")
+def service(tmp_path_factory):
+    """A sandbox service (`k3sys sandbox serve`, its own defaults but an 8 MiB body limit) in a
+    subprocess on 127.0.0.1; at the end every sandbox is killed and nothing may be left behind."""
+    if MISSING:
+        pytest.skip(f"sandbox runtime unavailable: {MISSING}")
+    from service_process import ServiceProcess
+
+    root = tmp_path_factory.mktemp("svc")
+    with ServiceProcess(root, "--max-body-mb", "8") as svc, svc.client() as client:
+        yield svc
+        ids = {i.id for i in client.list()}
+        for i in ids:
+            client.kill(i)
+    assert leftovers(root, ids) == []
 
 
 @pytest.fixture(autouse=True)

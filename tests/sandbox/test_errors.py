@@ -97,6 +97,7 @@ def test_operations_in_the_wrong_state(sbx):
     assert sbx.commands.run("echo alive").stdout == "alive\n"
 
 
+@pytest.mark.embedded
 def test_one_runtime_per_directory(runtime_dir, rt):
     with pytest.raises(RuntimeLockedError, match="in use"):
         Runtime(runtime_dir)

@@ -110,6 +110,7 @@ def test_pause_refuses_commands_and_files_then_resume(sbx):
     assert sbx.commands.run("echo back").stdout == "back\n"
 
 
+@pytest.mark.embedded
 def test_paused_sandbox_gets_no_cpu(sbx):
     sbx.commands.run("sh -c 'while :; do echo $(( $(cat /tmp/n 2>/dev/null || echo 0) + 1 )) > /tmp/n; done' "
                      ">/dev/null 2>&1 &")

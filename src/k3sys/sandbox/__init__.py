@@ -3,12 +3,18 @@ incremental checkpoint, fork, hibernate, restore. Imports no torch.
 
 - `Sandbox`, `Checkpoint` (api.py): the SDK facade; `Runtime` (runtime.py): the embedded runtime
   behind it, over a driver (drivers/runc.py: runc + CRIU + overlayfs).
+- `HTTPBackend`, `AsyncHTTPBackend` (client.py): the same SDK against a sandbox service
+  (`k3sys.sandbox.server`, `k3sys sandbox serve`); `AsyncSandbox` (aio.py): the SDK for asyncio.
 - `k3sys.sandbox.store`: the content-addressed chunk store behind incremental checkpoints.
 - `k3sys.sandbox.errors`: the exception tree (`SandboxError` and subclasses).
 """
 
+from k3sys.sandbox.aio import AsyncCommandHandle, AsyncSandbox
 from k3sys.sandbox.api import Backend, Checkpoint, CommandHandle, Sandbox, default_runtime
+from k3sys.sandbox.client import AsyncHTTPBackend, HTTPBackend
 from k3sys.sandbox.errors import (
+    AuthError,
+    CapacityError,
     CheckpointExistsError,
     CheckpointNotFoundError,
     CommandTimeoutError,
@@ -23,6 +29,8 @@ from k3sys.sandbox.errors import (
     SandboxFileNotFoundError,
     StoreError,
     StoreInputError,
+    TooLargeError,
+    UnavailableError,
     UnknownTemplateError,
 )
 from k3sys.sandbox.runtime import CheckpointInfo, Runtime, SandboxInfo
@@ -30,7 +38,12 @@ from k3sys.sandbox.sandboxfs import EntryInfo
 from k3sys.sandbox.spec import CommandResult, SandboxSpec
 
 __all__ = [
+    "AsyncCommandHandle",
+    "AsyncHTTPBackend",
+    "AsyncSandbox",
+    "AuthError",
     "Backend",
+    "CapacityError",
     "Checkpoint",
     "CheckpointExistsError",
     "CheckpointInfo",
@@ -41,6 +54,7 @@ __all__ = [
     "CorruptStoreError",
     "DriverError",
     "EntryInfo",
+    "HTTPBackend",
     "InvalidArgumentError",
     "InvalidStateError",
     "NotFoundError",
@@ -54,6 +68,8 @@ __all__ = [
     "SandboxSpec",
     "StoreError",
     "StoreInputError",
+    "TooLargeError",
+    "UnavailableError",
     "UnknownTemplateError",
     "default_runtime",
 ]

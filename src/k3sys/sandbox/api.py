@@ -8,16 +8,20 @@
         other = Sandbox.restore(ck)
 
 Every call goes through a `Backend`: the embedded `Runtime` by default (one per process, on the
-runtime directory `K3SYS_HOME` or ~/.local/share/k3sys), or any object with the same methods, such
-as an HTTP client, passed as `runtime=`. The facade itself holds nothing but the backend and an id.
+runtime directory `K3SYS_HOME` or ~/.local/share/k3sys), a sandbox service when `api_url=` (or
+`K3SYS_API_URL`) is given (`k3sys.sandbox.client.HTTPBackend`, key from `api_key=` or `K3SYS_API_KEY`),
+or any object with the same methods passed as `runtime=`. The facade itself holds nothing but the
+backend and an id, so every call reads the same whichever backend serves it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, BinaryIO, Protocol
 
 from k3sys.sandbox.errors import NotFoundError
 from k3sys.sandbox.runtime import CheckpointInfo, Runtime, SandboxInfo
@@ -38,12 +42,13 @@ class Backend(Protocol):
                       stdin: bytes | None = None) -> str: ...
     def wait_command(self, cid: str, timeout: float | None = None) -> CommandResult: ...
     def command_output(self, cid: str) -> tuple[str, str]: ...
+    def stream_command(self, cid: str) -> Iterator[tuple[str, str]]: ...
     def command_running(self, cid: str) -> bool: ...
     def kill_command(self, cid: str) -> None: ...
     def run(self, sid: str, cmd: str, timeout: float | None = 60, cwd: str | None = None,
             env: dict[str, str] | None = None, stdin: bytes | None = None) -> CommandResult: ...
     def read_file(self, sid: str, path: str) -> bytes: ...
-    def write_file(self, sid: str, path: str, data: bytes | str) -> int: ...
+    def write_file(self, sid: str, path: str, data: bytes | str | BinaryIO) -> int: ...
     def list_dir(self, sid: str, path: str = "/") -> list[EntryInfo]: ...
     def remove(self, sid: str, path: str) -> None: ...
     def make_dir(self, sid: str, path: str) -> None: ...
@@ -64,16 +69,25 @@ _default_lock = threading.Lock()
 
 
 def default_runtime() -> Backend:
-    """The process-wide embedded runtime, opened on first use."""
+    """The process-wide backend: a client of the service at `K3SYS_API_URL` when that is set, else
+    the embedded runtime, opened on first use."""
     global _default
+    if os.environ.get("K3SYS_API_URL"):
+        return _backend(api_url=os.environ["K3SYS_API_URL"])
     with _default_lock:
         if _default is None:
             _default = Runtime()
         return _default
 
 
-def _backend(runtime: Backend | None) -> Backend:
-    return runtime if runtime is not None else default_runtime()
+def _backend(runtime: Backend | None = None, api_url: str | None = None, api_key: str | None = None) -> Backend:
+    if runtime is not None:
+        return runtime
+    if api_url is not None:
+        from k3sys.sandbox.client import connect  # httpx only for remote use
+
+        return connect(api_url, api_key)
+    return default_runtime()
 
 
 @dataclass(frozen=True)
@@ -100,14 +114,16 @@ class Checkpoint:
                    info.template, dict(info.timings), runtime)
 
     @classmethod
-    def get(cls, id: str, runtime: Backend | None = None) -> Checkpoint:
-        rt = _backend(runtime)
+    def get(cls, id: str, runtime: Backend | None = None, *, api_url: str | None = None,
+            api_key: str | None = None) -> Checkpoint:
+        rt = _backend(runtime, api_url, api_key)
         return cls._of(rt.get_checkpoint(id), rt)
 
     @classmethod
-    def list(cls, runtime: Backend | None = None) -> list[Checkpoint]:
+    def list(cls, runtime: Backend | None = None, *, api_url: str | None = None,
+             api_key: str | None = None) -> list[Checkpoint]:
         """Every stored checkpoint, oldest first."""
-        rt = _backend(runtime)
+        rt = _backend(runtime, api_url, api_key)
         return [cls._of(i, rt) for i in rt.checkpoints()]
 
     def delete(self) -> None:
@@ -137,6 +153,11 @@ class CommandHandle:
     def output(self) -> tuple[str, str]:
         """(stdout, stderr) written so far."""
         return self._rt.command_output(self.id)
+
+    def stream(self) -> Iterator[tuple[str, str]]:
+        """`("stdout" | "stderr", text)` pieces as the command writes them, from its start until it
+        ends; `wait` gives the exit code afterwards."""
+        return self._rt.stream_command(self.id)
 
     def __repr__(self) -> str:
         return f"CommandHandle({self.id!r})"
@@ -175,8 +196,9 @@ class Files:
     def read_text(self, path: str) -> str:
         return self.read(path).decode()
 
-    def write(self, path: str, data: bytes | str) -> int:
-        """Create or replace a file (missing parent directories are created); returns bytes written."""
+    def write(self, path: str, data: bytes | str | BinaryIO) -> int:
+        """Create or replace a file (missing parent directories are created); returns bytes written.
+        `data` may be a binary file object: it is streamed, never held in memory whole."""
         return self._sbx._rt.write_file(self._sbx.id, path, data)
 
     def list(self, path: str = "/") -> list[EntryInfo]:
@@ -204,32 +226,38 @@ class Sandbox:
 
     @classmethod
     def create(cls, template: str = "busybox", cpu: float = 1.0, memory_mb: int = 512, pids: int = 256,
-               network: bool = False, timeout_s: float | None = None, *, id: str | None = None,
-               runtime: Backend | None = None) -> Sandbox:
-        """Start a sandbox (see `SandboxSpec` for the arguments; `id` optional, chosen by the caller)."""
-        rt = _backend(runtime)
-        spec = SandboxSpec(template, cpu, memory_mb, pids, network, timeout_s)
+               network: bool = False, timeout_s: float | None = None, on_timeout: str | None = None, *,
+               id: str | None = None, runtime: Backend | None = None, api_url: str | None = None,
+               api_key: str | None = None) -> Sandbox:
+        """Start a sandbox (see `SandboxSpec` for the arguments; `id` optional, chosen by the caller).
+
+        `api_url`/`api_key`: a sandbox service to create it on (default `K3SYS_API_URL`, else embedded).
+        """
+        rt = _backend(runtime, api_url, api_key)
+        spec = SandboxSpec(template, cpu, memory_mb, pids, network, timeout_s, on_timeout)
         return cls(rt, rt.create(spec, id).id)
 
     @classmethod
     def restore(cls, checkpoint: Checkpoint | str, *, id: str | None = None, timeout_s: float | None = None,
-                runtime: Backend | None = None) -> Sandbox:
+                runtime: Backend | None = None, api_url: str | None = None, api_key: str | None = None) -> Sandbox:
         """A new running sandbox from a checkpoint (its processes, memory and files)."""
         ck = checkpoint.id if isinstance(checkpoint, Checkpoint) else checkpoint
-        if runtime is None and isinstance(checkpoint, Checkpoint):
+        if runtime is None and api_url is None and isinstance(checkpoint, Checkpoint):
             runtime = checkpoint.runtime
-        rt = _backend(runtime)
+        rt = _backend(runtime, api_url, api_key)
         return cls(rt, rt.restore(ck, id, timeout_s).id)
 
     @classmethod
-    def get(cls, id: str, runtime: Backend | None = None) -> Sandbox:
-        rt = _backend(runtime)
+    def get(cls, id: str, runtime: Backend | None = None, *, api_url: str | None = None,
+            api_key: str | None = None) -> Sandbox:
+        rt = _backend(runtime, api_url, api_key)
         return cls(rt, rt.info(id).id)
 
     @classmethod
-    def list(cls, runtime: Backend | None = None) -> list[Sandbox]:
+    def list(cls, runtime: Backend | None = None, *, api_url: str | None = None,
+             api_key: str | None = None) -> list[Sandbox]:
         """Every sandbox of the runtime (including hibernated and lost ones), oldest first."""
-        rt = _backend(runtime)
+        rt = _backend(runtime, api_url, api_key)
         return [cls(rt, i.id) for i in rt.list()]
 
     @property

@@ -5,11 +5,15 @@
     ├── InvalidStateError                 operation not allowed in the sandbox's current state
     ├── InvalidArgumentError (ValueError) bad argument: negative limit, bad id, ...
     │   ├── UnknownTemplateError          no template with that name
-    │   └── PathEscapeError               a sandbox path leaving the sandbox root (`..`, symlinks)
+    │   ├── PathEscapeError               a sandbox path leaving the sandbox root (`..`, symlinks)
+    │   └── TooLargeError                 a request body over the service's size limit
     ├── SandboxFileNotFoundError (FileNotFoundError)  no such file inside the sandbox
     ├── CommandTimeoutError (TimeoutError)  a command ran past its timeout and was killed
     ├── RuntimeLockedError                another live process holds the runtime directory
     ├── DriverError                       runc / CRIU / the kernel refused; carries the tool's log tail
+    ├── AuthError                         the service refused the API key (missing or wrong)
+    ├── CapacityError                     the service is at a limit (sandboxes, memory); retry later
+    ├── UnavailableError                  the service is shutting down or cannot be reached
     └── StoreError                        the checkpoint store (`k3sys.sandbox.store`)
         ├── CheckpointNotFoundError       unknown checkpoint id (also a NotFoundError)
         ├── CheckpointExistsError         commit with an id that is already taken
@@ -74,6 +78,30 @@ class CommandTimeoutError(SandboxError, TimeoutError):
         super().__init__(message)
         self.stdout = stdout
         self.stderr = stderr
+
+
+class TooLargeError(InvalidArgumentError):
+    """A request body over the service's size limit."""
+
+    code = "too_large"
+
+
+class AuthError(SandboxError):
+    """The sandbox service refused the request's API key (missing or wrong)."""
+
+    code = "unauthorized"
+
+
+class CapacityError(SandboxError):
+    """The sandbox service is at one of its limits (sandboxes, memory); retry after others finish."""
+
+    code = "capacity"
+
+
+class UnavailableError(SandboxError):
+    """The sandbox service is shutting down or cannot be reached."""
+
+    code = "unavailable"
 
 
 class RuntimeLockedError(SandboxError):

@@ -36,7 +36,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from k3sys.sandbox.drivers.base import Driver, SandboxDirs
 from k3sys.sandbox.errors import (
@@ -49,7 +49,7 @@ from k3sys.sandbox.errors import (
     SandboxError,
 )
 from k3sys.sandbox.sandboxfs import EntryInfo, SandboxFS
-from k3sys.sandbox.spec import CommandResult, SandboxSpec, check_id
+from k3sys.sandbox.spec import ON_TIMEOUT, CommandResult, OutputPieces, SandboxSpec, check_id
 from k3sys.sandbox.state import LIVE, Record, State
 from k3sys.sandbox.store import Manifest, Store
 from k3sys.sandbox.templates import template_rootfs
@@ -118,7 +118,12 @@ def _decode(b: bytes) -> str:
 class Runtime:
     """Sandboxes of one runtime directory; see the module docstring. Use one per directory."""
 
-    def __init__(self, root: Path | str | None = None, driver: Driver | None = None) -> None:
+    def __init__(self, root: Path | str | None = None, driver: Driver | None = None, on_timeout: str = "kill") -> None:
+        """`on_timeout`: what happens to a sandbox past its `timeout_s` unless its spec says ("kill",
+        "hibernate")."""
+        if on_timeout not in ON_TIMEOUT:
+            raise InvalidArgumentError(f"on_timeout: expected one of {ON_TIMEOUT}, got {on_timeout!r}")
+        self.on_timeout = on_timeout
         self.root = (Path(root) if root is not None else default_root()).resolve()
         for d in ("sandboxes", "layers", "tmp"):
             (self.root / d).mkdir(parents=True, exist_ok=True)
@@ -334,6 +339,25 @@ class Runtime:
         c = self._command(cid)
         return _decode(bytes(c.out)), _decode(bytes(c.err))
 
+    def read_command_output(self, cid: str, since: tuple[int, int] = (0, 0)) -> tuple[bytes, bytes, bool]:
+        """Raw (stdout, stderr) bytes after the offsets `since`, and whether the command has ended with
+        all its output read. Never blocks."""
+        c = self._command(cid)
+        # Checked before reading, so whatever the command wrote before ending is in this answer.
+        done = c.proc.poll() is not None and not any(t.is_alive() for t in c.readers)
+        return bytes(c.out[since[0]:]), bytes(c.err[since[1]:]), done
+
+    def stream_command(self, cid: str, poll: float = 0.02) -> Iterator[tuple[str, str]]:
+        """Yield `("stdout" | "stderr", text)` as the command writes it (from its start), until it ends;
+        `poll` seconds between looks. `wait_command` still gives the exit code afterwards."""
+        pieces = OutputPieces()
+        while True:
+            out, err, done = self.read_command_output(cid, pieces.offsets)
+            yield from pieces.feed(out, err, final=done)
+            if done:
+                return
+            time.sleep(poll)
+
     def command_running(self, cid: str) -> bool:
         return self._command(cid).proc.poll() is None
 
@@ -384,7 +408,13 @@ class Runtime:
         with self._fs(sid, "read files of") as fs:
             return fs.read(path)
 
-    def write_file(self, sid: str, path: str, data: bytes | str) -> int:
+    def open_file(self, sid: str, path: str) -> BinaryIO:
+        """The file at `path` open for reading, for streaming it out; the caller closes it. The open
+        file stays readable whatever happens to the sandbox afterwards."""
+        with self._fs(sid, "read files of") as fs:
+            return fs.open(path)
+
+    def write_file(self, sid: str, path: str, data: bytes | str | BinaryIO) -> int:
         with self._fs(sid, "write files of") as fs:
             return fs.write(path, data)
 
@@ -430,7 +460,9 @@ class Runtime:
                 self._wipe_upper(rec)
                 self._set(rec, State.HIBERNATED, prev=None)
                 raise
-            self._set(rec, State.RUNNING, layer=rec.head, prev=None)
+            # A sandbox hibernated by its timeout gets a fresh `timeout_s` from now.
+            deadline = rec.deadline if rec.deadline or not rec.spec.timeout_s else time.time() + rec.spec.timeout_s
+            self._set(rec, State.RUNNING, layer=rec.head, prev=None, deadline=deadline, reason="")
             self._gc_layers()
 
     # --- checkpoints --------------------------------------------------------------------------
@@ -667,7 +699,24 @@ class Runtime:
                 expired = [r.id for r in self._records.values() if r.deadline is not None and r.deadline <= now]
             for sid in expired:
                 with contextlib.suppress(SandboxError):
-                    self.kill(sid)
+                    self._expire(sid)
+
+    def _expire(self, sid: str) -> None:
+        """Apply the sandbox's `on_timeout` (its spec's, else the runtime's) if it is still past its deadline."""
+        with self._locked(sid) as rec:
+            if rec.deadline is None or rec.deadline > time.time():
+                return  # renewed or handled while we waited for the lock
+            if (rec.spec.on_timeout or self.on_timeout) == "kill":
+                self._discard(rec)
+                return
+            if rec.state in LIVE:
+                try:
+                    self.hibernate(sid)
+                except SandboxError:
+                    self._discard(rec)  # its time is up either way: never hold resources past it
+                    return
+            why = f"hibernated when its timeout_s={rec.spec.timeout_s:g} ran out"
+            self._set(rec, rec.state, deadline=None, reason=why)
 
     def _recover(self) -> None:
         self.driver.cleanup_stale()

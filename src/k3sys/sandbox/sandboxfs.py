@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 from k3sys.sandbox.errors import InvalidArgumentError, PathEscapeError, SandboxError, SandboxFileNotFoundError
 
@@ -106,8 +107,8 @@ class SandboxFS:
             except NotADirectoryError:
                 raise SandboxError(f"not a directory in the sandbox: {path!r}") from None
 
-    def read(self, path: str) -> bytes:
-        """The whole content of the file at `path`."""
+    def open(self, path: str) -> BinaryIO:
+        """The regular file at `path`, open for reading (the caller closes it)."""
         with self._walk(path) as (dfd, name):
             if not name:
                 raise SandboxError(f"is a directory in the sandbox: {path!r}")
@@ -115,17 +116,26 @@ class SandboxFS:
                 fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dfd)
             except IsADirectoryError:
                 raise SandboxError(f"is a directory in the sandbox: {path!r}") from None
-        with os.fdopen(fd, "rb") as f:
-            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-                raise SandboxError(f"not a regular file in the sandbox: {path!r}")
+        f = os.fdopen(fd, "rb")
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            f.close()
+            raise SandboxError(f"not a regular file in the sandbox: {path!r}")
+        return f
+
+    def read(self, path: str) -> bytes:
+        """The whole content of the file at `path`."""
+        with self.open(path) as f:
             return f.read()
 
-    def write(self, path: str, data: bytes | str, mode: int = 0o644) -> int:
-        """Create or replace the file at `path` (parent directories are created); returns bytes written."""
+    def write(self, path: str, data: bytes | str | BinaryIO, mode: int = 0o644) -> int:
+        """Create or replace the file at `path` (parent directories are created); returns bytes written.
+
+        `data` may be a binary file object, copied in chunks (large uploads never sit in memory whole).
+        """
         if isinstance(data, str):
             data = data.encode()
-        if not isinstance(data, bytes | bytearray | memoryview):
-            raise InvalidArgumentError(f"data: expected bytes or str, got {type(data).__name__}")
+        if not isinstance(data, bytes | bytearray | memoryview) and not hasattr(data, "read"):
+            raise InvalidArgumentError(f"data: expected bytes, str or a binary file, got {type(data).__name__}")
         parts = _parts(path)
         if not parts:
             raise InvalidArgumentError(f"path: {path!r} is the sandbox root, not a file")
@@ -136,7 +146,12 @@ class SandboxFS:
             except IsADirectoryError:
                 raise SandboxError(f"is a directory in the sandbox: {path!r}") from None
         with os.fdopen(fd, "wb") as f:
-            return f.write(data)
+            if not hasattr(data, "read"):
+                return f.write(data)
+            n = 0
+            while chunk := data.read(1 << 20):
+                n += f.write(chunk)
+            return n
 
     def makedirs(self, path: str) -> None:
         """Create directory `path` and its missing parents (like `mkdir -p`)."""

@@ -1,7 +1,9 @@
-"""What a sandbox is asked to be (`SandboxSpec`) and what running a command gives back (`CommandResult`)."""
+"""What a sandbox is asked to be (`SandboxSpec`) and what running a command gives back (`CommandResult`,
+`OutputPieces` for its output as it streams)."""
 
 from __future__ import annotations
 
+import codecs
 import math
 import re
 from dataclasses import asdict, dataclass
@@ -9,6 +11,7 @@ from typing import Any
 
 from k3sys.sandbox.errors import InvalidArgumentError
 
+ON_TIMEOUT = ("hibernate", "kill")  # what the runtime does with a sandbox past its `timeout_s`
 _ID = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
 
 
@@ -33,7 +36,8 @@ class SandboxSpec:
 
     `cpu` in cores (a CFS quota), `memory_mb` in MiB (a hard cgroup limit, no swap), `pids` the most
     tasks at once, `network` False for a private network namespace with loopback only, True to share
-    the host's; `timeout_s` the sandbox's lifetime in seconds (None: until killed).
+    the host's; `timeout_s` the sandbox's lifetime in seconds (None: until killed); `on_timeout` what
+    happens then: "kill", or "hibernate" (its time starts again on `resume`); None: the runtime's default.
     """
 
     template: str = "busybox"
@@ -42,6 +46,7 @@ class SandboxSpec:
     pids: int = 256
     network: bool = False
     timeout_s: float | None = None
+    on_timeout: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.template, str) or not self.template:
@@ -53,6 +58,8 @@ class SandboxSpec:
             raise InvalidArgumentError(f"network: expected a bool, got {self.network!r}")
         if self.timeout_s is not None:
             _check_number("timeout_s", self.timeout_s, 1e-3, 1e9, "seconds (or None)")
+        if self.on_timeout not in ON_TIMEOUT + (None,):
+            raise InvalidArgumentError(f"on_timeout: expected one of {ON_TIMEOUT} or None, got {self.on_timeout!r}")
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -72,3 +79,20 @@ class CommandResult:
     stdout: str
     stderr: str
     exit_code: int
+
+
+class OutputPieces:
+    """Turns a command's raw output increments into `("stdout" | "stderr", text)` pieces.
+
+    UTF-8 is decoded incrementally, so a character split across two increments comes out whole
+    (undecodable bytes become U+FFFD, as in `CommandResult`). `offsets` are the bytes consumed so far.
+    """
+
+    def __init__(self) -> None:
+        self.offsets = (0, 0)
+        self._decoders = [codecs.getincrementaldecoder("utf-8")(errors="replace") for _ in range(2)]
+
+    def feed(self, out: bytes, err: bytes, final: bool = False) -> list[tuple[str, str]]:
+        self.offsets = (self.offsets[0] + len(out), self.offsets[1] + len(err))
+        texts = [d.decode(b, final=final) for d, b in zip(self._decoders, (out, err), strict=True)]
+        return [(name, t) for name, t in zip(("stdout", "stderr"), texts, strict=True) if t]
