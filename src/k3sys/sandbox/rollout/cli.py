@@ -30,6 +30,8 @@ def rollout(
     new_tokens: Annotated[int, typer.Option(min=1, help="Model policy: tokens generated per turn.")] = 24,
     base_url: Annotated[str | None, typer.Option(help="OpenAI policy: endpoint base URL (.../v1).")] = None,
     model_name: Annotated[str, typer.Option("--model-name", help="OpenAI policy: model name.")] = "default",
+    api_url: Annotated[str | None, typer.Option(help="Sandbox service to run on (key: K3SYS_API_KEY); default "
+                                                     "K3SYS_API_URL, else embedded.")] = None,
     html: Annotated[Path, typer.Option(help="Where to write the HTML report.")] = Path("k3sys-rollout.html"),
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the report as JSON here.")] = None,
     seed: Annotated[int, typer.Option(help="Seed of tasks and think times.")] = 0,
@@ -39,11 +41,19 @@ def rollout(
     import os
 
     from k3sys.sandbox.errors import InvalidArgumentError
-    from k3sys.sandbox.rollout import ModelPolicy, OpenAIPolicy, RolloutEngine, ScriptedPolicy, builtin_tasks
+    from k3sys.sandbox.rollout import (
+        ModelPolicy,
+        OpenAIPolicy,
+        RolloutEngine,
+        ScriptedPolicy,
+        builtin_tasks,
+        default_factory,
+    )
     from k3sys.sandbox.system import system_paths
 
     console = Console()
-    missing = system_paths().missing()
+    api_url = api_url or os.environ.get("K3SYS_API_URL")
+    missing = None if api_url else system_paths().missing()
     if missing:
         console.print(f"[red]sandboxes are unavailable here: {missing}[/red]")
         raise typer.Exit(2)
@@ -58,7 +68,13 @@ def rollout(
             pol = OpenAIPolicy(base_url, model_name, api_key=os.environ.get("OPENAI_API_KEY"))
         else:
             raise InvalidArgumentError(f"policy must be one of {POLICIES}, got {policy!r}")
-        engine = RolloutEngine(pol, pause_policy=pause_policy, max_live=max_live)
+        if api_url:
+            from k3sys.sandbox.client import connect
+
+            factory = default_factory(runtime=connect(api_url))
+        else:
+            factory = default_factory()
+        engine = RolloutEngine(pol, factory, pause_policy=pause_policy, max_live=max_live)
         tasks = builtin_tasks(seed, resident_mb, poll_ms)
         runs = 2 if baseline and pause_policy != "none" else 1
         total = runs * episodes * (turns + (group - 1) * max(turns - branch_at, 0))
