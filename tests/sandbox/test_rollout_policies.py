@@ -75,6 +75,14 @@ def test_model_policy_thinks_with_the_hybrid_model_and_acts_from_the_script():
         ModelPolicy(new_tokens=0, model=a.model)
 
 
+def test_exports():
+    import k3sys.sandbox.rollout as rollout
+
+    for name in rollout.__all__:
+        assert hasattr(rollout, name), name
+    assert {"RolloutEngine", "RolloutReport", "ScriptedPolicy", "ModelPolicy", "builtin_tasks"} <= set(rollout.__all__)
+
+
 def test_importing_rollout_does_not_import_torch():
     code = ("import sys, k3sys.sandbox.rollout as r; assert 'torch' not in sys.modules; "
             "r.ScriptedPolicy(); assert 'torch' not in sys.modules; print('ok')")

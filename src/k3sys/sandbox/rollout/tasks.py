@@ -52,13 +52,15 @@ def _check_count(name: str, value: object) -> None:
 def start_service(sbx: Sandbox, resident_mb: int, poll_ms: int) -> None:
     """Start the agent service in `sbx` and wait until its memory is resident (see the module docstring).
 
-    It holds `resident_mb` MiB in a shell variable and, every `poll_ms` ms, walks /work the way a file
-    watcher does (0: it only sleeps).
+    It holds `resident_mb` MiB of random text in a shell variable (random, so no page is a duplicate
+    the checkpoint store could skip) and, every `poll_ms` ms, walks /work the way a file watcher does
+    (0: it only sleeps).
     """
     _check_count("resident_mb", resident_mb)
     _check_count("poll_ms", poll_ms)
     loop = f"ls -R /work >/dev/null 2>&1; sleep {poll_ms / 1000:g}" if poll_ms else "sleep 86400"
-    body = (f'x=$(head -c {resident_mb << 20} /dev/zero | tr "\\0" x); : > /tmp/.service-ready; '
+    # base64 of 3n/4 random bytes: exactly n bytes of text (n = resident_mb MiB is a multiple of 4).
+    body = (f"x=$(head -c {(resident_mb << 20) * 3 // 4} /dev/urandom | base64 -w 0); : > /tmp/.service-ready; "
             f"while :; do {loop}; done")
     r = sbx.commands.run(f"mkdir -p /work; sh -c {shlex.quote(body)} </dev/null >/dev/null 2>&1 & "
                          "until [ -e /tmp/.service-ready ]; do sleep 0.01; done", timeout=60)
