@@ -1,6 +1,7 @@
 """`k3sys demo` part "Rollout": the tiny hybrid model drives agent episodes in real sandboxes, which
-are paused while it thinks, beside the same episodes with no pausing; GRPO-style groups of 2 forked
-after the first turn. Writes the HTML report (its path is the tour's last line)."""
+are paused while it thinks, beside the same episodes with no pausing and with hibernation; GRPO-style
+groups of 2 forked after the first turn. Writes the HTML report of pause vs none (its path is the
+tour's last line)."""
 
 from __future__ import annotations
 
@@ -27,23 +28,26 @@ def demo(progress: Progress) -> list[tuple[str, str]]:
         template_rootfs("debian", build=False)
     except DriverError:  # building it takes minutes and the network: leave fix-test out of a quick tour
         tasks = [t for t in tasks if t.template != "debian"]
-    bar = progress.add_task("rollout: tiny model thinks, sandboxes paused (then the same unpaused)",
-                            total=2 * EPISODES * (TURNS + (GROUP - 1) * (TURNS - BRANCH_AT)))
-    engine = RolloutEngine(ModelPolicy(new_tokens=NEW_TOKENS), pause_policy="pause")
-    report = engine.run(tasks, EPISODES, TURNS, group=GROUP, branch_at=BRANCH_AT, compare_none=True,
-                        on_turn=lambda *_: progress.advance(bar))
+    turns = EPISODES * (TURNS + (GROUP - 1) * (TURNS - BRANCH_AT))
+    bar = progress.add_task("rollout: tiny model thinks; sandboxes paused, unpaused, hibernated", total=3 * turns)
+    policy = ModelPolicy(new_tokens=NEW_TOKENS)
+    kw = {"group": GROUP, "branch_at": BRANCH_AT, "on_turn": lambda *_: progress.advance(bar)}
+    report = RolloutEngine(policy, pause_policy="pause").run(tasks, EPISODES, TURNS, compare_none=True, **kw)
+    hibernated = RolloutEngine(policy, pause_policy="hibernate").run(tasks, EPISODES, TURNS, **kw)
     path = report.to_html(REPORT).resolve()
-    a, b = report.totals, report.baseline.totals
+    p, n, h = report.totals, report.baseline.totals, hibernated.totals
     return [
-        ("episodes", f"{a['episodes']:.0f} ({a['forks']:.0f} forks, {a['prefix_turns_reused']:.0f} prefix turns "
+        ("episodes", f"{p['episodes']:.0f} ({p['forks']:.0f} forks, {p['prefix_turns_reused']:.0f} prefix turns "
                      f"reused), {', '.join(sorted({t.name for t in tasks}))}"),
-        ("mean reward / failed episodes", f"{a['mean_reward']:.2f} / {a['errors'] + b['errors']:.0f}"),
-        ("policy think time (tiny model, queued)", f"{a['think_s_per_turn'] * 1e3:.0f} ms/turn"),
-        ("waiting share of sandbox life", f"{a['waiting_frac']:.0%}"),
-        ("CPU held by sandboxes, pause vs none", f"{a['cpu_s']:.2f} vs {b['cpu_s']:.2f} CPU*s "
-                                                 f"({a['cpu_s'] / b['cpu_s']:.2f}x)"),
-        ("memory held, pause vs none (pause keeps it)", f"{a['mem_gb_s']:.3f} vs {b['mem_gb_s']:.3f} GB*s "
-                                                        f"({a['mem_gb_s'] / b['mem_gb_s']:.2f}x)"),
-        ("added latency per turn (resume)", f"{a['added_latency_s'] * 1e3:.1f} ms"),
+        ("mean reward / failed episodes", f"{p['mean_reward']:.2f} / {p['errors'] + n['errors'] + h['errors']:.0f}"),
+        ("policy think time (tiny model, queued)", f"{p['think_s_per_turn'] * 1e3:.0f} ms/turn"),
+        ("waiting share of sandbox life", f"{p['waiting_frac']:.0%}"),
+        ("CPU held by sandboxes: pause / none", f"{p['cpu_s']:.2f} / {n['cpu_s']:.2f} CPU*s "
+                                                f"({p['cpu_s'] / n['cpu_s']:.2f}x)"),
+        ("memory held: hibernate / none", f"{h['mem_gb_s']:.3f} / {n['mem_gb_s']:.3f} GB*s "
+                                          f"({h['mem_gb_s'] / n['mem_gb_s']:.2f}x; pause keeps it: "
+                                          f"{p['mem_gb_s'] / n['mem_gb_s']:.2f}x)"),
+        ("added latency per turn: pause / hibernate", f"{p['added_latency_s'] * 1e3:.1f} / "
+                                                      f"{h['added_latency_s'] * 1e3:.0f} ms"),
         ("report", str(path)),
     ]
