@@ -7,11 +7,12 @@ run once per policy, sequentially, `--repeats` times. Per run, from the sandboxe
 resident GB-seconds and CPU-seconds held, and the latency resuming adds per turn. Medians over repeats.
 
 Density (episodes that fit in 8 GiB): a sandbox needs, on average, its time-averaged resident memory
-(cgroup GB-s / episode wall time), plus under hibernation the CRIU images staged on tmpfs while a
-dump is in flight (counted as the sandbox's peak resident size for its time in "hibernating"). With
-`max_live` admitting sandboxes against the budget, episodes = 8 GiB / that average (Little's law: the
-budget holds the average number of resident sandboxes, not the peak of each). For "none" the average
-is the resident size itself: every sandbox stays resident. A last run checks the lever for real: 8
+over its turns (cgroup memory samples integrated from the end of setup to the end of its last action),
+plus under hibernation the CRIU images staged on tmpfs while a dump is in flight (counted as the
+sandbox's peak resident size for its time in "hibernating"). With `max_live` admitting sandboxes
+against the budget, episodes = 8 GiB / that average (Little's law: the budget holds the average
+number of resident sandboxes, not the peak of each). For "none" the average is the resident size
+itself: every sandbox stays resident. A last run checks the lever for real: 8
 episodes at ratio 50 with max_live=2 and hibernate vs none, peak memory measured.
 
     python bench/rollout.py [--repeats 2] [--episodes 3] [--turns 3]
@@ -23,7 +24,9 @@ Writes bench/results/rollout.json and rollout.png. Needs root, runc and our CRIU
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import math
 import platform
 import shutil
 import statistics
@@ -35,7 +38,14 @@ from rich.console import Console
 from rich.table import Table
 
 from k3sys.sandbox import Runtime
-from k3sys.sandbox.rollout import RolloutEngine, RolloutReport, ScriptedPolicy, builtin_tasks, default_factory
+from k3sys.sandbox.rollout import (
+    EpisodeRecord,
+    RolloutEngine,
+    RolloutReport,
+    ScriptedPolicy,
+    builtin_tasks,
+    default_factory,
+)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 RATIOS = (1, 10, 50)
@@ -44,12 +54,28 @@ BUDGET = 8 << 30  # bytes
 RESIDENT_MB, POLL_MS = 64, 100
 
 
+def held_bytes(e: EpisodeRecord) -> float:
+    """Time-averaged bytes `e` held over its turns (setup and the final reward check left out: they
+    are the same under every policy), tmpfs staging of in-flight dumps included (see the docstring)."""
+    t0 = next(end for state, _, end in e.intervals if state == "setup")
+    last = e.turns[-1]
+    t1 = last.think_start + last.think_s + last.resume_s + last.action_s
+
+    def inside(a: float, b: float) -> float:
+        return max(0.0, min(b, t1) - max(a, t0))
+
+    # Each memory sample holds until the next one (the sampler's own rule).
+    byte_s = sum(m * inside(a, b) for (a, m), (b, _) in itertools.pairwise([*e.mem_series, (math.inf, 0)]))
+    staged_s = sum(inside(a, b) for state, a, b in e.intervals if state == "hibernating")
+    return (byte_s + staged_s * e.peak_mem_bytes) / (t1 - t0)
+
+
 def measure(report: RolloutReport) -> dict:
     t = report.totals
     eps = report.episodes
-    # Time-averaged bytes held per sandbox, tmpfs staging of in-flight dumps included (see docstring).
-    per_ep = [(e.mem_gb_s * 1e9 + e.state_s()["hibernating"] * e.peak_mem_bytes) / e.wall_s for e in eps]
+    per_ep = [held_bytes(e) for e in eps]
     suspends = [turn.suspend for e in eps for turn in e.own_turns]
+    spans = {k: [b - a for e in eps for state, a, b in e.intervals if state == k] for k in ("hibernating", "resuming")}
     return {
         "mem_gb_s": t["mem_gb_s"], "cpu_s": t["cpu_s"], "added_latency_ms": t["added_latency_s"] * 1e3,
         "wall_s": t["wall_s"], "waiting_frac": t["waiting_frac"], "mean_reward": t["mean_reward"],
@@ -57,6 +83,9 @@ def measure(report: RolloutReport) -> dict:
         "avg_bytes_per_episode": statistics.fmean(per_ep),
         "peak_bytes_per_episode": statistics.fmean(e.peak_mem_bytes for e in eps),
         "hibernated_turns": suspends.count("hibernate") / max(len(suspends), 1),
+        # Seconds per hibernation (freeze + dump + store + stop) and per resume (thaw or restore).
+        "hibernate_s": statistics.median(spans["hibernating"]) if spans["hibernating"] else None,
+        "resume_s": statistics.median(spans["resuming"]) if spans["resuming"] else None,
     }
 
 
@@ -72,7 +101,9 @@ def run(rt: Runtime, policy: str, think_ms: float, args: argparse.Namespace, see
 
 
 def median_of(runs: list[dict]) -> dict:
-    return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    """Per key, the median over repeats (None where a run had nothing to measure)."""
+    return {k: statistics.median(r[k] for r in runs) if all(r[k] is not None for r in runs) else None
+            for k in runs[0]}
 
 
 def plot(results: dict, path: Path) -> None:
@@ -161,6 +192,9 @@ def sweep_all(rt: Runtime, args: argparse.Namespace, console: Console, t_start: 
                           f"{m['hibernated_turns']:.0%}", f"{m['avg_bytes_per_episode'] / 1e6:.1f}",
                           str(density[str(r)][pol]))
     console.print(table)
+    hib = [sweep[str(r)]["hibernate"] for r in RATIOS]
+    console.print(f"hibernate: median {statistics.median(m['hibernate_s'] for m in hib) * 1e3:.0f} ms per dump, "
+                  f"{statistics.median(m['resume_s'] for m in hib) * 1e3:.0f} ms per restore ({args.episodes} at once)")
     ln, lh = lever["none"], lever["hibernate"]
     console.print(f"max_live lever, 8 episodes at think/act 50: peak memory {lh['peak_mem_gb'] * 1e3:.0f} MB "
                   f"(hibernate, max_live=2) vs {ln['peak_mem_gb'] * 1e3:.0f} MB (none); wall {lh['wall_s']:.1f} s "

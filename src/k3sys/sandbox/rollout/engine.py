@@ -6,7 +6,7 @@ sandbox back, run the command, append the result to the episode. `pause_policy`:
     none        the sandbox stays running while the policy thinks (the baseline)
     pause       freeze it (cgroup freezer): no CPU, memory kept; back in a few ms
     hibernate   freeze it, then checkpoint it to the store and stop it in the background while the
-                policy thinks: no CPU, no memory; back after a restore (~0.1-0.2 s here)
+                policy thinks: no CPU, no memory; back after a restore (0.1-0.5 s here, more with more memory)
     auto        per turn: hibernate when the expected wait (median of measured policy calls) covers
                 the measured hibernate + restore time and the restore stays within
                 `auto_latency_budget` of the wait; pause otherwise
