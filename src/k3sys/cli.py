@@ -7,7 +7,9 @@ from typing import Annotated
 import typer
 
 from k3sys.ep.cli import app as ep_app
+from k3sys.model.cli import memory
 from k3sys.sandbox.cli import app as sandbox_app
+from k3sys.sandbox.rollout.cli import rollout
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="k3sys: Kimi K3's system designs, runnable.")
 app.add_typer(ep_app, name="ep")
@@ -25,6 +27,10 @@ def demo(part: Annotated[list[str] | None, typer.Option("--part", help="Run only
     from k3sys.demo import run_demo
 
     run_demo(parts=part)
+
+
+app.command()(memory)
+app.command()(rollout)
 
 
 if __name__ == "__main__":

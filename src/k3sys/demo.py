@@ -1,7 +1,8 @@
 """`k3sys demo`: the end-to-end tour, each design on small embedded defaults.
 
 Each part is a module with `demo(progress) -> list[tuple[str, str]]`: it runs its design with a
-Rich progress task and returns (figure, value) rows for the closing summary table.
+Rich progress task and returns (figure, value) rows for the closing summary table. A row whose
+figure is "report" names a file the part wrote; the tour ends by listing those paths.
 """
 
 from __future__ import annotations
@@ -16,7 +17,10 @@ from rich.table import Table
 # Order is the tour's order; each module owns its part.
 PARTS: list[tuple[str, str]] = [
     ("KDA", "k3sys.kda.demo"),
+    ("EP", "k3sys.ep.demo"),
+    ("Model", "k3sys.model.demo"),
     ("Sandbox", "k3sys.sandbox.demo"),
+    ("Rollout", "k3sys.sandbox.rollout.demo"),
 ]
 
 
@@ -45,4 +49,7 @@ def run_demo(console: Console | None = None, parts: list[str] | None = None) -> 
     for row in rows:
         table.add_row(*row)
     console.print(table)
+    for name, fig, value in rows:
+        if fig == "report":
+            console.print(f"{name} report: [bold]{value}[/bold]")
     return rows

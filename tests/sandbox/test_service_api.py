@@ -314,7 +314,8 @@ def test_background_output_streams_as_server_sent_events(http, rsbx):
 ROUTES = {
     ("/health", "get"), ("/metrics", "get"),
     ("/sandboxes", "get"), ("/sandboxes", "post"), ("/sandboxes/{sid}", "get"), ("/sandboxes/{sid}", "delete"),
-    ("/sandboxes/{sid}/memory", "get"), ("/sandboxes/{sid}/pause", "post"), ("/sandboxes/{sid}/resume", "post"),
+    ("/sandboxes/{sid}/memory", "get"), ("/sandboxes/{sid}/cpu", "get"), ("/sandboxes/{sid}/pause", "post"),
+    ("/sandboxes/{sid}/resume", "post"),
     ("/sandboxes/{sid}/hibernate", "post"), ("/sandboxes/{sid}/checkpoints", "post"),
     ("/sandboxes/{sid}/fork", "post"), ("/sandboxes/{sid}/commands", "post"),
     ("/commands/{cid}", "get"), ("/commands/{cid}", "delete"), ("/commands/{cid}/events", "get"),

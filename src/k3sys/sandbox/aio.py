@@ -204,6 +204,9 @@ class AsyncSandbox:
     async def memory_bytes(self) -> int:
         return await self._rt.memory_bytes(self.id)
 
+    async def cpu_seconds(self) -> float:
+        return await self._rt.cpu_seconds(self.id)
+
     async def pause(self) -> None:
         await self._rt.pause(self.id)
 

@@ -176,6 +176,9 @@ class HTTPBackend:
     def memory_bytes(self, sid: str) -> int:
         return self._do(_Call("GET", f"/sandboxes/{sid}/memory", parse=lambda r: r.json()["bytes"]))
 
+    def cpu_seconds(self, sid: str) -> float:
+        return self._do(_Call("GET", f"/sandboxes/{sid}/cpu", parse=lambda r: r.json()["seconds"]))
+
     # --- commands -------------------------------------------------------------------------------
 
     @staticmethod

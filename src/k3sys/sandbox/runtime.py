@@ -282,6 +282,11 @@ class Runtime:
         """Memory the sandbox's processes hold now, in bytes (0 unless running or paused)."""
         return self.driver.memory_bytes(sid)
 
+    def cpu_seconds(self, sid: str) -> float:
+        """CPU seconds the sandbox's cgroup has charged (0 unless running or paused; the count restarts
+        from 0 when a hibernated sandbox resumes, since it comes back in a new cgroup)."""
+        return self.driver.cpu_seconds(sid)
+
     # --- commands -----------------------------------------------------------------------------
 
     def start_command(self, sid: str, cmd: str, cwd: str | None = None, env: dict[str, str] | None = None,

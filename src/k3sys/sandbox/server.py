@@ -132,6 +132,10 @@ class Memory(BaseModel):
     bytes: int
 
 
+class Cpu(BaseModel):
+    seconds: float
+
+
 # --- routes ------------------------------------------------------------------------------------------
 
 
@@ -177,6 +181,13 @@ async def kill_sandbox(svc: Svc, sid: str) -> Response:
 async def sandbox_memory(svc: Svc, sid: str) -> Any:
     svc.rt.info(sid)
     return {"bytes": await svc.call("memory", svc.rt.memory_bytes, sid, io=True)}
+
+
+@router.get("/sandboxes/{sid}/cpu", response_model=Cpu, tags=["sandboxes"])
+async def sandbox_cpu(svc: Svc, sid: str) -> Any:
+    """CPU seconds charged to the sandbox's cgroup (restarts at 0 when a hibernated sandbox resumes)."""
+    svc.rt.info(sid)
+    return {"seconds": await svc.call("cpu", svc.rt.cpu_seconds, sid, io=True)}
 
 
 @router.post("/sandboxes/{sid}/pause", response_model=SandboxInfo, tags=["life cycle"])

@@ -85,5 +85,8 @@ class Driver(Protocol):
     def memory_bytes(self, sid: str) -> int:
         """Memory charged to the sandbox now (0 when it has no processes)."""
 
+    def cpu_seconds(self, sid: str) -> float:
+        """CPU seconds charged to the sandbox's cgroup so far (restarts at 0 with each new cgroup)."""
+
     def cleanup_stale(self) -> None:
         """Release what a crashed runtime left behind (orphan helper processes, temporary mounts)."""

@@ -309,6 +309,17 @@ class RuncDriver:
         except (OSError, ValueError):
             return 0
 
+    def cpu_seconds(self, sid: str) -> float:
+        """CPU time the sandbox's current cgroup has charged (user + system); a new cgroup, after a
+        restore, starts again from 0."""
+        try:
+            if self._cgroup_v1:
+                return int(Path(f"/sys/fs/cgroup/cpuacct/k3sys-{sid}/cpuacct.usage").read_text()) / 1e9
+            stat = Path(f"/sys/fs/cgroup/k3sys-{sid}/cpu.stat").read_text().split()
+            return int(stat[stat.index("usage_usec") + 1]) / 1e6
+        except (OSError, ValueError):
+            return 0.0
+
     # --- cgroups ------------------------------------------------------------------------------
 
     def _freezer(self, sid: str) -> Path:

@@ -1,0 +1,74 @@
+"""Plain single-process reference of every `EPBuffer` collective path: the test oracle.
+
+Each function takes every rank's inputs as a list indexed by rank and returns every rank's result,
+by direct indexing with the plan's slot map: no staging, no splits, no process group. The real
+transfers only move values, so they must match these bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from k3sys.ep.planner import Plan
+
+__all__ = ["combine_reference", "dispatch_reference", "prefetch_reference", "reduce_grads_reference"]
+
+
+def dispatch_reference(
+    p: Plan, xs: list[torch.Tensor], topk_ids: list[torch.Tensor], topk_weights: list[torch.Tensor]
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Each rank's receive buffer `[buffer_rows, H]` and row weights `[buffer_rows]` (fp32).
+
+    Row `dst_row` of rank `dst_rank` holds its pair's token and weight; rows no pair lands in are zero
+    (the real token buffer leaves them stale). Differentiable in xs.
+    """
+    R, H = p.num_ranks, xs[0].shape[1]
+    recv_x = [xs[0].new_zeros(p.buffer_rows, H) for _ in range(R)]
+    recv_w = [torch.zeros(p.buffer_rows) for _ in range(R)]
+    for src, (x_sh, ids_sk, w_sk) in enumerate(zip(xs, topk_ids, topk_weights, strict=True)):
+        dst_rank_sk, dst_row_sk = p.slots(src, ids_sk)
+        token_sk = torch.arange(x_sh.shape[0]).view(-1, 1).expand_as(ids_sk)
+        for dst in range(R):
+            at = dst_rank_sk == dst
+            recv_x[dst][dst_row_sk[at]] = x_sh[token_sk[at]]
+            recv_w[dst][dst_row_sk[at]] = w_sk[at].detach().float()
+    return recv_x, recv_w
+
+
+def combine_reference(
+    p: Plan, expert_outs: list[torch.Tensor], topk_ids: list[torch.Tensor], topk_weights: list[torch.Tensor]
+) -> list[torch.Tensor]:
+    """Each rank's `[s, H]`: `sum_k w[t, k] * expert_outs[dst_rank][dst_row]` for its pairs."""
+    outs = []
+    for src, (ids_sk, w_sk) in enumerate(zip(topk_ids, topk_weights, strict=True)):
+        dst_rank_sk, dst_row_sk = p.slots(src, ids_sk)
+        y_skh = torch.stack(expert_outs)[dst_rank_sk, dst_row_sk]
+        outs.append((w_sk.unsqueeze(-1) * y_skh).sum(1))
+    return outs
+
+
+def prefetch_reference(p: Plan, home: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
+    """Each rank's replica slots `[epn, ...]` per name: slot j holds expert `replicas[rank, j]` (zeros if unused)."""
+    epn = p.experts_per_rank
+    out = []
+    for rank in range(p.num_ranks):
+        slots = {}
+        for name, w in home[rank].items():
+            slots[name] = torch.zeros_like(w)
+            for j, e in enumerate(p.replicas[rank].tolist()):
+                if e >= 0:
+                    slots[name][j] = home[e // epn][name][e % epn]
+        out.append(slots)
+    return out
+
+
+def reduce_grads_reference(p: Plan, grads: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
+    """Each rank's `[epn, ...]` per name: the sum of the replica-slot gradients of its home experts."""
+    epn = p.experts_per_rank
+    out = [{name: torch.zeros_like(g) for name, g in grads[0].items()} for _ in range(p.num_ranks)]
+    for rank in range(p.num_ranks):
+        for j, e in enumerate(p.replicas[rank].tolist()):
+            if e >= 0:
+                for name, g in grads[rank].items():
+                    out[e // epn][name][e % epn] += g[j]
+    return out

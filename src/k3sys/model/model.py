@@ -1,0 +1,74 @@
+"""`HybridModel`: embedding, pre-norm blocks (KDA or gated MLA, then a dense or MoE FFN), final
+norm, LM head. One forward serves training-style full sequences, prefill and decode: given a
+`HybridCache` it continues from the cached tokens and appends to it."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from k3sys.kda import KimiDeltaAttention
+from k3sys.model.cache import HybridCache
+from k3sys.model.config import ModelConfig
+from k3sys.model.ffn import build_ffn
+from k3sys.model.mla import GatedMLA
+
+
+def build_attention(cfg: ModelConfig, kind: str) -> nn.Module:
+    """The token mixer of a layer of `kind` ("kda" or "mla")."""
+    if kind == "kda":
+        return KimiDeltaAttention(cfg.hidden_size, cfg.kda_num_heads, cfg.kda_head_dim,
+                                  conv_size=cfg.kda_conv_size, lower_bound=cfg.kda_lower_bound,
+                                  norm_eps=cfg.norm_eps)
+    return GatedMLA(cfg.hidden_size, cfg.mla_num_heads, cfg.kv_lora_rank, cfg.qk_nope_head_dim,
+                    cfg.qk_rope_head_dim, cfg.v_head_dim, q_lora_rank=cfg.q_lora_rank,
+                    use_rope=cfg.mla_use_rope, rope_theta=cfg.rope_theta, norm_eps=cfg.norm_eps)
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: `x + attn(norm(x))`, then `x + ffn(norm(x))`."""
+
+    def __init__(self, cfg: ModelConfig, index: int) -> None:
+        super().__init__()
+        self.index, self.kind = index, cfg.layers[index]
+        self.attn_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
+        self.attn = build_attention(cfg, self.kind)
+        self.ffn_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
+        self.ffn = build_ffn(cfg, moe=cfg.is_moe_layer(index))
+
+    def forward(self, x: torch.Tensor, cache: HybridCache | None = None) -> torch.Tensor:
+        h = self.attn_norm(x)
+        if self.kind == "kda":
+            h, state = self.attn(h, state=cache.layers[self.index] if cache is not None else None)
+            if cache is not None:
+                # Into the preallocated buffers: the returned conv tail is a view of the whole prefill window.
+                cache.layers[self.index].copy_(state)
+        else:
+            h = self.attn(h, cache.layers[self.index] if cache is not None else None)
+        x = x + h
+        return x + self.ffn(self.ffn_norm(x))
+
+
+class HybridModel(nn.Module):
+    """Decoder-only LM: `logits [B, T, vocab] = model(ids [B, T], cache=None)`."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
+        self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def forward(self, ids: torch.Tensor, cache: HybridCache | None = None) -> torch.Tensor:
+        """ids `[B, T]` int64 -> logits `[B, T, vocab]`. With `cache`, ids continue the cached tokens."""
+        if ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32) or ids.shape[1] == 0:
+            raise ValueError(f"ids must be a non-empty int64 tensor [B, T], got {ids.dtype} {list(ids.shape)}")
+        if cache is not None:
+            cache.check_room(ids.shape[0], ids.shape[1])
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x, cache)
+        if cache is not None:
+            cache.seq_len += ids.shape[1]
+        return self.lm_head(self.norm(x))

@@ -1,0 +1,258 @@
+"""EPBuffer on real gloo groups (2 and 4 ranks) against the single-process reference, bit for bit."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import torch.distributed as dist
+from rank_pool import RankPool
+
+from k3sys.ep import make_routing
+from k3sys.ep.comm import EPBuffer, RemoteInputError
+from k3sys.ep.comm_reference import (
+    combine_reference,
+    dispatch_reference,
+    prefetch_reference,
+    reduce_grads_reference,
+)
+from k3sys.ep.measure import hot_on_rank0
+
+H = 16
+WEIGHT_SHAPES = {"w_in": (H, 24), "w_out": (24, H)}
+
+
+def make_inputs(R: int, E: int, K: int, S: int, maxvio: float, hot_rank0: bool, step: int = 0):
+    """Every rank's (x [s_r, H], topk_ids [s_r, K], topk_weights [s_r, K]), uneven s_r <= S, same on every rank."""
+    ids = make_routing(R, S, E, K, maxvio, seed=7, step=step)
+    if hot_rank0:
+        ids = hot_on_rank0(ids, E)
+    g = torch.Generator().manual_seed(100 + step)
+    sizes = [S - (r * 7 + step) % (S // 2) for r in range(R)]
+    xs = [torch.randn(s, H, generator=g) for s in sizes]
+    ws = [torch.rand(s, K, generator=g) for s in sizes]
+    return xs, [ids[r, :s] for r, s in enumerate(sizes)], ws
+
+
+def per_rank(R: int, seed: int, make) -> list:
+    g = torch.Generator().manual_seed(seed)
+    return [make(g) for _ in range(R)]
+
+
+def check_paths(group: dist.ProcessGroup, E: int, K: int, S: int, maxvio: float, hot_rank0: bool, padding: int):
+    R, rank = dist.get_world_size(group), dist.get_rank(group)
+    epn = E // R
+    xs, ids, ws = make_inputs(R, E, K, S, maxvio, hot_rank0)
+    buf = EPBuffer(group, S, H, K, E, token_padding=padding)
+    x = xs[rank].clone().requires_grad_()
+    recv_x, recv_w, cu, h = buf.dispatch(x, ids[rank], ws[rank])
+    p = h.plan
+    ref_x, ref_w = dispatch_reference(p, xs, ids, ws)
+    rows = h.recv_row_n
+    assert rows.numel() == int(p.cap[rank]) == int(p.loads[rank])  # exactly its cap
+    assert torch.equal(cu, p.cu_seqlens[rank]) and recv_x.shape == (buf.buffer_rows, H)
+    assert torch.equal(recv_x[rows], ref_x[rank][rows])
+    assert torch.equal(recv_w, ref_w[rank])
+
+    outs = per_rank(R, 1, lambda g: torch.randn(buf.buffer_rows, H, generator=g))
+    out = buf.combine(h, outs[rank])
+    assert torch.equal(out, combine_reference(p, outs, ids, ws)[rank])
+
+    homes = per_rank(R, 2, lambda g: {n: torch.randn(epn, *s, generator=g) for n, s in WEIGHT_SHAPES.items()})
+    replicas = buf.prefetch(h, homes[rank])
+    ref_rep = prefetch_reference(p, homes)[rank]
+    used = p.replicas[rank] >= 0
+    for n in WEIGHT_SHAPES:
+        assert torch.equal(replicas[n][used], ref_rep[n][used])
+    grads = per_rank(R, 3, lambda g: {n: torch.randn(epn, *s, generator=g) for n, s in WEIGHT_SHAPES.items()})
+    reduced = buf.reduce_grads(h, grads[rank])
+    ref_red = reduce_grads_reference(p, grads)[rank]
+    for n in WEIGHT_SHAPES:
+        assert torch.equal(reduced[n], ref_red[n])
+
+    # Backward of dispatch and of combine against autograd through the reference.
+    gy = per_rank(R, 4, lambda g: torch.randn(buf.buffer_rows, H, generator=g))
+    (gx,) = torch.autograd.grad((recv_x * gy[rank]).sum(), x)
+    xs_ref = [t.clone().requires_grad_() for t in xs]
+    ref_x, _ = dispatch_reference(p, xs_ref, ids, ws)
+    (gx_ref,) = torch.autograd.grad(sum((a * b).sum() for a, b in zip(ref_x, gy, strict=True)), xs_ref[rank])
+    torch.testing.assert_close(gx, gx_ref, rtol=1e-6, atol=1e-6)
+    eo = outs[rank].clone().requires_grad_()
+    w = ws[rank].clone().requires_grad_()
+    _, _, _, h2 = buf.dispatch(xs[rank], ids[rank], w)
+    go = per_rank(R, 5, lambda g: [torch.randn(x.shape, generator=g) for x in xs])[0]
+    geo, gw = torch.autograd.grad((buf.combine(h2, eo) * go[rank]).sum(), [eo, w])
+    outs_ref = [t.clone().requires_grad_() for t in outs]
+    ws_ref = [t.clone().requires_grad_() for t in ws]
+    ref = combine_reference(p, outs_ref, ids, ws_ref)
+    geo_ref, gw_ref = torch.autograd.grad(sum((a * b).sum() for a, b in zip(ref, go, strict=True)),
+                                          [outs_ref[rank], ws_ref[rank]])
+    torch.testing.assert_close(geo[rows], geo_ref[rows], rtol=1e-6, atol=1e-6)
+    assert not geo[torch.ones(buf.buffer_rows, dtype=torch.bool).index_fill_(0, rows, False)].any()
+    torch.testing.assert_close(gw, gw_ref, rtol=1e-6, atol=1e-6)
+    homes_of_copies = p.replicas[p.replicas >= 0] // epn
+    most_copies_of_one_home = int(torch.bincount(homes_of_copies).max()) if homes_of_copies.numel() else 0
+    return p.num_copies, most_copies_of_one_home / epn
+
+
+CASES = [
+    # (ranks, E, K, S, maxvio, hot on rank 0, token_padding)
+    (2, 16, 2, 48, 0.0, False, 1),
+    (2, 16, 2, 48, 3.0, True, 8),
+    (4, 32, 2, 40, 10.0, False, 1),
+    (4, 32, 4, 40, 5.0, True, 4),
+    (4, 8, 2, 40, 2.5, True, 1),  # rank 0's experts have more copies than its epn=2 staging slots
+]
+
+
+def case_id(c: tuple) -> str:
+    return f"R{c[0]}-E{c[1]}-K{c[2]}-vio{c[4]:g}-{'hot0' if c[5] else 'spread'}-pad{c[6]}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+@pytest.mark.timeout(180)
+def test_paths_match_reference(ranks: RankPool, case: tuple) -> None:
+    R, *cfg = case
+    results = ranks.run(check_paths, *cfg, ranks=R)
+    copies, home_copies_per_slot = results[0]
+    assert all(r == results[0] for r in results)  # every rank planned the same
+    assert copies > 0 or case[4] == 0  # skewed routings exercised the replicas
+    if case[1] == 8:
+        assert home_copies_per_slot > 1  # reduce_grads needed more than one round
+
+
+def check_static_storage(group: dist.ProcessGroup, steps: int) -> bool:
+    """20 steps with different routings reuse the same receive storage."""
+    R, rank = dist.get_world_size(group), dist.get_rank(group)
+    E, K, S = 32, 2, 40
+    buf = EPBuffer(group, S, H, K, E)
+    home = {n: torch.randn(E // R, *s, requires_grad=True) for n, s in WEIGHT_SHAPES.items()}
+    seen = set()
+    for step in range(steps):
+        xs, ids, ws = make_inputs(R, E, K, S, maxvio=[0.0, 3.0, 12.0][step % 3], hot_rank0=step % 2 == 1, step=step)
+        x = xs[rank].requires_grad_()
+        recv_x, recv_w, _, h = buf.dispatch(x, ids[rank], ws[rank])
+        rep = buf.prefetch(h, home)
+        out = buf.combine(h, recv_x * 2 + rep["w_in"].sum())
+        out.sum().backward()
+        ptrs = (recv_x.data_ptr(), recv_w.data_ptr(), *(t.data_ptr() for t in rep.values()),
+                buf._src_nh.data_ptr(), buf._dst_nh.data_ptr())
+        seen.add(ptrs)
+        assert recv_x.shape == (buf.buffer_rows, H)
+    return len(seen)
+
+
+@pytest.mark.timeout(180)
+def test_receive_storage_is_static(ranks: RankPool) -> None:
+    assert ranks.run(check_static_storage, 20) == [1] * 4
+
+
+def check_bad_input(group: dist.ProcessGroup, bad_rank: int, kind: str) -> tuple[str, str]:
+    """`bad_rank` passes a bad input; every rank must raise (nobody hangs), then the group still works."""
+    R, rank = dist.get_world_size(group), dist.get_rank(group)
+    E, K, S = 16, 2, 32
+    buf = EPBuffer(group, S, H, K, E)
+    xs, ids, ws = make_inputs(R, E, K, S, 0.0, False)
+    x, i, w = xs[rank], ids[rank].clone(), ws[rank]
+    if rank == bad_rank:
+        if kind == "capacity":
+            x, i, w = torch.randn(S + 1, H), torch.zeros(S + 1, K, dtype=torch.long), torch.rand(S + 1, K)
+            i[:, 1] = 1
+        elif kind == "ids-range":
+            i[3, 0] = E
+        elif kind == "ids-repeat":
+            i[2, 1] = i[2, 0]
+        elif kind == "weights-shape":
+            w = w[:, :1]
+        elif kind == "x-hidden":
+            x = torch.randn(x.shape[0], H + 1)
+    try:
+        buf.dispatch(x, i, w)
+        outcome = ("none", "")
+    except (ValueError, RemoteInputError) as e:
+        outcome = (type(e).__name__, str(e))
+    # The failed step left no collective behind: a good step right after works on every rank.
+    _, _, _, h = buf.dispatch(xs[rank], ids[rank], ws[rank])
+    assert buf.combine(h, torch.zeros(buf.buffer_rows, H)).shape == (xs[rank].shape[0], H)
+    return outcome
+
+
+BAD = {
+    "capacity": "x has s=33 tokens, more than the buffer capacity S=32",
+    "ids-range": r"topk_ids must lie in \[0, 16\), got \[0, 16\]",
+    "ids-repeat": "topk_ids repeats an expert within a token's row",
+    "weights-shape": r"topk_weights must be a float \[s=\d+, K=2\] tensor, got \[\d+, 1\]",
+    "x-hidden": r"x must be \[s, 16\] torch.float32 on cpu, got \[\d+, 17\]",
+}
+
+
+@pytest.mark.parametrize("kind", list(BAD))
+@pytest.mark.timeout(120)
+def test_bad_dispatch_input_raises_everywhere(ranks: RankPool, kind: str) -> None:
+    bad = 1 if kind in ("capacity", "ids-repeat", "x-hidden") else 0
+    outcomes = ranks.run(check_bad_input, bad, kind, ranks=2)
+    name, msg = outcomes[bad]
+    assert name == "ValueError" and f"rank {bad}" in msg
+    assert re.search(BAD[kind], msg), msg
+    other = outcomes[1 - bad]
+    assert other[0] == "RemoteInputError" and f"rank {bad} rejected its input" in other[1]
+
+
+def check_bad_handle_and_shapes(group: dist.ProcessGroup) -> list[str]:
+    """Errors every rank makes alike (SPMD code) raise locally, before any collective."""
+    R, rank = dist.get_world_size(group), dist.get_rank(group)
+    E, K, S = 16, 2, 32
+    buf, other = EPBuffer(group, S, H, K, E), EPBuffer(group, S, H, K, E)
+    xs, ids, ws = make_inputs(R, E, K, S, 0.0, False)
+    _, _, _, h = buf.dispatch(xs[rank], ids[rank], ws[rank])
+    errors = []
+    home = {n: torch.randn(E // R, *s) for n, s in WEIGHT_SHAPES.items()}
+    for call in (
+        lambda: other.combine(h, torch.zeros(other.buffer_rows, H)),
+        lambda: buf.combine(h, torch.zeros(buf.buffer_rows - 1, H)),
+        lambda: other.prefetch(h, home),
+        lambda: buf.prefetch(h, {"w_in": torch.randn(E // R + 1, H, 24)}),
+        lambda: buf.reduce_grads(h, home),
+    ):
+        with pytest.raises(ValueError) as info:
+            call()
+        errors.append(str(info.value))
+    buf.prefetch(h, home)
+    for call in (lambda: buf.prefetch(h, {"w_in": home["w_in"]}), lambda: buf.reduce_grads(h, {"w_in": home["w_in"]})):
+        with pytest.raises(ValueError) as info:
+            call()
+        errors.append(str(info.value))
+    return errors
+
+
+@pytest.mark.timeout(120)
+def test_bad_handle_and_shapes_raise(ranks: RankPool) -> None:
+    errors = ranks.run(check_bad_handle_and_shapes, ranks=2)[0]
+    assert "handle comes from another EPBuffer" in errors[0]
+    assert "expert_out must be [" in errors[1]
+    assert "handle comes from another EPBuffer" in errors[2]
+    assert "home_weights['w_in'] must be [epn=8, ...], got [9, 16, 24]" in errors[3]
+    assert "grads given before any prefetch" in errors[4]
+    assert errors[5].startswith("home_weights must match the first prefetch's weights")
+    assert errors[6].startswith("grads must match the first prefetch's weights")
+
+
+def check_constructor_errors(group: dist.ProcessGroup) -> list[str]:
+    errors = []
+    for kwargs in ({"num_experts": 15}, {"capacity": 0}, {"top_k": 17}):
+        args = {"capacity": 8, "hidden": H, "top_k": 2, "num_experts": 16} | kwargs
+        with pytest.raises(ValueError) as info:
+            EPBuffer(group, **args)
+        errors.append(str(info.value))
+    return errors
+
+
+@pytest.mark.timeout(60)
+def test_constructor_checks_parallel_sizes(ranks: RankPool) -> None:
+    errors = ranks.run(check_constructor_errors)[0]
+    assert errors == [
+        "num_experts (15) must be divisible by the group size R (4)",
+        "capacity must be >= 1, got 0",
+        "top_k (17) must be <= num_experts (16)",
+    ]
