@@ -7,8 +7,9 @@ Exports load on first use, so `k3sys ep ...` and the rest of the CLI start witho
 
 from __future__ import annotations
 
-from importlib import import_module
 from typing import TYPE_CHECKING
+
+from k3sys._lazy import lazy_exports
 
 if TYPE_CHECKING:
     from k3sys.ep.comm import EPBuffer, EPHandle, RemoteInputError
@@ -28,9 +29,4 @@ __all__ = [
     "EPBuffer", "EPHandle", "MoELayer", "MoEStats", "Plan", "RemoteInputError", "balancedness", "grouped_mm",
     "grouped_swiglu", "make_routing", "maxvio", "plan", "tokens_per_expert",
 ]
-
-
-def __getattr__(name: str) -> object:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'k3sys.ep' has no attribute {name!r}")
-    return getattr(import_module(f"k3sys.ep.{_EXPORTS[name]}"), name)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -8,16 +8,20 @@ import typer
 from rich.console import Console
 
 from k3sys.model.config import PRESETS, ModelConfig
-from k3sys.model.memory import DEFAULT_CONTEXTS, DTYPES, memory_table, parse_tokens
+
+# The calculator needs torch dtypes; it is imported when the command runs, so the CLI starts without torch.
+CACHE_DTYPES = ("bf16", "fp16", "fp32", "fp8")
 
 
 def memory(
     preset: Annotated[str, typer.Option(help=f"Model preset: {', '.join(sorted(PRESETS))}.")] = "k3",
     context: Annotated[str, typer.Option(help="Context length to add to 4K / 128K / 1M (binary K, M).")] = "1M",
     batch: Annotated[int, typer.Option(min=1, help="Sequences held at once.")] = 1,
-    dtype: Annotated[str, typer.Option(help=f"Cache dtype: {', '.join(DTYPES)}.")] = "bf16",
+    dtype: Annotated[str, typer.Option(help=f"Cache dtype: {', '.join(CACHE_DTYPES)}.")] = "bf16",
 ) -> None:
     """Decode-cache bytes by layer kind (KDA state vs MLA latent KV) beside all-MLA and all-MHA models."""
+    from k3sys.model.memory import DEFAULT_CONTEXTS, DTYPES, memory_table, parse_tokens
+
     try:
         cfg = ModelConfig.from_preset(preset)
         n = parse_tokens(context)
