@@ -27,5 +27,8 @@ _EXPORTS = {
     "MoEFFN": "ffn", "generate": "generation", "GatedMLA": "mla", "Block": "model", "HybridModel": "model",
     "count_params": "params",
 }
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "PRESETS", "Block", "GatedMLA", "HybridCache", "HybridModel", "LatentKV", "ModelConfig", "MoEFFN", "cache_bytes",
+    "count_params", "generate", "hybrid_layers", "layer_cache_bytes", "load_model", "save_model",
+]
 __getattr__ = lazy_exports(__name__, _EXPORTS)
