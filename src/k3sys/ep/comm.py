@@ -374,12 +374,13 @@ class EPBuffer:
                         ops.append(dist.P2POp(dist.irecv, self._grad_stage[name][stage], group=self.group,
                                               tag=tag, group_peer=dest))
                 if src == self.rank:
-                    landed.append((stage, expert % epn))
+                    landed.append(expert % epn)
             _run_p2p(ops)
             if landed:
-                stage_i, local_i = (torch.tensor(v, device=self.device) for v in zip(*landed, strict=True))
+                # This rank's copies in a round are consecutive positions, so they fill stage slots 0, 1, ...
+                local_i = torch.tensor(landed, device=self.device)
                 for name in grads:
-                    out[name].index_add_(0, local_i, self._grad_stage[name][stage_i].to(out[name].dtype))
+                    out[name].index_add_(0, local_i, self._grad_stage[name][: len(landed)].to(out[name].dtype))
         return out
 
 
