@@ -13,6 +13,7 @@ DeepEP-style baseline.
 from __future__ import annotations
 
 import json
+import os
 import resource
 import socket
 import statistics
@@ -85,6 +86,7 @@ def _worker(rank: int, c: StepSetup, port: int, out_file: str) -> None:
         elapsed = torch.tensor([time.perf_counter() - t0, time.process_time() - c0], dtype=torch.float64)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         x.grad = None
+        layer.zero_grad(set_to_none=True)  # as an optimizer step would
         if i >= c.warmup:
             loads = torch.tensor(layer.last_stats.slots_per_rank, dtype=torch.float64)
             times.append(float(elapsed[0]))
@@ -107,6 +109,16 @@ def measure_step(c: StepSetup) -> dict[str, float]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    with tempfile.NamedTemporaryFile(suffix=".json") as f:
-        mp.spawn(_worker, args=(c, port, f.name), nprocs=c.ranks)
-        return json.loads(Path(f.name).read_text())
+    # A fixed mmap threshold makes glibc hand every large tensor back to the OS when freed, so the
+    # peak RSS follows the live tensors instead of the allocator's history.
+    saved = os.environ.get("MALLOC_MMAP_THRESHOLD_")
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = str(1 << 20)
+    try:
+        with tempfile.NamedTemporaryFile(suffix=".json") as f:
+            mp.spawn(_worker, args=(c, port, f.name), nprocs=c.ranks)
+            return json.loads(Path(f.name).read_text())
+    finally:
+        if saved is None:
+            del os.environ["MALLOC_MMAP_THRESHOLD_"]
+        else:
+            os.environ["MALLOC_MMAP_THRESHOLD_"] = saved
