@@ -132,7 +132,7 @@ class MoELayer(nn.Module):
         return EPBuffer(group, capacity, hidden, top_k, num_experts, token_padding, dtype=dtype, device=device,
                         tolerance=tolerance)
 
-    def _apply(self, fn, recurse: bool = True):  # noqa: ANN001, ANN202 - nn.Module's signature
+    def _apply(self, fn, recurse: bool = True):  # nn.Module's (untyped) signature
         # .to() / .bfloat16() / .to_empty() land here: the static buffers follow the parameters.
         super()._apply(fn, recurse)
         w = self.w_gate
