@@ -90,8 +90,8 @@ def test_compare_small_scale():
     c = compare(4.0, 8, num_experts=64, top_k=4, tokens_per_rank=256, hot_shift=0.5, shape=MoEShape(64, 16))
     assert abs(c.maxvio - 4.0) <= 0.2 and c.tpe.shape == (8, 64)
     m = c.methods
-    assert set(m) == {"static", "eplb", "capacity", "greedy", "ours", "ours_tol"}
-    for name in ("greedy", "ours"):
+    assert set(m) == {"static", "eplb", "capacity", "greedy", "ours", "ours_node", "ours_tol"}
+    for name in ("greedy", "ours", "ours_node"):
         assert m[name]["balancedness"] == 1.0 and m[name]["peak_rows"] == 1.0 and m[name]["dropped_pct"] == 0
     assert m["ours_tol"]["peak_rows"] <= 1.05 and m["ours_tol"]["copies"] <= m["ours"]["copies"]
     assert m["ours"]["moved_tokens"] == m["ours"]["lower_bound"] <= m["greedy"]["moved_tokens"]

@@ -98,6 +98,10 @@ def check_slots(p, topk: torch.Tensor):
     for r in range(R):
         sent[r] = torch.bincount(dst[r].reshape(-1), minlength=R)
     assert torch.equal(p.traffic(), sent)
+    for d in range(R):
+        # Sources pack each destination's pairs by row; the all-to-all concatenates them by source.
+        delivered = torch.cat([row[r][dst[r] == d].sort().values for r in range(R)])
+        assert torch.equal(p.recv_rows(d), delivered)
     return dst, row
 
 
@@ -137,14 +141,17 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("strategy", ["match", "greedy"])
+STRATEGIES = {"match": {}, "greedy": {"strategy": "greedy"}, "match-node2": {"ranks_per_node": 2}}
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
 @pytest.mark.parametrize("token_padding", [1, 8], ids=["pad1", "pad8"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_invariants_and_slots(case, token_padding, strategy):
     topk, E = CASES[case]()
     R, s, K = topk.shape
     tpe = tokens_per_expert(topk, E)
-    p = plan(tpe, K, token_padding=token_padding, strategy=strategy)
+    p = plan(tpe, K, token_padding=token_padding, **STRATEGIES[strategy])
     check_plan(p, tpe, K, s, token_padding)
     dst, row = check_slots(p, topk)
     ref_dst, ref_row = reference_slots(p, topk)
@@ -209,6 +216,22 @@ def test_last_replica_slot_makes_a_group_overshoot():
     assert p.strategy == "match" and p.alloc.tolist() == [[4, 0, 4], [2, 6, 0], [0, 0, 2]]
 
 
+def test_node_aware_keeps_replicas_inside_nodes():
+    # K=1, caps 30. Groups: node 0 = ranks 0, 1 with surplus 10 and room 5; node 1 = ranks 2, 3 with
+    # surplus 5 and room 10. Node-blind, the equal sizes pair up across nodes (twice); node-aware,
+    # each node first balances inside itself and only 5 pairs cross (once).
+    loads = [22, 18, 10, 15, 18, 17, 10, 10]
+    tpe = torch.tensor([[n // 4 + (r < n % 4) for n in loads] for r in range(4)])
+
+    def crossing(p):
+        return sum(int(p.alloc[e, r] > 0) for e in range(8) for r in range(4) if e // 4 != r // 2)
+
+    blind, aware = plan(tpe, 1, total_tokens=120), plan(tpe, 1, total_tokens=120, ranks_per_node=2)
+    check_plan(aware, tpe, 1, int(tpe.sum(1).max()), 1)
+    assert aware.moved_tokens == blind.moved_tokens == 15
+    assert (crossing(blind), crossing(aware)) == (2, 1)
+
+
 def test_plan_is_deterministic():
     topk = make_routing(8, 128, 64, 4, 3.0, seed=21)
     tpe = tokens_per_expert(topk, 64)
@@ -245,9 +268,11 @@ GOOD = torch.tensor([[2, 1, 1, 0], [0, 2, 1, 1]])  # R=2, E=4, K=2, s=2
         ({"token_padding": 0}, r"token_padding must be >= 1, got 0"),
         ({"strategy": "eplb"}, r"strategy must be one of .* got 'eplb'"),
         ({"tolerance": -0.1}, r"tolerance must be >= 0, got -0.1"),
+        ({"ranks_per_node": 0}, r"ranks_per_node must be >= 1, got 0"),
     ],
     ids=["E-not-multiple", "R-gt-E", "negative", "row-not-sK", "uneven-no-total", "over-s", "float", "1-D",
-         "topk-gt-E", "topk-0", "total-mismatch", "capacity-below-s", "padding-0", "strategy", "tolerance"],
+         "topk-gt-E", "topk-0", "total-mismatch", "capacity-below-s", "padding-0", "strategy", "tolerance",
+         "ranks-per-node"],
 )
 def test_bad_plan_input_rejected(kwargs, match):
     args = {"tpe": GOOD, "top_k": 2} | kwargs
@@ -259,6 +284,8 @@ def test_bad_slots_input_rejected():
     p = plan(GOOD, 2)
     with pytest.raises(ValueError, match=r"rank must be in \[0, 2\), got 2"):
         p.slots(2, torch.tensor([[0, 1], [0, 2]]))
+    with pytest.raises(ValueError, match=r"rank must be in \[0, 2\), got -1"):
+        p.recv_rows(-1)
     with pytest.raises(ValueError, match=r"shape \[s, K=2\], got \[2, 3\]"):
         p.slots(0, torch.tensor([[0, 1, 2], [0, 2, 3]]))
     with pytest.raises(ValueError, match=r"must lie in \[0, 4\), got \[0, 4\]"):

@@ -77,3 +77,10 @@ def test_bad_routing_options_rejected():
         tokens_per_expert(torch.tensor([[[0, 4]]]), 4)
     with pytest.raises(ValueError, match=r"3-D"):
         tokens_per_expert(torch.tensor([[0, 1]]), 4)
+
+
+def test_public_names():
+    import k3sys.ep
+
+    for name in ("Plan", "plan", "make_routing", "tokens_per_expert", "maxvio", "balancedness"):
+        assert name in k3sys.ep.__all__ and hasattr(k3sys.ep, name)

@@ -46,14 +46,18 @@ class _Side:
             heapq.heappop(self.heap)
 
     def exact(self, a: int, other_than: int = -1) -> int | None:
-        ids = self.by_amount.get(a, set()) - {other_than}
-        return min(ids) if ids else None
+        ids = self.by_amount.get(a)
+        if not ids or ids == {other_than}:
+            return None
+        return min(ids) if other_than not in ids else min(j for j in ids if j != other_than)
 
     def pair(self, total: int) -> tuple[tuple[int, int], tuple[int, int]] | None:
         """Two ids whose amounts sum to `total` (the first found in a fixed order), or None."""
+        by_amount = self.by_amount
         for i, a in self.now.items():
-            if a < total and (j := self.exact(total - a, other_than=i)) is not None:
-                return (i, a), (j, total - a)
+            ids = by_amount.get(total - a)
+            if ids and ids != {i}:
+                return (i, a), (self.exact(total - a, other_than=i), total - a)
         return None
 
     def set(self, i: int, a: int) -> None:
@@ -82,55 +86,83 @@ def greedy_quotas(group_load: list[int], cap: list[int]) -> Quotas:
     return quotas
 
 
-def match_quotas(group_load: list[int], limit: list[int], epn: int, exact: bool) -> Quotas | None:
+class _Matching:
+    """State shared by the matching phases: what each group still sends, each rank still takes."""
+
+    def __init__(self, group_load: list[int], limit: list[int], epn: int, exact: bool) -> None:
+        self.surplus = [max(0, g - c) for g, c in zip(group_load, limit, strict=True)]
+        self.room = [max(0, c - g) for g, c in zip(group_load, limit, strict=True)]
+        self.home_left = list(group_load)
+        self.slots = [epn] * len(limit)
+        self.exact = exact
+        self.quotas: Quotas = [{} for _ in limit]
+
+    def run(self, ranks: range, last: bool) -> bool:
+        """Match the groups and ranks in `ranks`; the `last` phase must place every surplus (False if
+        it cannot within the slots), an earlier one leaves what it cannot place to the next."""
+        src = _Side({h: self.surplus[h] for h in ranks})
+        dst = _Side({d: self.room[d] for d in ranks})
+        slots = self.slots
+
+        def send(h: int, a: int, d: int, b: int, n: int) -> None:
+            """Group h (surplus a) sends n pairs to rank d (room b); a rank out of slots takes no more."""
+            self.surplus[h] = a - n
+            self.room[d] = b - n if slots[d] > 1 else 0
+            src.set(h, self.surplus[h])
+            dst.set(d, self.room[d])
+            self.quotas[h][d] = self.quotas[h].get(d, 0) + n
+            self.home_left[h] -= n
+            slots[d] -= 1
+
+        while src:
+            if not dst:
+                return not last
+            h, a = src.largest()
+            d, b = dst.largest()
+            if a == b:
+                send(h, a, d, b, a)
+            elif (same := dst.exact(a)) is not None:
+                send(h, a, same, a, a)
+            elif (same := src.exact(b)) is not None:
+                send(same, b, d, b, b)
+            elif two := dst.pair(a):  # one group closes two ranks
+                (d1, b1), (d2, b2) = two
+                send(h, a, d1, b1, b1)
+                send(h, a - b1, d2, b2, b2)
+            elif slots[d] >= 2 and (two := src.pair(b)):  # two groups close one rank
+                (h1, a1), (h2, a2) = two
+                send(h1, a1, d, b, a1)
+                send(h2, a2, d, b - a1, a2)
+            elif self.exact and slots[d] == 1 and a < b:
+                if not last:
+                    dst.set(d, 0)  # keep d's last slot for the phase that must close it
+                    continue
+                # d's last slot must close it: h sends all of b and is left with room of its own.
+                if self.home_left[h] < b:
+                    return False
+                send(h, a, d, b, b)
+                self.room[h] = b - a
+                dst.set(h, b - a)
+            else:
+                send(h, a, d, b, min(a, b))
+        return True
+
+
+def match_quotas(
+    group_load: list[int], limit: list[int], epn: int, exact: bool, ranks_per_node: int | None = None
+) -> Quotas | None:
     """Ours (see the module doc). `exact`: every rank must end at its limit (tolerance 0).
 
-    Returns None when it cannot place the surplus within epn replica slots per rank (the caller then
-    falls back to the greedy, which always can).
+    With `ranks_per_node`, each node's groups are matched with its own ranks first and only the rest
+    crosses nodes (replica weights then mostly travel over NVLink). Returns None when the surplus does
+    not fit into epn replica slots per rank (the caller then falls back to the greedy, which always can).
     """
     R = len(limit)
-    src = _Side({h: g - c for h, (g, c) in enumerate(zip(group_load, limit, strict=True))})
-    dst = _Side({d: c - g for d, (g, c) in enumerate(zip(group_load, limit, strict=True))})
-    home_left = list(group_load)
-    slots = [epn] * R
-    quotas: Quotas = [{} for _ in range(R)]
-
-    def send(h: int, a: int, d: int, b: int, n: int) -> None:
-        """Group h (surplus a) sends n pairs to rank d (room b); a rank out of slots takes no more."""
-        src.set(h, a - n)
-        dst.set(d, b - n if slots[d] > 1 else 0)
-        quotas[h][d] = quotas[h].get(d, 0) + n
-        home_left[h] -= n
-        slots[d] -= 1
-
-    while src:
-        if not dst:
-            return None
-        h, a = src.largest()
-        d, b = dst.largest()
-        if a == b:
-            send(h, a, d, b, a)
-        elif (same := dst.exact(a)) is not None:
-            send(h, a, same, a, a)
-        elif (same := src.exact(b)) is not None:
-            send(same, b, d, b, b)
-        elif two := dst.pair(a):  # one group closes two ranks
-            (d1, b1), (d2, b2) = two
-            send(h, a, d1, b1, b1)
-            send(h, a - b1, d2, b2, b2)
-        elif slots[d] >= 2 and (two := src.pair(b)):  # two groups close one rank
-            (h1, a1), (h2, a2) = two
-            send(h1, a1, d, b, a1)
-            send(h2, a2, d, b - a1, a2)
-        elif exact and slots[d] == 1 and a < b:
-            # d's last slot must close it: h sends all of b and is left with room of its own.
-            if home_left[h] < b:
-                return None
-            send(h, a, d, b, b)
-            dst.set(h, b - a)
-        else:
-            send(h, a, d, b, min(a, b))
-    return quotas
+    m = _Matching(group_load, limit, epn, exact)
+    if ranks_per_node and ranks_per_node < R:
+        for start in range(0, R, ranks_per_node):
+            m.run(range(start, min(R, start + ranks_per_node)), last=False)
+    return m.quotas if m.run(range(R), last=True) else None
 
 
 def cut_quotas(quotas: Quotas, expert_load: list[list[int]]) -> list[tuple[int, int, int]]:

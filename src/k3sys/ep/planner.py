@@ -124,14 +124,36 @@ class Plan:
         Row r gives rank r's all-to-all send counts, column r its receive counts.
         """
         R = self.num_ranks
+        src, dst, _, size = self._pieces()
+        return torch.zeros(R * R, dtype=torch.long, device=size.device).index_add_(0, src * R + dst, size).view(R, R)
+
+    def recv_rows(self, rank: int) -> torch.Tensor:
+        """`[n]` destination rows of the pairs `rank` receives, in the order an all-to-all delivers them
+        when every source packs its pairs for each destination sorted by dst_row: by source rank,
+        then by row. n = traffic()[:, rank].sum()."""
+        if not 0 <= rank < self.num_ranks:
+            raise ValueError(f"rank must be in [0, {self.num_ranks}), got {rank}")
+        src, dst, row, size = self._pieces()
+        mine = dst == rank
+        src, row, size = src[mine], row[mine], size[mine]
+        order = torch.argsort(src * self.buffer_rows + row)  # keys are unique: rows differ within a source
+        row, size = row[order], size[order]
+        first = torch.repeat_interleave(row - (size.cumsum(0) - size), size)
+        return first + torch.arange(int(size.sum()), device=row.device)
+
+    def _pieces(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(source, destination, first destination row, pairs) of every stretch of the expert line
+        that one source sends to one destination run."""
+        R = self.num_ranks
         src_end = (self._src_start + self.tpe).t().reshape(-1)  # line end of (expert, source) runs
         cuts = torch.unique(torch.cat([src_end, self._run_end]))
         starts = torch.cat([cuts.new_zeros(1), cuts[:-1]])
-        sizes = cuts - starts
+        size = cuts - starts
+        keep = size > 0
+        starts, size = starts[keep], size[keep]
+        run = torch.searchsorted(self._run_end, starts, right=True)
         src = torch.searchsorted(src_end, starts, right=True) % R
-        dst = torch.searchsorted(self._run_end, starts, right=True) % R
-        out = torch.zeros(R * R, dtype=torch.long, device=cuts.device)
-        return out.index_add_(0, src * R + dst, sizes).view(R, R)
+        return src, run % R, starts - self._row_shift[run], size
 
 
 def _align_up(x: int | torch.Tensor, multiple: int) -> int | torch.Tensor:
@@ -188,6 +210,7 @@ def plan(
     *,
     strategy: str = "match",
     tolerance: float = 0.0,
+    ranks_per_node: int | None = None,
 ) -> Plan:
     """Plan one step's placement from the global token counts.
 
@@ -203,11 +226,15 @@ def plan(
         strategy: "match" (default) or "greedy" (the published MoonEP policy), see the module doc.
         tolerance: 0 for exact caps; > 0 lets "match" leave a rank up to floor((1 + tolerance) * cap)
             loaded, which moves fewer tokens with fewer copies.
+        ranks_per_node: if given, "match" places each node's surplus inside the node first, so most
+            replica weights travel over the node's fast links.
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
     if not tolerance >= 0:
         raise ValueError(f"tolerance must be >= 0, got {tolerance}")
+    if ranks_per_node is not None and ranks_per_node < 1:
+        raise ValueError(f"ranks_per_node must be >= 1, got {ranks_per_node}")
     S, epn = _check(tpe, top_k, tokens_per_rank, total_tokens, token_padding)
     tpe = tpe.long()
     R, E = tpe.shape
@@ -216,14 +243,14 @@ def plan(
     slots = int(load.sum())
     cap = slots // R + (torch.arange(R, device=dev) < slots % R).long()
     limit = cap + (cap.double() * tolerance).floor().long()
-    alloc, used = _place(load, cap, limit, strategy, exact=tolerance == 0)
+    alloc, used = _place(load, cap, limit, strategy, tolerance == 0, ranks_per_node)
     rows_cap = S * top_k + int(S * top_k * tolerance)  # >= every rank's limit, as cap <= S*K
     buffer_rows = _align_up(rows_cap + (token_padding - 1) * 2 * epn, token_padding)
     return _finalize(tpe, alloc, cap, limit, top_k, buffer_rows, token_padding, used)
 
 
 def _place(
-    load: torch.Tensor, cap: torch.Tensor, limit: torch.Tensor, strategy: str, exact: bool
+    load: torch.Tensor, cap: torch.Tensor, limit: torch.Tensor, strategy: str, exact: bool, ranks_per_node: int | None
 ) -> tuple[torch.Tensor, str]:
     """alloc `[E, R]` from `[E]` expert loads, and the strategy that produced it."""
     R, E = cap.numel(), load.numel()
@@ -232,7 +259,7 @@ def _place(
     group_load = [sum(g) for g in expert_load]
     pieces = None
     if strategy == "match":
-        quotas = match_quotas(group_load, limit.tolist(), epn, exact)
+        quotas = match_quotas(group_load, limit.tolist(), epn, exact, ranks_per_node)
         pieces = None if quotas is None else cut_quotas(quotas, expert_load)
         if pieces and max(Counter(d for _, d, _ in pieces).values()) > epn:
             pieces = None  # a quota split over several experts overfilled a rank's slots

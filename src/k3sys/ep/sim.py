@@ -153,10 +153,11 @@ def compare(
     The routing has `dist` preferences ("lognormal" or "zipf") skewed to `maxvio`. Methods:
     "static"; "eplb", planned from a past step of the same preferences (before hot_shift moved
     them); "capacity" (factor `capacity_factor`); "greedy" (MoonEP's planner); "ours" (exact caps);
-    "ours_tol" (loads within 1 + `tolerance` of the cap). Figures: step_ms, relative (to perfect
-    balance), compute_ms, all_to_all_ms and prefetch_ms of the slowest rank, balancedness, peak_rows
-    (largest rank's pairs / (s*K)), dropped_pct; for the planners also copies, moved_tokens and
-    lower_bound (sum over ranks of the home load above the limit).
+    "ours_node" (exact, node-aware); "ours_tol" (node-aware, loads within 1 + `tolerance` of the
+    cap). Figures: step_ms, relative (to perfect balance), compute_ms, all_to_all_ms and prefetch_ms
+    of the slowest rank, balancedness, peak_rows (largest rank's pairs / (s*K)), dropped_pct; for
+    the planners also copies, moved_tokens and lower_bound (sum over ranks of the home load above
+    the limit).
     """
     R, E, K, s = num_ranks, num_experts, top_k, tokens_per_rank
     now = tokens_per_expert(make_routing(R, s, E, K, maxvio, seed=seed, hot_shift=hot_shift, dist=dist), E)
@@ -170,7 +171,8 @@ def compare(
     plans = {
         "greedy": plan(padded, K, strategy="greedy"),
         "ours": plan(padded, K),
-        "ours_tol": plan(padded, K, tolerance=tolerance),
+        "ours_node": plan(padded, K, ranks_per_node=hw.ranks_per_node),
+        "ours_tol": plan(padded, K, tolerance=tolerance, ranks_per_node=hw.ranks_per_node),
     }
     methods |= {name: baselines.from_plan(p) for name, p in plans.items()}
     ideal = step_cost(_perfect(R, s, K), shape, hw).step
