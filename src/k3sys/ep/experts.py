@@ -94,6 +94,10 @@ def grouped_swiglu(
         w_gate, w_up: `[G, h, f]`; w_down: `[G, f, h]`.
 
     Returns:
-        `[n, h]`; rows past `ends[-1]` as in `grouped_mm`.
+        `[n, h]`; rows past `ends[-1]` are zero.
     """
-    return grouped_mm(F.silu(grouped_mm(x, w_gate, ends)) * grouped_mm(x, w_up, ends), w_down, ends)
+    # Only the grouped rows: a static buffer sized for the worst case may be mostly tail.
+    n, used = x.shape[0], _end(ends)
+    x_used = x[:used] if used < n else x
+    y = grouped_mm(F.silu(grouped_mm(x_used, w_gate, ends)) * grouped_mm(x_used, w_up, ends), w_down, ends)
+    return y if used == n else torch.cat([y, y.new_zeros(n - used, y.shape[1])])
