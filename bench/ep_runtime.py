@@ -7,8 +7,9 @@ maxvio in {0, 1, 2, 5, 10}, with the hot experts where the routing puts them ("s
 the baseline with balancing off (planner tolerance R - 1: every pair on its expert's home rank, no
 replicas). Per point (`k3sys.ep.measure`): fwd+bwd time of the routed experts, median over 20 steps
 after 3 warm-up steps, each step timed by its slowest rank, a fresh routing per step from the same
-distribution; the busiest rank's CPU time per step (less sensitive than wall time to other load on a
-shared machine); peak RSS of fresh processes (max over ranks); the baseline's max/mean rank load.
+distribution, the two methods taking turns step by step in the same processes; the busiest rank's CPU
+time per step (less sensitive than wall time to other load on a shared machine); the baseline's
+max/mean rank load; and each method's peak RSS from its own fresh processes (max over ranks).
 
 Targets (issue 4): ours within 15% of its maxvio-0 time; ours' speedup over the baseline >= 0.9 x the
 baseline's max/mean load; ours' peak memory the same at every maxvio.
@@ -26,7 +27,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from k3sys.ep.measure import StepSetup, measure_step
+from k3sys.ep.measure import METHODS, StepSetup, measure_step
 
 OUT = Path(__file__).parent / "results"
 
@@ -68,9 +69,11 @@ def main() -> None:
     rows = []
     for placement in ("spread", "rank0"):
         for maxvio in args.maxvio:
-            row = {"placement": placement, "maxvio": maxvio}
-            for method, balance in (("ours", True), ("baseline", False)):
-                row[method] = measure_step(replace(base, maxvio=maxvio, placement=placement, balance=balance))
+            setup = replace(base, maxvio=maxvio, placement=placement)
+            row = {"placement": placement, "maxvio": maxvio, **measure_step(setup)}
+            for method in METHODS:  # memory: each method alone in fresh processes
+                alone = measure_step(replace(setup, steps=3, warmup=1), [method])
+                row[method]["peak_rss_mib"] = alone[method]["peak_rss_mib"]
                 console.log(f"hot {placement}, maxvio {maxvio:g}, {method}: {row[method]}")
             row["speedup"] = row["baseline"]["time_s"] / row["ours"]["time_s"]
             rows.append(row)
