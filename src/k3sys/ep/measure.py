@@ -9,7 +9,8 @@ Methods take turns step by step in the same processes (alternating who goes firs
 elsewhere on a shared machine hits them alike. Per method: the median step time (each step timed by
 its slowest rank); the median CPU time of the busiest rank (the compute balance, which other load
 stretches less than wall time); the mean max/mean rank load and replica copies; and the peak RSS of
-the processes (max over ranks; fresh processes per call, so with one method it is that method's peak).
+the processes (max over ranks; fresh processes per call, so with one method and `track_memory` it is
+that method's peak).
 """
 
 from __future__ import annotations
@@ -111,24 +112,30 @@ def _worker(rank: int, c: StepSetup, methods: tuple[str, ...], port: int, out_fi
     dist.destroy_process_group()
 
 
-def measure_step(c: StepSetup, methods: Sequence[str] = METHODS) -> dict[str, dict[str, float]]:
+def measure_step(
+    c: StepSetup, methods: Sequence[str] = METHODS, track_memory: bool = False
+) -> dict[str, dict[str, float]]:
     """Run `methods` on fresh local gloo ranks; per method: time_s, cpu_s, max_over_mean_load,
-    copies, peak_rss_mib."""
+    copies, peak_rss_mib.
+
+    track_memory pins glibc's mmap threshold, so every large tensor goes back to the OS when freed
+    and the peak RSS follows the live tensors instead of the allocator's history. It costs time
+    (each large allocation faults in fresh pages), so time with it off and measure memory with it on.
+    """
     if not methods or set(methods) - set(METHODS):
         raise ValueError(f"methods must be a non-empty subset of {METHODS}, got {methods}")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    # A fixed mmap threshold makes glibc hand every large tensor back to the OS when freed, so the
-    # peak RSS follows the live tensors instead of the allocator's history.
     saved = os.environ.get("MALLOC_MMAP_THRESHOLD_")
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = str(1 << 20)
+    if track_memory:
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(1 << 20)
     try:
         with tempfile.NamedTemporaryFile(suffix=".json") as f:
             mp.spawn(_worker, args=(c, tuple(methods), port, f.name), nprocs=c.ranks)
             return json.loads(Path(f.name).read_text())
     finally:
         if saved is None:
-            del os.environ["MALLOC_MMAP_THRESHOLD_"]
+            os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
         else:
             os.environ["MALLOC_MMAP_THRESHOLD_"] = saved
