@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -38,7 +39,7 @@ def plot(rows: list[dict], setup: StepSetup, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_t, ax_r) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (ax_t, ax_r, ax_m) = plt.subplots(1, 3, figsize=(16, 4))
     for placement, style in (("spread", "-"), ("rank0", "--")):
         pts = [r for r in rows if r["placement"] == placement]
         vio = [r["maxvio"] for r in pts]
@@ -49,10 +50,14 @@ def plot(rows: list[dict], setup: StepSetup, path: Path) -> None:
         ax_r.plot(vio, [r["speedup"] for r in pts], "o" + style, color="C0", label=f"speedup, hot {placement}")
         ax_r.plot(vio, [r["baseline"]["max_over_mean_load"] for r in pts], "x" + style, color="0.4",
                   label=f"baseline max/mean load, hot {placement}")
+        for method, color, marker in (("ours", "C0", "o"), ("baseline", "C3", "s")):
+            ax_m.plot(vio, [r[method]["peak_rss_mib"] for r in pts], marker + style, color=color,
+                      label=f"{method}, hot {placement}")
     ax_t.set(xlabel="maxvio", ylabel="fwd+bwd step time (ms)",
              title=f"MoE layer, {setup.ranks} gloo ranks, E={setup.experts} K={setup.top_k}")
     ax_r.set(xlabel="maxvio", ylabel="x", title="speedup over plain EP vs the gain balance can give")
-    for ax in (ax_t, ax_r):
+    ax_m.set(xlabel="maxvio", ylabel="MiB", title="peak RSS per rank process (max over ranks)")
+    for ax in (ax_t, ax_r, ax_m):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
@@ -64,7 +69,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--maxvio", type=float, nargs="+", default=[0, 1, 2, 5, 10])
     args = parser.parse_args()
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else 170)  # logs get the whole table
     base = StepSetup(steps=args.steps)
     rows = []
     for placement in ("spread", "rank0"):
@@ -82,7 +87,7 @@ def main() -> None:
                         f"H={base.hidden} ffn={base.ffn} s={base.tokens}")
     for col in ("hot experts", "maxvio", "baseline max/mean load", "baseline ms", "ours ms", "speedup",
                 "speedup / load", "ours / ours@vio0", "busiest-rank CPU ms base / ours", "copies",
-                "peak RSS ours / base MiB"):
+                "peak RSS MiB ours / base"):
         table.add_column(col, justify="right")
     for r in rows:
         flat = next(x for x in rows if x["placement"] == r["placement"] and x["maxvio"] == min(args.maxvio))
