@@ -7,7 +7,9 @@ maxvio in {0, 1, 2, 5, 10}, with the hot experts where the routing puts them ("s
 the baseline with balancing off (planner tolerance R - 1: every pair on its expert's home rank, no
 replicas). Per point (`k3sys.ep.measure`): fwd+bwd time of the routed experts, median over 20 steps
 after 3 warm-up steps, each step timed by its slowest rank, a fresh routing per step from the same
-distribution; peak RSS of fresh processes (max over ranks); the baseline's max/mean rank load.
+distribution, the two methods taking turns step by step in the same processes; the busiest rank's CPU
+time per step (less sensitive than wall time to other load on a shared machine); the baseline's
+max/mean rank load; and each method's peak RSS from its own fresh processes (max over ranks).
 
 Targets (issue 4): ours within 15% of its maxvio-0 time; ours' speedup over the baseline >= 0.9 x the
 baseline's max/mean load; ours' peak memory the same at every maxvio.
@@ -19,13 +21,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from dataclasses import asdict, replace
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
-from k3sys.ep.measure import StepSetup, measure_step
+from k3sys.ep.measure import METHODS, StepSetup, measure_step
 
 OUT = Path(__file__).parent / "results"
 
@@ -36,7 +39,7 @@ def plot(rows: list[dict], setup: StepSetup, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_t, ax_r) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (ax_t, ax_r, ax_m) = plt.subplots(1, 3, figsize=(16, 4))
     for placement, style in (("spread", "-"), ("rank0", "--")):
         pts = [r for r in rows if r["placement"] == placement]
         vio = [r["maxvio"] for r in pts]
@@ -47,10 +50,14 @@ def plot(rows: list[dict], setup: StepSetup, path: Path) -> None:
         ax_r.plot(vio, [r["speedup"] for r in pts], "o" + style, color="C0", label=f"speedup, hot {placement}")
         ax_r.plot(vio, [r["baseline"]["max_over_mean_load"] for r in pts], "x" + style, color="0.4",
                   label=f"baseline max/mean load, hot {placement}")
+        for method, color, marker in (("ours", "C0", "o"), ("baseline", "C3", "s")):
+            ax_m.plot(vio, [r[method]["peak_rss_mib"] for r in pts], marker + style, color=color,
+                      label=f"{method}, hot {placement}")
     ax_t.set(xlabel="maxvio", ylabel="fwd+bwd step time (ms)",
              title=f"MoE layer, {setup.ranks} gloo ranks, E={setup.experts} K={setup.top_k}")
     ax_r.set(xlabel="maxvio", ylabel="x", title="speedup over plain EP vs the gain balance can give")
-    for ax in (ax_t, ax_r):
+    ax_m.set(xlabel="maxvio", ylabel="MiB", title="peak RSS per rank process (max over ranks)")
+    for ax in (ax_t, ax_r, ax_m):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
@@ -62,14 +69,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--maxvio", type=float, nargs="+", default=[0, 1, 2, 5, 10])
     args = parser.parse_args()
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else 170)  # logs get the whole table
     base = StepSetup(steps=args.steps)
     rows = []
     for placement in ("spread", "rank0"):
         for maxvio in args.maxvio:
-            row = {"placement": placement, "maxvio": maxvio}
-            for method, balance in (("ours", True), ("baseline", False)):
-                row[method] = measure_step(replace(base, maxvio=maxvio, placement=placement, balance=balance))
+            setup = replace(base, maxvio=maxvio, placement=placement)
+            row = {"placement": placement, "maxvio": maxvio, **measure_step(setup)}
+            for method in METHODS:  # memory: each method alone in fresh processes
+                alone = measure_step(replace(setup, steps=3, warmup=1), [method], track_memory=True)
+                row[method]["peak_rss_mib"] = alone[method]["peak_rss_mib"]
                 console.log(f"hot {placement}, maxvio {maxvio:g}, {method}: {row[method]}")
             row["speedup"] = row["baseline"]["time_s"] / row["ours"]["time_s"]
             rows.append(row)
@@ -77,7 +86,8 @@ def main() -> None:
     table = Table(title=f"EP runtime, fwd+bwd: {base.ranks} gloo ranks x 1 thread, E={base.experts} K={base.top_k} "
                         f"H={base.hidden} ffn={base.ffn} s={base.tokens}")
     for col in ("hot experts", "maxvio", "baseline max/mean load", "baseline ms", "ours ms", "speedup",
-                "speedup / load", "ours / ours@vio0", "copies", "peak RSS ours / base MiB"):
+                "speedup / load", "ours / ours@vio0", "busiest-rank CPU ms base / ours", "copies",
+                "peak RSS MiB ours / base"):
         table.add_column(col, justify="right")
     for r in rows:
         flat = next(x for x in rows if x["placement"] == r["placement"] and x["maxvio"] == min(args.maxvio))
@@ -85,7 +95,8 @@ def main() -> None:
             r["placement"], f"{r['maxvio']:g}", f"{r['baseline']['max_over_mean_load']:.2f}",
             f"{r['baseline']['time_s'] * 1e3:.0f}", f"{r['ours']['time_s'] * 1e3:.0f}", f"{r['speedup']:.2f}x",
             f"{r['speedup'] / r['baseline']['max_over_mean_load']:.2f}",
-            f"{r['ours']['time_s'] / flat['ours']['time_s']:.2f}", f"{r['ours']['copies']:.1f}",
+            f"{r['ours']['time_s'] / flat['ours']['time_s']:.2f}",
+            f"{r['baseline']['cpu_s'] * 1e3:.0f} / {r['ours']['cpu_s'] * 1e3:.0f}", f"{r['ours']['copies']:.1f}",
             f"{r['ours']['peak_rss_mib']:.0f} / {r['baseline']['peak_rss_mib']:.0f}",
         )
     console.print(table)

@@ -79,7 +79,9 @@ class RankPool:
                 results[rank] = (status, value)
         except queue.Empty:
             self.close()
-            raise TimeoutError(f"ranks {sorted(set(ranks) - set(results))} did not finish within {timeout} s") from None
+            errors = "".join(f"\nrank {r}: {v}" for r, (st, v) in sorted(results.items()) if st == "error")
+            raise TimeoutError(f"ranks {sorted(set(ranks) - set(results))} did not finish within {timeout} s"
+                               + errors) from None
         errors = [f"rank {r}: {v}" for r, (st, v) in sorted(results.items()) if st == "error"]
         if errors:
             raise RankError("\n".join(errors))

@@ -60,16 +60,30 @@ def check_paths(group: dist.ProcessGroup, E: int, K: int, S: int, maxvio: float,
     assert torch.equal(out, combine_reference(p, outs, ids, ws)[rank])
 
     homes = per_rank(R, 2, lambda g: {n: torch.randn(epn, *s, generator=g) for n, s in WEIGHT_SHAPES.items()})
-    replicas = buf.prefetch(h, homes[rank])
+    home, replicas = buf.prefetch(h, homes[rank])
+    assert all(torch.equal(home[n], homes[rank][n]) for n in WEIGHT_SHAPES)
     ref_rep = prefetch_reference(p, homes)[rank]
-    used = p.replicas[rank] >= 0
+    used = int((p.replicas[rank] >= 0).sum())
+    assert (p.replicas[rank, used:] == -1).all()  # the planner fills slots from 0
     for n in WEIGHT_SHAPES:
-        assert torch.equal(replicas[n][used], ref_rep[n][used])
+        assert torch.equal(replicas[n], ref_rep[n][:used])
     grads = per_rank(R, 3, lambda g: {n: torch.randn(epn, *s, generator=g) for n, s in WEIGHT_SHAPES.items()})
     reduced = buf.reduce_grads(h, grads[rank])
     ref_red = reduce_grads_reference(p, grads)[rank]
     for n in WEIGHT_SHAPES:
         assert torch.equal(reduced[n], ref_red[n])
+
+    # prefetch's backward: home gradient + the replicas' gradients, whether or not `home` is used.
+    scale = per_rank(R, 6, lambda g: {n: torch.randn(epn, *s, generator=g) for n, s in WEIGHT_SHAPES.items()})
+    for use_home in (True, False):
+        leaves = {n: w.clone().requires_grad_() for n, w in homes[rank].items()}
+        home_v, rep_v = buf.prefetch(h, leaves)
+        loss = sum((rep_v[n] * grads[rank][n][:used]).sum() for n in WEIGHT_SHAPES)
+        if use_home:
+            loss = loss + sum((home_v[n] * scale[rank][n]).sum() for n in WEIGHT_SHAPES)
+        got = torch.autograd.grad(loss, list(leaves.values()), materialize_grads=True)  # None = no copies here
+        for n, g in zip(WEIGHT_SHAPES, got, strict=True):
+            torch.testing.assert_close(g, ref_red[n] + scale[rank][n] if use_home else ref_red[n], rtol=0, atol=1e-6)
 
     # Backward of dispatch and of combine against autograd through the reference.
     gy = per_rank(R, 4, lambda g: torch.randn(buf.buffer_rows, H, generator=g))
@@ -133,10 +147,10 @@ def check_static_storage(group: dist.ProcessGroup, steps: int) -> bool:
         xs, ids, ws = make_inputs(R, E, K, S, maxvio=[0.0, 3.0, 12.0][step % 3], hot_rank0=step % 2 == 1, step=step)
         x = xs[rank].requires_grad_()
         recv_x, recv_w, _, h = buf.dispatch(x, ids[rank], ws[rank])
-        rep = buf.prefetch(h, home)
+        _, rep = buf.prefetch(h, home)
         out = buf.combine(h, recv_x * 2 + rep["w_in"].sum())
         out.sum().backward()
-        ptrs = (recv_x.data_ptr(), recv_w.data_ptr(), *(t.data_ptr() for t in rep.values()),
+        ptrs = (recv_x.data_ptr(), recv_w.data_ptr(), *(t.untyped_storage().data_ptr() for t in rep.values()),
                 buf._src_nh.data_ptr(), buf._dst_nh.data_ptr())
         seen.add(ptrs)
         assert recv_x.shape == (buf.buffer_rows, H)

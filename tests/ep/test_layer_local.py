@@ -96,6 +96,7 @@ def test_grouped_mm_offsets_follow_torch_grouped_mm() -> None:
 def test_grouped_swiglu_shapes_and_bad_ends() -> None:
     x, wg, wd = torch.randn(5, 4), torch.randn(2, 4, 6), torch.randn(2, 6, 4)
     assert grouped_swiglu(x, [2, 5], wg, wg, wd).shape == (5, 4)
+    assert not grouped_swiglu(x, [], wg[:0], wg[:0], wd[:0]).any()  # no groups: every row is tail
     with pytest.raises(ValueError, match="ends has 3 groups but w has 2"):
         grouped_mm(x, wg, [1, 2, 3])
 

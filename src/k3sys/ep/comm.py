@@ -2,9 +2,9 @@
 
     buf = EPBuffer(group, capacity=S, hidden=H, top_k=K, num_experts=E)
     recv_x, recv_w, cu_seqlens, handle = buf.dispatch(x, topk_ids, topk_weights)
-    replicas = buf.prefetch(handle, {"w_gate": w_gate, ...})   # home [epn, ...] -> replica slots [epn, ...]
-    out = buf.combine(handle, expert_out)                       # [buffer_rows, H] -> [s, H]
-    home_grads = buf.reduce_grads(handle, replica_grads)        # what prefetch's backward runs
+    home, replicas = buf.prefetch(handle, {"w_gate": w_gate, ...})  # [epn, ...], [used slots, ...]
+    out = buf.combine(handle, expert_out)                             # [buffer_rows, H] -> [s, H]
+    home_grads = buf.reduce_grads(handle, replica_grads)              # what prefetch's backward runs
 
 Legend (tensor-name suffixes): s tokens on this rank (<= S = capacity), k top-k slot, h hidden,
 e expert, r rank, n pairs or buffer rows, g expert groups on a rank (2 * epn: the epn home experts,
@@ -26,7 +26,7 @@ One step:
 4. Combine. The inverse transfer returns each pair's expert output to its source rank, where the
    topk_weights live: the weighted sum runs there, so the weights and their gradient never travel.
 5. Backward. dispatch and combine are each other's adjoint and run each other's transfer on the
-   gradients; prefetch's backward sends the replica weight gradients home and sums them into the home
+   gradients; prefetch's backward sends the replica weight gradients home and adds them to the home
    experts' gradients (`reduce_grads`), so an optimizer step on home weights equals the local one.
 
 Memory: every receive-side buffer (token rows, staging, replica slots, gradient staging) is sized by
@@ -279,7 +279,9 @@ class EPBuffer:
         return recv
 
     # ------------------------------------------------------------------ replica weights
-    def prefetch(self, handle: EPHandle, home_weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def prefetch(
+        self, handle: EPHandle, home_weights: Mapping[str, torch.Tensor]
+    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """Fill this rank's replica slots with their experts' weights, sent by the home ranks.
 
         Args:
@@ -288,15 +290,20 @@ class EPBuffer:
                 and dtypes every step).
 
         Returns:
-            name -> `[epn, ...]` replica slot weights (static storage; slot j holds expert
-            `plan.replicas[rank, j]`, unused slots stale). Differentiable: the backward sends the
-            gradients home (`reduce_grads`) and adds them to the home weights' gradients.
+            (home, replicas): the weights of the groups, home experts then replica slots, as two
+            tensors rather than one `[2 * epn, ...]` concatenation (which would copy every home weight
+            each step). `home` (`[epn, ...]` per name) is `home_weights` passed through, so the home
+            gradient meets the replicas' gradients in prefetch's backward, which adds them
+            (`reduce_grads`) instead of building a full-size zero gradient: use it in the home GEMMs.
+            `replicas` (`[c, ...]` per name, c <= epn the slots in use this step; the planner fills
+            slots from 0, so groups `epn + c ...` are empty) views the static slot storage: slot j
+            holds expert `plan.replicas[rank, j]`. Differentiable.
         """
         self._check_handle(handle, "prefetch")
         self._check_weights(home_weights, "home_weights")
         names = list(home_weights)
         out = _Prefetch.apply(self, handle, names, *(home_weights[n] for n in names))
-        return dict(zip(names, out, strict=True))
+        return dict(zip(names, out[: len(names)], strict=True)), dict(zip(names, out[len(names):], strict=True))
 
     def _check_weights(self, weights: Mapping[str, torch.Tensor], what: str) -> None:
         epn = self.experts_per_rank
@@ -345,20 +352,32 @@ class EPBuffer:
         Returns:
             name -> `[epn, ...]` the sum, over every replica of each home expert on any rank, of its
             gradient (zeros for experts without replicas); add it to the home weights' gradients.
+            (Prefetch's backward adds straight into the home gradient instead.)
+        """
+        self._check_handle(handle, "reduce_grads")
+        self._check_weights(grads, "grads")
+        out = {n: torch.zeros_like(g, memory_format=torch.contiguous_format) for n, g in grads.items()}
+        self._send_grads_home(handle, grads, out)
+        return out
+
+    def _receives_grads(self, h: EPHandle) -> bool:
+        return bool((self._copies(h.plan)[:, 3] == self.rank).any())
+
+    def _send_grads_home(
+        self, h: EPHandle, grads: Mapping[str, torch.Tensor], home: Mapping[str, torch.Tensor] | None
+    ) -> None:
+        """Send `grads` (replica slots) home and add them into `home` (`[epn, ...]` per name; None
+        when no copy of this rank's experts exists, see `_receives_grads`).
 
         A home rank may have more incoming copies than its `epn` gradient staging slots, so the
         transfers run in rounds of at most epn per home rank (one round when R = 2); the round
         schedule comes from the plan, identical on every rank.
         """
-        self._check_handle(handle, "reduce_grads")
-        self._check_weights(grads, "grads")
         epn = self.experts_per_rank
-        out = {n: torch.zeros_like(g, memory_format=torch.contiguous_format) for n, g in grads.items()}
-        copies = self._copies(handle.plan)
+        copies = self._copies(h.plan)
         home_r = copies[:, 3].contiguous()
         # Position of each copy among its home rank's copies (copies are sorted by home).
-        first_r = torch.searchsorted(home_r, home_r, side="left")
-        position = torch.arange(len(copies)) - first_r
+        position = torch.arange(len(copies)) - torch.searchsorted(home_r, home_r, side="left")
         rounds = int(position.max()) // epn + 1 if len(copies) else 0
         for rnd in range(rounds):
             in_round = copies[(position // epn) == rnd].tolist()
@@ -374,13 +393,13 @@ class EPBuffer:
                         ops.append(dist.P2POp(dist.irecv, self._grad_stage[name][stage], group=self.group,
                                               tag=tag, group_peer=dest))
                 if src == self.rank:
-                    landed.append((stage, expert % epn))
+                    landed.append(expert % epn)
             _run_p2p(ops)
             if landed:
-                stage_i, local_i = (torch.tensor(v, device=self.device) for v in zip(*landed, strict=True))
+                # This rank's copies in a round are consecutive positions, so they fill stage slots 0, 1, ...
+                local_i = torch.tensor(landed, device=self.device)
                 for name in grads:
-                    out[name].index_add_(0, local_i, self._grad_stage[name][stage_i].to(out[name].dtype))
-        return out
+                    home[name].index_add_(0, local_i, self._grad_stage[name][: len(landed)].to(home[name].dtype))
 
 
 def _run_p2p(ops: list[dist.P2POp]) -> None:
@@ -425,17 +444,33 @@ class _Combine(torch.autograd.Function):
 
 
 class _Prefetch(torch.autograd.Function):
-    """home weights `[epn, ...]` per name -> replica slots `[epn, ...]`; backward: reduce_grads."""
+    """home weights `[epn, ...]` per name -> (the same home weights, replica slots `[epn, ...]`);
+    backward: the replica gradients go home and are added to the home gradient."""
 
     @staticmethod
     def forward(
         ctx, buf: EPBuffer, handle: EPHandle, names: list[str], *home: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
         ctx.buf, ctx.handle, ctx.names = buf, handle, names
+        ctx.set_materialize_grads(False)  # unused outputs give None: no full-size zero tensors
         buf._fill_replicas(handle, list(home), names)
-        return tuple(buf._replicas[n].view_as(buf._replicas[n]) for n in names)
+        # Only the slots in use (the planner fills slots from 0): unused ones get no gradient to write.
+        used = int((handle.plan.replicas[handle.rank] >= 0).sum())
+        return (*(w.view_as(w) for w in home), *(buf._replicas[n][:used] for n in names))
 
     @staticmethod
-    def backward(ctx, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        home = ctx.buf.reduce_grads(ctx.handle, dict(zip(ctx.names, grads, strict=True)))
-        return None, None, None, *(home[n] for n in ctx.names)
+    def backward(ctx, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        buf, h, names = ctx.buf, ctx.handle, ctx.names
+        n = len(names)
+        used = int((h.plan.replicas[h.rank] >= 0).sum())
+        replica_grads = {name: g if g is not None else torch.zeros_like(buf._replicas[name][:used])
+                         for name, g in zip(names, grads[n:], strict=True)}
+        home = dict(zip(names, grads[:n], strict=True))
+        if buf._receives_grads(h):
+            # Out of place: an incoming gradient may be shared with another branch of the graph.
+            home = {name: g.clone(memory_format=torch.contiguous_format) if g is not None
+                    else torch.zeros_like(buf._replicas[name]) for name, g in home.items()}
+            buf._send_grads_home(h, replica_grads, home)
+        else:
+            buf._send_grads_home(h, replica_grads, None)
+        return None, None, None, *(home[name] for name in names)

@@ -30,7 +30,8 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: Sequence[int]) -> torch.T
     Args:
         x: `[n, k]` rows grouped by expert.
         w: `[G, k, m]` one weight per group.
-        ends: `[G]` cumulative row ends, non-decreasing, `ends[-1] <= n` (host ints: the slicing needs them).
+        ends: `[G]` cumulative row ends, non-decreasing, `ends[-1] <= n` (host ints: the slicing needs
+            them). G may be 0.
 
     Returns:
         `[n, m]`; rows at or past `ends[-1]` belong to no group: zeros on the CPU loop, unspecified on
@@ -38,15 +39,49 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: Sequence[int]) -> torch.T
     """
     if len(ends) != w.shape[0]:
         raise ValueError(f"ends has {len(ends)} groups but w has {w.shape[0]}")
-    if _use_torch_grouped_mm(x, w):
+    if _use_torch_grouped_mm(x, w) and ends:
         offs = torch.tensor(ends, dtype=torch.int32, device=x.device)
         return torch._grouped_mm(x, w, offs=offs)
-    sizes = [b - a for a, b in zip([0, *ends[:-1]], ends, strict=True)] + [x.shape[0] - ends[-1]]
-    # split/unbind give one backward node each; slicing or w[g] per group would build a full-size
-    # zero gradient per group and make the backward quadratic in the number of groups.
-    xs = x.split(sizes)
-    out = [xg @ wg for xg, wg in zip(xs, w.unbind(0), strict=False)]
-    return torch.cat([*out, x.new_zeros(sizes[-1], w.shape[2])])
+    return _LoopGroupedMM.apply(x, w, tuple(ends))
+
+
+class _LoopGroupedMM(torch.autograd.Function):
+    """One `mm` per group, each writing straight into its rows of the output (and of the gradients):
+    no per-group temporaries to concatenate or stack, and empty groups cost nothing."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, ends: tuple[int, ...]) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        ctx.ends = ends
+        out = x.new_empty(x.shape[0], w.shape[2])
+        for g, (a, b) in enumerate(_ranges(ends)):
+            torch.mm(x[a:b], w[g], out=out[a:b])
+        out[_end(ends):].zero_()
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
+        x, w = ctx.saved_tensors
+        ends = ctx.ends
+        grad_x = torch.empty_like(x) if ctx.needs_input_grad[0] else None
+        grad_w = torch.empty_like(w) if ctx.needs_input_grad[1] else None
+        for g, (a, b) in enumerate(_ranges(ends)):
+            if grad_x is not None:
+                torch.mm(grad_out[a:b], w[g].t(), out=grad_x[a:b])
+            if grad_w is not None:
+                torch.mm(x[a:b].t(), grad_out[a:b], out=grad_w[g])  # an empty group gives zeros
+        if grad_x is not None:
+            grad_x[_end(ends):].zero_()
+        return grad_x, grad_w, None
+
+
+def _ranges(ends: Sequence[int]) -> zip:
+    """(start, end) row range of each group."""
+    return zip((0, *ends), ends, strict=False)  # one start more than ends; zip drops it
+
+
+def _end(ends: Sequence[int]) -> int:
+    return ends[-1] if ends else 0
 
 
 def grouped_swiglu(
@@ -59,6 +94,10 @@ def grouped_swiglu(
         w_gate, w_up: `[G, h, f]`; w_down: `[G, f, h]`.
 
     Returns:
-        `[n, h]`; rows past `ends[-1]` as in `grouped_mm`.
+        `[n, h]`; rows past `ends[-1]` are zero.
     """
-    return grouped_mm(F.silu(grouped_mm(x, w_gate, ends)) * grouped_mm(x, w_up, ends), w_down, ends)
+    # Only the grouped rows: a static buffer sized for the worst case may be mostly tail.
+    n, used = x.shape[0], _end(ends)
+    x_used = x[:used] if used < n else x
+    y = grouped_mm(F.silu(grouped_mm(x_used, w_gate, ends)) * grouped_mm(x_used, w_up, ends), w_down, ends)
+    return y if used == n else torch.cat([y, y.new_zeros(n - used, y.shape[1])])

@@ -132,7 +132,7 @@ class MoELayer(nn.Module):
         return EPBuffer(group, capacity, hidden, top_k, num_experts, token_padding, dtype=dtype, device=device,
                         tolerance=tolerance)
 
-    def _apply(self, fn, recurse: bool = True):  # noqa: ANN001, ANN202 - nn.Module's signature
+    def _apply(self, fn, recurse: bool = True):  # nn.Module's (untyped) signature
         # .to() / .bfloat16() / .to_empty() land here: the static buffers follow the parameters.
         super()._apply(fn, recurse)
         w = self.w_gate
@@ -189,13 +189,13 @@ class MoELayer(nn.Module):
         buf = self.buffer
         epn = buf.experts_per_rank
         recv_nh, _, _, handle = buf.dispatch(x_sh, ids_sk, weights_sk)
-        replicas = buf.prefetch(handle, {"w_gate": self.w_gate, "w_up": self.w_up, "w_down": self.w_down})
-        # Home groups run on the parameters, replica groups on the prefetched slots: two grouped
-        # GEMMs instead of one over a concatenation, which would copy every home weight each step.
-        ends, split = handle.ends, handle.ends[epn - 1]
+        home, replicas = buf.prefetch(handle, {"w_gate": self.w_gate, "w_up": self.w_up, "w_down": self.w_down})
+        # One grouped GEMM over the home groups and one over the replica slots, instead of one over
+        # a concatenation, which would copy every home weight each step.
+        ends, split, used = handle.ends, handle.ends[epn - 1], replicas["w_gate"].shape[0]
         home_nh, replica_nh = recv_nh.split([split, buf.buffer_rows - split])
-        y_home = grouped_swiglu(home_nh, ends[:epn], self.w_gate, self.w_up, self.w_down)
-        y_replica = grouped_swiglu(replica_nh, [e - split for e in ends[epn:]],
+        y_home = grouped_swiglu(home_nh, ends[:epn], home["w_gate"], home["w_up"], home["w_down"])
+        y_replica = grouped_swiglu(replica_nh, [e - split for e in ends[epn:epn + used]],
                                    replicas["w_gate"], replicas["w_up"], replicas["w_down"])
         p = handle.plan
         self.last_stats = MoEStats(tuple(p.loads.tolist()), p.num_copies, p.moved_tokens, maxvio(p.tpe.sum(0)))

@@ -1,23 +1,28 @@
 """Time a distributed MoE layer step on local gloo ranks: the engine of bench/ep_runtime.py and the demo.
 
-`measure_step(StepSetup(...))` spawns R processes (one thread each) on 127.0.0.1, runs fwd+bwd of the
-routed experts under synthetic routings, and returns per setup: the median step time (each step timed
-by its slowest rank); the median CPU time of the busiest rank per step (the compute balance, which
-other load on a shared machine does not inflate the way it stretches wall time); the peak RSS (max
-over ranks, fresh processes per call, so it is this setup's peak); the mean max/mean rank load and the
-mean replica copies. `balance=False` runs the same layer with balancing off (planner tolerance R - 1:
-every pair on its expert's home rank, no replicas): plain all_to_all expert parallelism, the
-DeepEP-style baseline.
+`measure_step(StepSetup(...), methods)` spawns R processes (one thread each) on 127.0.0.1 and runs
+fwd+bwd of the routed experts under synthetic routings, once per method per step:
+- "ours": the balanced runtime (planner with exact caps, replicas);
+- "baseline": the same layer with balancing off (planner tolerance R - 1: every pair on its expert's
+  home rank, no replicas), which is plain all_to_all expert parallelism, the DeepEP-style baseline.
+Methods take turns step by step in the same processes (alternating who goes first), so load from
+elsewhere on a shared machine hits them alike. Per method: the median step time (each step timed by
+its slowest rank); the median CPU time of the busiest rank (the compute balance, which other load
+stretches less than wall time); the mean max/mean rank load and replica copies; and the peak RSS of
+the processes (max over ranks; fresh processes per call, so with one method and `track_memory` it is
+that method's peak).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import resource
 import socket
 import statistics
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -29,7 +34,9 @@ import torch.multiprocessing as mp
 from k3sys.ep.layer import MoELayer
 from k3sys.ep.routing import make_routing
 
-__all__ = ["StepSetup", "hot_on_rank0", "measure_step"]
+__all__ = ["METHODS", "StepSetup", "hot_on_rank0", "measure_step"]
+
+METHODS = ("ours", "baseline")
 
 
 @dataclass(frozen=True)
@@ -45,7 +52,6 @@ class StepSetup:
     tokens: int = 2048
     maxvio: float = 0.0
     placement: str = "spread"
-    balance: bool = True
     steps: int = 20
     warmup: int = 3
 
@@ -66,47 +72,70 @@ def _routings(c: StepSetup) -> list[torch.Tensor]:
     return out
 
 
-def _worker(rank: int, c: StepSetup, port: int, out_file: str) -> None:
+def _worker(rank: int, c: StepSetup, methods: tuple[str, ...], port: int, out_file: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=c.ranks,
                             timeout=timedelta(minutes=10))
-    torch.manual_seed(0)
-    layer = MoELayer(c.hidden, c.ffn, c.experts, c.top_k, group=dist.group.WORLD, capacity=c.tokens,
-                     tolerance=0.0 if c.balance else c.ranks - 1)
+    layers = {}
+    for m in methods:
+        torch.manual_seed(0)  # same weights for every method
+        layers[m] = MoELayer(c.hidden, c.ffn, c.experts, c.top_k, group=dist.group.WORLD, capacity=c.tokens,
+                             tolerance=0.0 if m == "ours" else c.ranks - 1)
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(c.tokens, c.hidden, generator=g).requires_grad_()
     weights = torch.rand(c.tokens, c.top_k, generator=g).softmax(-1)
     grad_out = torch.randn(c.tokens, c.hidden, generator=g)
-    times, cpu_times, imbalance, copies = [], [], [], []
+    rec: dict[str, dict[str, list[float]]] = {m: {"time": [], "cpu": [], "load": [], "copies": []} for m in methods}
     for i, ids in enumerate(_routings(c)):
-        dist.barrier()
-        t0, c0 = time.perf_counter(), time.process_time()
-        layer.routed_experts(x, ids[rank], weights).backward(grad_out)
-        elapsed = torch.tensor([time.perf_counter() - t0, time.process_time() - c0], dtype=torch.float64)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        x.grad = None
-        if i >= c.warmup:
-            loads = torch.tensor(layer.last_stats.slots_per_rank, dtype=torch.float64)
-            times.append(float(elapsed[0]))
-            cpu_times.append(float(elapsed[1]))
-            imbalance.append(float(loads.max() / loads.mean()))
-            copies.append(layer.last_stats.copies)
+        for m in methods if i % 2 == 0 else methods[::-1]:
+            layer = layers[m]
+            dist.barrier()
+            t0, c0 = time.perf_counter(), time.process_time()
+            layer.routed_experts(x, ids[rank], weights).backward(grad_out)
+            elapsed = torch.tensor([time.perf_counter() - t0, time.process_time() - c0], dtype=torch.float64)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            x.grad = None
+            layer.zero_grad(set_to_none=True)  # as an optimizer step would
+            if i >= c.warmup:
+                loads = torch.tensor(layer.last_stats.slots_per_rank, dtype=torch.float64)
+                for key, value in (("time", elapsed[0]), ("cpu", elapsed[1]), ("load", loads.max() / loads.mean()),
+                                   ("copies", layer.last_stats.copies)):
+                    rec[m][key].append(float(value))
     rss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024], dtype=torch.float64)
     dist.all_reduce(rss, op=dist.ReduceOp.MAX)
     if rank == 0:
-        Path(out_file).write_text(json.dumps({
-            "time_s": statistics.median(times), "cpu_s": statistics.median(cpu_times),
-            "max_over_mean_load": statistics.mean(imbalance), "copies": statistics.mean(copies),
+        Path(out_file).write_text(json.dumps({m: {
+            "time_s": statistics.median(r["time"]), "cpu_s": statistics.median(r["cpu"]),
+            "max_over_mean_load": statistics.mean(r["load"]), "copies": statistics.mean(r["copies"]),
             "peak_rss_mib": float(rss),
-        }))
+        } for m, r in rec.items()}))
     dist.destroy_process_group()
 
 
-def measure_step(c: StepSetup) -> dict[str, float]:
-    """Run `c` on fresh local gloo ranks; returns time_s, cpu_s, max_over_mean_load, copies, peak_rss_mib."""
+def measure_step(
+    c: StepSetup, methods: Sequence[str] = METHODS, track_memory: bool = False
+) -> dict[str, dict[str, float]]:
+    """Run `methods` on fresh local gloo ranks; per method: time_s, cpu_s, max_over_mean_load,
+    copies, peak_rss_mib.
+
+    track_memory pins glibc's mmap threshold, so every large tensor goes back to the OS when freed
+    and the peak RSS follows the live tensors instead of the allocator's history. It costs time
+    (each large allocation faults in fresh pages), so time with it off and measure memory with it on.
+    """
+    if not methods or set(methods) - set(METHODS):
+        raise ValueError(f"methods must be a non-empty subset of {METHODS}, got {methods}")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    with tempfile.NamedTemporaryFile(suffix=".json") as f:
-        mp.spawn(_worker, args=(c, port, f.name), nprocs=c.ranks)
-        return json.loads(Path(f.name).read_text())
+    saved = os.environ.get("MALLOC_MMAP_THRESHOLD_")
+    if track_memory:
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(1 << 20)
+    try:
+        with tempfile.NamedTemporaryFile(suffix=".json") as f:
+            mp.spawn(_worker, args=(c, tuple(methods), port, f.name), nprocs=c.ranks)
+            return json.loads(Path(f.name).read_text())
+    finally:
+        if saved is None:
+            os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
+        else:
+            os.environ["MALLOC_MMAP_THRESHOLD_"] = saved
