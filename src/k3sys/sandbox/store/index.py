@@ -60,9 +60,9 @@ class ChunkIndex:
         self.packs[no] = Pack(name, os.path.join(self.pack_dir, name), rows, data_end, size)
         self.by_name[name] = no
         where, base = self._where, no << _OFFSET_BITS
-        digests = {d for d, _, _ in rows}
-        if len(self.missing(digests)) == len(digests):  # the usual case: no chunk is stored elsewhere
-            where.update((d, base | off) for d, off, _ in rows)
+        fresh = {d: base | off for d, off, _ in rows}
+        if len(self.missing(set(fresh))) == len(fresh):  # the usual case: no chunk is stored elsewhere
+            where.update(fresh)
             return no
         for d, off, _ in rows:
             loc, cur = base | off, where.get(d)

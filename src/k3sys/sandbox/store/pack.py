@@ -31,6 +31,7 @@ from k3sys.sandbox.errors import CorruptStoreError
 PAGE = 4096
 MAGIC = b"K3SYSPK1"
 _ROW = struct.Struct("<32sQI")
+_ROW_ARRAY = np.dtype([("digest", "S32"), ("offset", "<u8"), ("length", "<u4")])  # _ROW, for whole runs
 _FOOTER = struct.Struct("<8sQI32s")
 _ZEROS = bytes(PAGE)
 _IOV_MAX = os.sysconf("SC_IOV_MAX")
@@ -84,6 +85,8 @@ class PackWriter:
         self.fd = _open_direct(tmp_path)
         self.offset = 0
         self.rows: list[tuple[bytes, int, int]] = []  # (digest, offset, length)
+        self.chunk_bytes = 0  # bytes of chunk data added (the offset less padding)
+        self._index: list[bytes] = []  # `rows` packed as the pack's index, run by run
         self._stage = mmap.mmap(-1, self.STAGE)  # page-aligned (anonymous mappings are)
         self._staged = 0  # bytes in the stage, which starts at file offset `_written`
         self._written = 0  # bytes on disk: a multiple of PAGE until `finish`
@@ -106,13 +109,20 @@ class PackWriter:
             self.offset += pad
         self._batch.append(data)
         self._batch_bytes += size
+        self.chunk_bytes += size
         end = self.offset + size
         if len(digests) != -(-size // chunk_size):
             raise ValueError(f"{len(digests)} digests for {size} bytes in chunks of {chunk_size}")
         self.rows += zip(digests, range(self.offset, end, chunk_size), itertools.repeat(chunk_size))
+        run = np.empty(len(digests), _ROW_ARRAY)
+        run["digest"] = np.frombuffer(b"".join(digests), "S32")
+        run["offset"] = np.arange(self.offset, end, chunk_size)
+        run["length"] = chunk_size
         if size % chunk_size:
             d, off, _ = self.rows[-1]
             self.rows[-1] = (d, off, size % chunk_size)
+            run["length"][-1] = size % chunk_size
+        self._index.append(run.tobytes())
         self.offset = end
 
     def then(self, fn: Callable[[Any], object], arg: Any) -> None:
@@ -129,7 +139,7 @@ class PackWriter:
         self._drain()
         if self._error is not None:
             raise self._error
-        index = b"".join(_ROW.pack(*r) for r in self.rows)
+        index = b"".join(self._index)
         self._append(index)
         self._append(_FOOTER.pack(MAGIC, self.offset, len(self.rows), blake3(index).digest()))
         size = self._written + self._staged

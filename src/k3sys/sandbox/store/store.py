@@ -131,7 +131,7 @@ class Store:
                     self._rings.append(ring)
                 _crash_point("after-pack")
                 m = Manifest(id, parent, time.time(), sum(e.size for es in out.values() for e in es),
-                             sum(n for _, _, n in writer.rows), meta, out)
+                             writer.chunk_bytes, meta, out)
                 self._publish_manifest(m, tmp_manifest)
                 return m
             finally:
