@@ -200,7 +200,10 @@ def test_hibernate_releases_memory_and_resume_restores(sbx):
 
 
 def test_prefetch_stages_images_for_resume(rt, sbx):
-    sbx.commands.run("sh -c 'echo $$ > /tmp/pid; exec sleep 1000' >/dev/null 2>&1 &")
+    sbx.commands.run("sh -c 'echo $$ > /tmp/pid.new && mv /tmp/pid.new /tmp/pid; exec sleep 1000' >/dev/null 2>&1 &")
+    deadline = time.monotonic() + 10
+    while not sbx.files.exists("/tmp/pid") and time.monotonic() < deadline:
+        time.sleep(0.01)
     pid = sbx.files.read_text("/tmp/pid")
     assert sbx.prefetch() is False  # running: nothing to stage
     with pytest.raises(InvalidArgumentError, match="ttl_s"):

@@ -51,7 +51,7 @@ from k3sys.sandbox.errors import (
 from k3sys.sandbox.sandboxfs import EntryInfo, SandboxFS
 from k3sys.sandbox.spec import MAX_FORK, ON_TIMEOUT, CommandResult, OutputPieces, SandboxSpec, check_id, check_number
 from k3sys.sandbox.state import LIVE, Record, State
-from k3sys.sandbox.store import Manifest, Store
+from k3sys.sandbox.store import Follower, Manifest, Store
 from k3sys.sandbox.templates import template_rootfs
 
 
@@ -91,6 +91,18 @@ class CheckpointInfo:
     def from_manifest(cls, m: Manifest, timings: dict[str, float] | None = None) -> CheckpointInfo:
         return cls(m.id, m.parent, m.created, m.bytes_total, m.bytes_new, m.meta.get("sandbox", ""),
                    m.meta.get("spec", {}).get("template", ""), timings or {})
+
+
+@dataclass(frozen=True)
+class _Snapshot:
+    """A sandbox's state captured in staging: checkpoint id, image and sealed-fs directories, timings
+    (seconds per phase), and the store follower already packing the images."""
+
+    ck: str
+    images: Path
+    fs: Path
+    t: dict[str, float]
+    follower: Follower
 
 
 @dataclass(frozen=True)
@@ -518,25 +530,31 @@ class Runtime:
 
     # --- checkpoints --------------------------------------------------------------------------
 
-    def _snapshot(self, rec: Record, transitional: State, *, thaw: bool) -> tuple[str, Path, Path, dict[str, float]]:
+    def _snapshot(self, rec: Record, transitional: State, *, thaw: bool) -> _Snapshot:
         """Freeze-consistent images + sealed fs of a live sandbox into staging; marks the record
-        `transitional` with `prev` and `pending` set. Returns (checkpoint id, images, fs, timings)."""
+        `transitional` with `prev` and `pending` set. The store packs the memory images while CRIU
+        writes them (`Store.follow`); `_commit` finishes that, and a caller that does not commit
+        must `abort` the follower."""
         ck = _new_id("ck")
         images, fs = self._staging(ck)
         self._set(rec, transitional, prev=rec.state, pending=ck)
+        follower = self.store.follow(images)
         try:
             t = self.driver.snapshot(rec.id, self._dirs(rec.id), images, fs, self._layer_dir(rec.layer),
                                      thaw=thaw, network=rec.spec.network)
         except BaseException:
+            follower.abort()
             _rmtree(images)
             _rmtree(fs)
             self._set(rec, rec.prev, prev=None, pending=None)
             raise
-        return ck, images, fs, t
+        return _Snapshot(ck, images, fs, t, follower)
 
-    def _commit(self, rec: Record, ck: str, images: Path, fs: Path) -> Manifest:
+    def _commit(self, rec: Record, snap: _Snapshot, fs: Path | None = None) -> Manifest:
+        """Commit `snap` (its sealed fs from `fs` if it moved) as the sandbox's next checkpoint."""
         meta = {"sandbox": rec.id, "spec": rec.spec.to_json()}
-        return self.store.commit({"images": images, "fs": fs}, parent=rec.head, meta=meta, id=ck)
+        return self.store.commit({"images": snap.images, "fs": fs or snap.fs}, parent=rec.head, meta=meta,
+                                 id=snap.ck, follower=snap.follower)
 
     def checkpoint(self, sid: str) -> CheckpointInfo:
         """Snapshot a running or paused sandbox into the store; the sandbox carries on as it was."""
@@ -549,23 +567,24 @@ class Runtime:
 
     def _checkpoint_locked(self, rec: Record) -> tuple[CheckpointInfo, Path, Path]:
         t0 = time.perf_counter()
-        ck, images, fs, t = self._snapshot(rec, State.CHECKPOINTING, thaw=True)
-        prev = rec.prev
-        # The sandbox runs again already; a failed commit only loses this checkpoint.
-        self._set(rec, prev, prev=None)
+        snap = self._snapshot(rec, State.CHECKPOINTING, thaw=True)
+        t = snap.t
         try:
+            # The sandbox runs again already; a failed commit only loses this checkpoint.
+            self._set(rec, rec.prev, prev=None)
             t1 = time.perf_counter()
-            m = self._commit(rec, ck, images, fs)
+            m = self._commit(rec, snap)
             t["store"] = time.perf_counter() - t1
         except BaseException:
-            _rmtree(images)
-            _rmtree(fs)
+            snap.follower.abort()
+            _rmtree(snap.images)
+            _rmtree(snap.fs)
             self._set(rec, rec.state, pending=None)
             raise
-        self._set(rec, rec.state, head=ck, pending=None)
+        self._set(rec, rec.state, head=snap.ck, pending=None)
         t["total"] = time.perf_counter() - t0
         self._timings[rec.id] = t
-        return CheckpointInfo.from_manifest(m, t), images, fs
+        return CheckpointInfo.from_manifest(m, t), snap.images, snap.fs
 
     def hibernate(self, sid: str) -> CheckpointInfo:
         """Checkpoint, then stop every process: memory and CPU are released; `resume` brings it back."""
@@ -573,10 +592,11 @@ class Runtime:
             self._require(rec, "hibernate", *LIVE)
             t0 = time.perf_counter()
             # Frozen, not killed, until the checkpoint is durable: a failure can still roll back.
-            ck, images, fs, t = self._snapshot(rec, State.HIBERNATING, thaw=False)
+            snap = self._snapshot(rec, State.HIBERNATING, thaw=False)
+            ck, images, fs, t = snap.ck, snap.images, snap.fs, snap.t
             try:
                 t1 = time.perf_counter()
-                m = self._commit(rec, ck, images, fs)
+                m = self._commit(rec, snap)
                 t["store"] = time.perf_counter() - t1
             except BaseException:
                 _rmtree(images)
@@ -675,15 +695,16 @@ class Runtime:
         with self._locked(sid) as rec:
             self._require(rec, "fork", *LIVE)
             t0 = time.perf_counter()
-            ck, images, fs, t = self._snapshot(rec, State.CHECKPOINTING, thaw=True)
-            # `pending` stays set until the end: it keeps the new layer from being collected.
-            self._set(rec, rec.prev, prev=None)
+            snap = self._snapshot(rec, State.CHECKPOINTING, thaw=True)
+            ck, images, fs, t = snap.ck, snap.images, snap.fs, snap.t
             kids: list[SandboxInfo] = []
             try:
+                # `pending` stays set until the end: it keeps the new layer from being collected.
+                self._set(rec, rec.prev, prev=None)
                 os.rename(fs, self._layer_dir(ck))
                 t1 = time.perf_counter()
                 with ThreadPoolExecutor(max_workers=min(n, 8) + 1) as pool:
-                    commit = pool.submit(self._commit, rec, ck, images, self._layer_dir(ck))
+                    commit = pool.submit(self._commit, rec, snap, self._layer_dir(ck))
                     spawns = [pool.submit(self._spawn, rec.spec, ck, None, self._private_images(images, i))
                               for i in range(n)]
                     failures = []
@@ -697,6 +718,7 @@ class Runtime:
                 if failures:
                     raise failures[0]
             except BaseException:
+                snap.follower.abort()  # in case the commit never ran
                 for kid in kids:
                     with contextlib.suppress(SandboxError):
                         self.kill(kid.id)

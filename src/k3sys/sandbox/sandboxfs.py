@@ -112,12 +112,16 @@ class SandboxFS:
         with self._walk(path) as (dfd, name):
             if not name:
                 raise WrongFileTypeError(f"is a directory in the sandbox: {path!r}")
+            # O_NONBLOCK: opening a FIFO must not wait for a writer (it is refused below).
             fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dfd)
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):  # opening a directory read-only succeeds: check what it is
             os.close(fd)
             what = "is a directory" if stat.S_ISDIR(mode) else "not a regular file"
             raise WrongFileTypeError(f"{what} in the sandbox: {path!r}")
+        # Blocking reads from here: with O_NONBLOCK a read of data not in the page cache may fail
+        # with EAGAIN, which a file object reports as no data (an empty or short file).
+        os.set_blocking(fd, True)
         return os.fdopen(fd, "rb")
 
     def read(self, path: str) -> bytes:
