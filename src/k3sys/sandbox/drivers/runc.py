@@ -90,6 +90,7 @@ class RuncDriver:
         self._env = {**os.environ, "CRIU_CONFIG_FILE": str(self.system.criu_config)}
         self.state_dir = state_dir.resolve()
         self.runc_root = self.state_dir / "runc"
+        self._runc = [self.runc, "--root", str(self.runc_root), "--criu", str(self.system.criu)]  # global options
         self.runc_root.mkdir(parents=True, exist_ok=True)
         self.empty = self.state_dir / "empty"
         self.empty.mkdir(mode=0o555, exist_ok=True)
@@ -100,10 +101,9 @@ class RuncDriver:
 
     def _run(self, args: list[str], log: Path | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
         """Run `runc <args>`; DriverError with runc's message (and CRIU's log tail, if any) on failure."""
-        cmd = [self.runc, "--root", str(self.runc_root), *args]
         try:
-            p = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout,
-                               env=self._env)
+            p = subprocess.run([*self._runc, *args], stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                               timeout=timeout, env=self._env)
         except subprocess.TimeoutExpired as e:
             raise DriverError(f"runc {args[0]} timed out after {timeout} s") from e
         if p.returncode != 0:
@@ -118,8 +118,8 @@ class RuncDriver:
         collect runc's own messages from a file."""
         err = dirs.logs / "runc.err"
         with open(os.devnull, "r+b") as null, open(err, "wb") as errf:
-            p = subprocess.run([self.runc, "--root", str(self.runc_root), *args], stdin=null, stdout=null,
-                               stderr=errf, cwd=dirs.bundle, timeout=120, env=self._env)
+            p = subprocess.run([*self._runc, *args], stdin=null, stdout=null, stderr=errf, cwd=dirs.bundle,
+                               timeout=120, env=self._env)
         if p.returncode != 0:
             detail = _tail(err)
             if log is not None and log.exists():
@@ -199,7 +199,7 @@ class RuncDriver:
                 "--tcp-established", "--file-locks"]
         if not spec.network:
             args += ["--empty-ns", "network"]
-        self._detached(["--criu", str(self.system.criu), *args, sid], dirs, log=work / "restore.log")
+        self._detached([*args, sid], dirs, log=work / "restore.log")
         t["runc+criu"] = time.perf_counter() - t1
         t["criu"] = _criu_seconds(work / "restore.log")
         # Running: every checkpoint is taken frozen, but CRIU leaves cgroups (the freezer's state
@@ -209,7 +209,7 @@ class RuncDriver:
     def exec(self, sid: str, argv: list[str], cwd: str, env: dict[str, str],
              stdin: bool) -> tuple[subprocess.Popen, int]:
         pid_file = self.runc_root / f".exec-{sid}-{os.getpid()}-{time.monotonic_ns()}.pid"
-        args = [self.runc, "--root", str(self.runc_root), "exec", "--pid-file", str(pid_file), "--cwd", cwd]
+        args = [*self._runc, "exec", "--pid-file", str(pid_file), "--cwd", cwd]
         for k, v in env.items():
             args += ["--env", f"{k}={v}"]
         proc = subprocess.Popen([*args, sid, *argv], stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
@@ -248,7 +248,7 @@ class RuncDriver:
         work.mkdir(parents=True, exist_ok=True)
         images.mkdir(parents=True)
         # Always --leave-running: a hibernating sandbox is killed only once its checkpoint is durable.
-        args = ["--criu", str(self.system.criu), "checkpoint", "--leave-running", "--image-path",
+        args = ["checkpoint", "--leave-running", "--image-path",
                 str(images), "--work-path", str(work), "--tcp-established", "--file-locks"]
         if not network:
             args += ["--empty-ns", "network"]
@@ -293,7 +293,7 @@ class RuncDriver:
         state = self.runc_root / sid / "state.json"
         if not state.exists():
             return "missing"
-        p = subprocess.run([self.runc, "--root", str(self.runc_root), "state", sid], capture_output=True, text=True)
+        p = subprocess.run([*self._runc, "state", sid], capture_output=True, text=True)
         if p.returncode != 0:
             return "missing"
         status = json.loads(p.stdout)["status"]
