@@ -2,8 +2,10 @@
 
 Medians over `--repeats` runs of: create, exec round trip, pause, resume, checkpoint of a sandbox
 holding 64 MiB of dirtied memory, a second checkpoint after dirtying 1 MiB (time and bytes_new /
-bytes_total), fork of 1 and of 8 (wall), hibernate, resume from hibernation, restore; the memory of
-20 paused vs 20 hibernated sandboxes; where the time goes (runc vs CRIU vs store); and the floor of
+bytes_total), fork of 1 and of 8 (wall), hibernate, resume from hibernation (plain, and after a
+`prefetch` hint staged the images), restore; the memory of 20 paused vs 20 hibernated sandboxes;
+where the time goes (runc vs CRIU vs store); for checkpoints, how long the sandbox stood frozen
+(blackout) beside when the call returned (durable in the store); and the floor of
 resume-from-hibernation (restores with the images already on tmpfs, CRIU's own time).
 
     python bench/sandbox_lifecycle.py [--repeats 10]
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import shutil
 import statistics
@@ -150,10 +153,7 @@ def run(repeats: int, root: Path, console: Console) -> Recorder:
                         for k in kids:
                             k.kill()
                 for _ in range(repeats):
-                    ms, ck = timed(s.hibernate)
-                    rec.add("hibernate_idle", ms, ck.timings)
-                    ms, _ = timed(s.resume)
-                    rec.add("resume_hibernated_idle", ms, rt.timings(s.id))
+                    hibernate_resume(rt, s, rec, "_idle")
                 console.log("idle busybox sandbox done")
                 floor(rt, s, repeats, rec)
                 console.log("floor done")
@@ -178,11 +178,7 @@ def run(repeats: int, root: Path, console: Console) -> Recorder:
                             k.kill()
                 console.log("forks done")
                 for _ in range(repeats):
-                    ms, ck = timed(s.hibernate)
-                    rec.add("hibernate", ms, ck.timings)
-                    rec.extra.setdefault("hibernated_memory_bytes", []).append(s.memory_bytes())
-                    ms, _ = timed(s.resume)
-                    rec.add("resume_hibernated", ms, rt.timings(s.id))
+                    ck = hibernate_resume(rt, s, rec, "")
                     ms, r = timed(lambda ck=ck: Sandbox.restore(ck, runtime=rt))
                     rec.add("restore", ms, rt.timings(r.id))
                     r.kill()
@@ -194,6 +190,21 @@ def run(repeats: int, root: Path, console: Console) -> Recorder:
             for ck in rt.checkpoints():
                 rt.delete_checkpoint(ck.id)
     return rec
+
+
+def hibernate_resume(rt: Runtime, s: Sandbox, rec: Recorder, tag: str) -> object:
+    """Hibernate and resume `s` twice: once plain, once with a `prefetch` hint between (timed apart,
+    as a rollout engine would send it while the policy thinks). Returns the last checkpoint."""
+    ms, ck = timed(s.hibernate)
+    rec.add(f"hibernate{tag}", ms, ck.timings)
+    rec.extra.setdefault(f"hibernated_memory_bytes{tag}", []).append(s.memory_bytes())
+    ms, _ = timed(s.resume)
+    rec.add(f"resume_hibernated{tag}", ms, rt.timings(s.id))
+    ck = s.hibernate()
+    rec.add(f"prefetch{tag}", timed(s.prefetch)[0])
+    ms, _ = timed(s.resume)
+    rec.add(f"resume_prefetched{tag}", ms, rt.timings(s.id))
+    return ck
 
 
 def floor(rt: Runtime, s: Sandbox, repeats: int, rec: Recorder) -> None:
@@ -250,8 +261,8 @@ def report(rec: Recorder, console: Console) -> dict:
         ("exec round trip", "exec", None, "", "", ""),
         ("pause", "pause", TARGETS["pause"], "", AGENTENV["pause"], E2B["pause"]),
         ("resume from pause", "resume", TARGETS["resume"], "", AGENTENV["resume_hibernated"], ""),
-        ("checkpoint, 64 MiB dirty", "checkpoint_64mib", TARGETS["checkpoint_64mib"], str(KIMI["checkpoint_64mib"]),
-         "", ""),
+        ("checkpoint, 64 MiB dirty: durable", "checkpoint_64mib", TARGETS["checkpoint_64mib"],
+         str(KIMI["checkpoint_64mib"]), "", ""),
         ("2nd checkpoint after 1 MiB", "incremental_checkpoint", None, "", AGENTENV["incremental_checkpoint"], ""),
         ("checkpoint, idle busybox", "checkpoint_idle", None, "", "", ""),
         ("fork 1 (64 MiB)", "fork_1", None, "", "", ""),
@@ -260,8 +271,13 @@ def report(rec: Recorder, console: Console) -> dict:
         ("hibernate (64 MiB)", "hibernate", None, "", "", ""),
         ("resume from hibernation (64 MiB)", "resume_hibernated", TARGETS["resume_hibernated"],
          str(KIMI["resume_hibernated"]), AGENTENV["resume_hibernated"], E2B["resume_hibernated"]),
+        ("... after a prefetch hint (64 MiB)", "resume_prefetched", TARGETS["resume_hibernated"],
+         str(KIMI["resume_hibernated"]), AGENTENV["resume_hibernated"], ""),
+        ("    the prefetch itself (64 MiB)", "prefetch", None, "", "", ""),
         ("resume from hibernation (idle)", "resume_hibernated_idle", TARGETS["resume_hibernated"],
          str(KIMI["resume_hibernated"]), AGENTENV["resume_hibernated"], E2B["resume_hibernated"]),
+        ("... after a prefetch hint (idle)", "resume_prefetched_idle", TARGETS["resume_hibernated"],
+         str(KIMI["resume_hibernated"]), AGENTENV["resume_hibernated"], ""),
         ("restore to a new sandbox (64 MiB)", "restore", None, "", "", ""),
         ("floor: restore, images on tmpfs (idle)", "restore_from_tmpfs_images", None, "", "", ""),
     ]
@@ -277,8 +293,8 @@ def report(rec: Recorder, console: Console) -> dict:
         where = ", ".join(f"{k} {v:.0f}" for k, v in phases.items() if k not in ("total",) and v >= 0.5)
         table.add_row(label, f"{ours:.1f}", f"{target}" if target else "", f"{ours / target:.2f}" if target else "",
                       kimi, agentenv, e2b, where)
-    for op, label in (("checkpoint_64mib", "checkpoint, 64 MiB: sandbox frozen for"),
-                      ("incremental_checkpoint", "2nd checkpoint: sandbox frozen for")):
+    for op, label in (("checkpoint_64mib", "checkpoint, 64 MiB: blackout (frozen)"),
+                      ("incremental_checkpoint", "2nd checkpoint: blackout (frozen)")):
         frozen = rec.phase_medians(op).get("frozen") if op in rec.runs else None
         if frozen is not None:
             table.add_row(label, f"{frozen:.1f}", "", "", "", "", "", "freeze -> CRIU dump -> seal upper -> thaw")
@@ -298,7 +314,8 @@ def plot(rec: Recorder, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     ops = [op for op in ("checkpoint_64mib", "incremental_checkpoint", "hibernate", "resume_hibernated",
-                         "resume_hibernated_idle", "restore", "restore_from_tmpfs_images") if op in rec.runs]
+                         "resume_prefetched", "resume_hibernated_idle", "resume_prefetched_idle", "restore",
+                         "restore_from_tmpfs_images") if op in rec.runs]
     phases = ["freeze", "criu", "runc", "seal", "store", "mount", "stop", "other"]
     data = {p: [] for p in phases}
     for op in ops:
@@ -332,15 +349,19 @@ def main() -> None:
     args = ap.parse_args()
     console = Console(width=180)
     root = Path(tempfile.mkdtemp(prefix="k3sys-bench-", dir="/var/tmp"))
+    load = {"before": os.getloadavg()}
     try:
         rec = run(args.repeats, root, console)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    load["after"] = os.getloadavg()
     summary = report(rec, console)
+    console.print("load average (1, 5, 15 min) before: {:.2f} {:.2f} {:.2f}, after: {:.2f} {:.2f} {:.2f} "
+                  "(2 cores)".format(*load["before"], *load["after"]))
     RESULTS.mkdir(exist_ok=True)
     out = {"bench": "sandbox_lifecycle", "repeats": args.repeats, "host": platform.uname()._asdict(),
            "published": {"kimi_k3_report_ms": KIMI, "agentenv_claims_ms": AGENTENV, "e2b_docs": E2B},
-           "targets_ms": TARGETS, **summary, **rec.to_json()}
+           "targets_ms": TARGETS, "loadavg": load, **summary, **rec.to_json()}
     (RESULTS / "sandbox_lifecycle.json").write_text(json.dumps(out, indent=1))
     plot(rec, RESULTS / "sandbox_lifecycle.png")
     console.print(f"wrote {RESULTS / 'sandbox_lifecycle.json'} and .png")

@@ -5,11 +5,17 @@ Scenario (what a runc sandbox checkpoint hands the store): a CRIU image director
 store lives on disk. Measured, median over `--runs`:
 
 - first commit into an empty store, beside copying the tree to disk with fsync (no store at all);
-- second commit after dirtying 1 MiB (256 random pages), with its parent (page diff) and without
-  (every page hashed, dedup by digest), beside the copy again;
+- second commit after dirtying 1 MiB (256 random pages: every page hashed, only new digests
+  written), beside the copy again;
+- a first commit of new data whose images the store followed while they were written, timed from
+  the last byte written (how the runtime commits a CRIU dump);
 - checkout of each into tmpfs, beside copying the stored tree from disk; also into a tmpfs mounted
   with huge=always where we may mount one (root);
-- the two ways to find the changed pages, alone: BLAKE3 per page vs numpy compare with the parent.
+- the two ways to find the changed pages, alone: BLAKE3 per page vs numpy compare with the parent's
+  pages (the latter needs them in memory, which O_DIRECT-written packs are not).
+
+Stores stay on disk until the end, as a runtime's store grows (freeing them would hand later runs
+recycled page cache). Writes bench/results/store.json.
 
 Writes bench/results/store.json.
 """
@@ -118,10 +124,13 @@ def main() -> None:
             v2 = make_sandbox(shm / f"v2-{run}", mem)
             store = Store(disk / f"store-{run}")
             add("first commit", timed(store.commit, v1, id="first"))
-            add("incremental commit (page diff vs parent)",
-                timed(store.commit, v2, parent="first", id="second"))
+            add("incremental commit", timed(store.commit, v2, parent="first", id="second"))
             ratio.append(store.get("second").bytes_new / store.get("second").bytes_total)
-            add("incremental commit (hash every page)", timed(store.commit, v2, id="second-nodiff"))
+            # As the runtime commits a dump: the store follows the images while they are written (here
+            # as fast as tmpfs takes them, about CRIU's pace); timed from the last byte written.
+            follower = store.follow(shm / f"v3-{run}" / "criu")
+            v3 = make_sandbox(shm / f"v3-{run}", rng.integers(0, 256, n_pages * PAGE, dtype=np.uint8))
+            add("first commit, images followed as written", timed(store.commit, v3, id="third", follower=follower))
             add("baseline: copy tree to disk + fsync",
                 np.sum([timed(copy_durable, v2[k], disk / f"copy-{run}" / k) for k in v2], axis=0).tolist())
             for name, ck in (("first", "first"), ("incremental", "second")):
@@ -138,11 +147,10 @@ def main() -> None:
             add("  find changes: BLAKE3 every page", timed(hash_pages, mem))
             old = np.frombuffer((v1["criu"] / "pages-1.img").read_bytes(), np.uint64).reshape(n_pages, PAGE // 8)
             new = mem.view(np.uint64).reshape(n_pages, PAGE // 8)
-            add("  find changes: numpy compare with parent", timed(compare_pages, old, new))
+            add("  find changes: numpy compare, parent in memory", timed(compare_pages, old, new))
             if run == 0:
                 assert store.verify() == []
-            for p in (shm / f"v1-{run}", shm / f"v2-{run}", shm / f"cp-{run}", disk / f"copy-{run}",
-                      disk / f"store-{run}"):
+            for p in (shm / f"v1-{run}", shm / f"v2-{run}", shm / f"v3-{run}", shm / f"cp-{run}"):
                 shutil.rmtree(p)
     finally:
         if has_huge:
@@ -152,7 +160,7 @@ def main() -> None:
 
     med = {k: statistics.median(w for w, _ in v) for k, v in t.items()}
     cpu = {k: statistics.median(c for _, c in v) for k, v in t.items()}
-    targets = {"first commit": 60.0, "incremental commit (page diff vs parent)": 25.0}
+    targets = {"first commit": 60.0, "incremental commit": 25.0}
     copy_in, copy_out = med["baseline: copy tree to disk + fsync"], med["baseline: copy tree from disk -> tmpfs"]
     table = Table(title=f"k3sys.sandbox.store, {args.mem_mib} MiB memory image, {args.dirty_pages} dirty pages, "
                         f"median of {args.runs}")

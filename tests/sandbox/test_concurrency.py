@@ -85,3 +85,33 @@ def test_sandboxes_in_parallel_threads(rt):
     run_threads([life] * 4)
     assert len(set(made)) == 4
     assert not set(made) & {s.id for s in Sandbox.list(runtime=rt)}
+
+
+@pytest.mark.embedded
+def test_freeze_while_commands_start(rt, sbx):
+    """A freeze that lands while `runc exec` starts a command finds that task in execve, waiting in
+    D state for threads the freezer already stopped: the freezer never settles. The driver must
+    thaw and try again (milliseconds), not give up after 10 s. Three seconds of freezes against a
+    stream of commands hit that window a few times."""
+    stop = threading.Event()
+
+    def commands():
+        while not stop.is_set():
+            sbx.commands.run("true")
+
+    runner = threading.Thread(target=commands)
+    runner.start()
+    slowest, end = 0.0, time.monotonic() + 3
+    try:
+        while time.monotonic() < end:
+            t0 = time.monotonic()
+            rt.driver.pause(sbx.id)
+            slowest = max(slowest, time.monotonic() - t0)
+            time.sleep(0.001)
+            rt.driver.resume(sbx.id)
+            time.sleep(0.001)
+    finally:
+        stop.set()
+        runner.join()
+    assert slowest < 2.0
+    assert sbx.commands.run("echo ok").stdout == "ok\n"

@@ -15,6 +15,7 @@ from k3sys.sandbox import (
     SandboxError,
     SandboxSpec,
     UnknownTemplateError,
+    WrongFileTypeError,
 )
 from k3sys.sandbox.errors import error_from_code
 
@@ -78,6 +79,18 @@ def test_bad_command_arguments(sbx):
         sbx.files.read("")
     with pytest.raises(InvalidArgumentError, match="n: .*got 0"):
         sbx.fork(0)
+
+
+def test_wrong_file_types(sbx):
+    with pytest.raises(WrongFileTypeError, match="is a directory in the sandbox: '/etc'"):
+        sbx.files.read("/etc")
+    with pytest.raises(WrongFileTypeError, match="is a directory"):
+        sbx.files.write("/etc", "x")
+    with pytest.raises(WrongFileTypeError, match="not a directory"):
+        sbx.files.list("/etc/passwd")
+    with pytest.raises(WrongFileTypeError, match="not a regular file"):
+        sbx.files.read("/dev/null")
+    assert isinstance(WrongFileTypeError("x"), InvalidArgumentError)
 
 
 def test_operations_in_the_wrong_state(sbx):

@@ -3,11 +3,12 @@ fork, hibernate/resume and restore."""
 
 from __future__ import annotations
 
+import subprocess
 import time
 
 import pytest
 
-from k3sys.sandbox import Sandbox
+from k3sys.sandbox import DriverError, Runtime, Sandbox
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -167,3 +168,35 @@ def test_python_processes_keep_memory_and_tcp_connection(rt, debian):
 
         with Sandbox.restore(ck) as old:
             assert ask(old, 7) == (2, 12)
+
+
+@pytest.mark.embedded
+def test_failed_dump_leaves_the_sandbox_as_it_was(private_root, tmp_path, monkeypatch):
+    """A CRIU failure in checkpoint, hibernate or fork (here: its image directory fills up) raises
+    DriverError with runc's and CRIU's own error lines, and the sandbox runs on as before: same
+    state, processes and counter, no checkpoint, child or staging left; with room again, the same
+    operations work."""
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "k3sys-test", str(scratch)], check=True)
+    monkeypatch.setenv("K3SYS_SCRATCH", str(scratch))
+    try:
+        with Runtime(private_root) as rt:
+            sbx = Sandbox.create(runtime=rt)
+            sbx.commands.run(COUNTER)
+            n = assert_counting(sbx)[-1]
+            for op in (sbx.checkpoint, sbx.hibernate, lambda: sbx.fork(2)):
+                with pytest.raises(DriverError, match=r"(?s)runc checkpoint failed.*Error \(criu/.*No space left"):
+                    op()
+                assert sbx.state == "running" and [s.id for s in Sandbox.list(runtime=rt)] == [sbx.id]
+                n = assert_counting(sbx, n)[-1]
+            assert rt.checkpoints() == [] and list(rt.scratch.iterdir()) == []
+            subprocess.run(["mount", "-o", "remount,size=256m", str(scratch)], check=True)
+            ck = sbx.checkpoint()
+            assert sbx.info.head == ck.id
+            sbx.hibernate()
+            sbx.resume()
+            assert_counting(sbx, n)
+            rt.kill_all()
+    finally:
+        subprocess.run(["umount", str(scratch)], check=True)

@@ -13,8 +13,10 @@ from k3sys.sandbox import (
     CommandHandle,
     CommandResult,
     CommandTimeoutError,
+    InvalidArgumentError,
     InvalidStateError,
     NotFoundError,
+    Runtime,
     Sandbox,
     SandboxFileNotFoundError,
 )
@@ -195,6 +197,35 @@ def test_hibernate_releases_memory_and_resume_restores(sbx):
     assert sbx.state == "running"
     assert sbx.files.read_text("/root/state") == "kept\n"
     assert sbx.commands.run("cat /root/state").stdout == "kept\n"
+
+
+def test_prefetch_stages_images_for_resume(rt, sbx):
+    sbx.commands.run("sh -c 'echo $$ > /tmp/pid.new && mv /tmp/pid.new /tmp/pid; exec sleep 1000' >/dev/null 2>&1 &")
+    deadline = time.monotonic() + 10
+    while not sbx.files.exists("/tmp/pid") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    pid = sbx.files.read_text("/tmp/pid")
+    assert sbx.prefetch() is False  # running: nothing to stage
+    with pytest.raises(InvalidArgumentError, match="ttl_s"):
+        sbx.prefetch(ttl_s=0)
+    sbx.hibernate()
+    assert sbx.prefetch() is True and sbx.prefetch(ttl_s=30) is True  # a second call renews
+    sbx.resume()
+    assert sbx.state == "running" and sbx.files.read_text("/tmp/pid") == pid
+    assert sbx.commands.run(f"kill -0 {pid.strip()} && echo alive").stdout == "alive\n"
+    if isinstance(rt, Runtime):
+        assert rt.timings(sbx.id)["store"] < 0.05  # restored from the staged images, no store read
+        assert not rt._staged
+    sbx.hibernate()
+    assert sbx.prefetch(ttl_s=0.5)
+    if isinstance(rt, Runtime):  # unused staged images go when their time is up
+        staged = rt._staged[sbx.id].path
+        deadline = time.monotonic() + 10
+        while staged.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not staged.exists() and sbx.id not in rt._staged
+    sbx.resume()  # from the store
+    assert sbx.files.read_text("/tmp/pid") == pid
 
 
 def test_restore_and_fork_give_new_sandboxes(sbx):

@@ -33,6 +33,7 @@ from k3sys.sandbox import (
     SandboxFileNotFoundError,
     TooLargeError,
     UnavailableError,
+    WrongFileTypeError,
 )
 from k3sys.sandbox._auth import check_bind, load_or_create_key
 from k3sys.sandbox._wire import ERROR_HEADER, error_body, error_of, status_of
@@ -127,6 +128,7 @@ STATUS = {
     "UnknownTemplateError": 422, "PathEscapeError": 422, "StoreInputError": 422, "TooLargeError": 413,
     "CommandTimeoutError": 408, "AuthError": 401, "CapacityError": 429, "UnavailableError": 503,
     "RuntimeLockedError": 503, "DriverError": 500, "StoreError": 500, "CorruptStoreError": 500,
+    "WrongFileTypeError": 422,
 }
 
 
@@ -174,10 +176,19 @@ def test_errors_over_http(http, rsbx):
     assert_error(r, 408, "command_timeout")
     assert r.json()["error"]["stdout"] == "partial\n"
     assert_error(http.patch("/sandboxes"), 405, "http_405")
+    assert "is a directory" in assert_error(http.get(f"/sandboxes/{sid}/files", params={"path": "/etc"}),
+                                            422, "wrong_file_type")
+    assert_error(http.put(f"/sandboxes/{sid}/files", params={"path": "/etc"}, content=b"x"), 422, "wrong_file_type")
+    assert_error(http.get(f"/sandboxes/{sid}/dirs", params={"path": "/etc/passwd"}), 422, "wrong_file_type")
+    for count in (0, 257, "2", True):
+        msg = assert_error(http.post(f"/sandboxes/{sid}/fork", json={"count": count}), 422, "invalid_argument")
+        assert msg.startswith("count:") and repr(count) in msg, msg
     # The SDK raises what the embedded runtime raises.
     with pytest.raises(CommandTimeoutError) as e:
         rsbx.commands.run("echo partial; sleep 5", timeout=0.3)
     assert e.value.stdout == "partial\n"
+    with pytest.raises(WrongFileTypeError, match="is a directory"):
+        rsbx.files.read("/etc")
     rsbx.pause()
     with pytest.raises(InvalidStateError, match="paused"):
         rsbx.files.exists("/etc")  # a bodiless HEAD answer keeps its type
@@ -315,7 +326,7 @@ ROUTES = {
     ("/health", "get"), ("/metrics", "get"),
     ("/sandboxes", "get"), ("/sandboxes", "post"), ("/sandboxes/{sid}", "get"), ("/sandboxes/{sid}", "delete"),
     ("/sandboxes/{sid}/memory", "get"), ("/sandboxes/{sid}/cpu", "get"), ("/sandboxes/{sid}/pause", "post"),
-    ("/sandboxes/{sid}/resume", "post"),
+    ("/sandboxes/{sid}/resume", "post"), ("/sandboxes/{sid}/prefetch", "post"),
     ("/sandboxes/{sid}/hibernate", "post"), ("/sandboxes/{sid}/checkpoints", "post"),
     ("/sandboxes/{sid}/fork", "post"), ("/sandboxes/{sid}/commands", "post"),
     ("/commands/{cid}", "get"), ("/commands/{cid}", "delete"), ("/commands/{cid}/events", "get"),

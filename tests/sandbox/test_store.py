@@ -130,7 +130,7 @@ def make_every_kind(root: Path) -> None:
 
 def test_exports():
     assert set(store_pkg.__all__) == {"CheckpointExistsError", "CheckpointNotFoundError", "CorruptStoreError", "Entry",
-                                      "Manifest", "Store", "StoreError", "StoreInputError"}
+                                      "Follower", "Manifest", "Store", "StoreError", "StoreInputError"}
     assert issubclass(StoreError, SandboxError)
     for cls in (CheckpointExistsError, CheckpointNotFoundError, CorruptStoreError, StoreInputError):
         assert issubclass(cls, StoreError)
@@ -185,6 +185,57 @@ def test_zero_chunks_come_back_as_holes(store: Store, tmp_path: Path, shm: Path)
     assert (shm / "out/pages-1.img").read_bytes() == pages and (shm / "out/blob.bin").read_bytes() == blob
     assert os.stat(shm / "out/pages-1.img").st_blocks * 512 <= 2 * PAGE  # only the two data pages
     assert os.stat(shm / "out/blob.bin").st_blocks * 512 <= PAGE
+
+
+# ------------------------------------------------------------------ following images as CRIU writes them
+
+
+def test_follower_packs_page_images_while_they_grow(store: Store, shm: Path):
+    """A writer appends to two page images in uneven pieces (as CRIU does); the follower packs them as
+    they grow, and the commit after gives exactly what committing the finished files would."""
+    images = shm / "images"
+    first = rand(300 * PAGE + 5 * PAGE, 1)  # not a whole window: the tail is read by the last pass
+    second = bytes(40 * PAGE) + rand(9 * PAGE, 2) + first[:PAGE]  # zero pages and a repeat within
+    follower = store.follow(images)  # the directory does not exist yet
+    images.mkdir()
+    write(images / "core-1.img", b"core")
+    for name, data in (("pages-1.img", first), ("pages-2.img", second)):
+        with open(images / name, "wb") as f:
+            for at in range(0, len(data), 37 * PAGE):
+                f.write(data[at : at + 37 * PAGE])
+                f.flush()
+                time.sleep(0.002)
+    m = store.commit({"images": images}, follower=follower)
+    files = {e.path: e for e in m.trees["images"]}
+    assert files["pages-1.img"].chunks == page_digests(first)
+    assert files["pages-2.img"].chunks == page_digests(second)
+    assert m.bytes_new == len(first) + 10 * PAGE + 4  # one zero page, the repeat stored once, core
+    assert store.verify() == [] and os.listdir(store.root / "tmp") == []
+    store.checkout(m.id, {"images": shm / "out"})
+    assert snapshot(shm / "out") == snapshot(images)
+
+
+def test_follower_abort_and_changed_files(store: Store, shm: Path):
+    images = shm / "images"
+    write(images / "pages-1.img", rand(400 * PAGE, 1))
+    follower = store.follow(images)
+    follower.abort()
+    follower.abort()  # idempotent
+    assert os.listdir(store.root / "tmp") == [] and store.list() == []
+    assert store.gc()["packs"] == 0  # the follower's lock is gone: gc may run
+    # A file replaced after the follower read it (another inode) is chunked again by the commit.
+    follower = store.follow(images)
+    time.sleep(0.1)
+    changed = rand(400 * PAGE, 2) + rand(PAGE, 3)
+    write(shm / "new.img", changed).rename(images / "pages-1.img")
+    m = store.commit({"images": images}, follower=follower)
+    assert m.trees["images"][1].chunks == page_digests(changed)
+    store.checkout(m.id, {"images": shm / "out"})
+    assert (shm / "out/pages-1.img").read_bytes() == changed
+    # A commit that fails (its id is taken) drops its follower's pack.
+    with pytest.raises(CheckpointExistsError):
+        store.commit({"images": images}, id=m.id, follower=store.follow(images))
+    assert os.listdir(store.root / "tmp") == [] and store.verify() == []
 
 
 # ------------------------------------------------------------------ dedup and the page diff

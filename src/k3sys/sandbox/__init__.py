@@ -32,6 +32,7 @@ from k3sys.sandbox.errors import (
     TooLargeError,
     UnavailableError,
     UnknownTemplateError,
+    WrongFileTypeError,
 )
 from k3sys.sandbox.runtime import CheckpointInfo, Runtime, SandboxInfo
 from k3sys.sandbox.sandboxfs import EntryInfo
@@ -71,5 +72,6 @@ __all__ = [
     "TooLargeError",
     "UnavailableError",
     "UnknownTemplateError",
+    "WrongFileTypeError",
     "default_runtime",
 ]

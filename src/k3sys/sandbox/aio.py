@@ -219,6 +219,9 @@ class AsyncSandbox:
     async def hibernate(self) -> Checkpoint:
         return Checkpoint._of(await self._rt.hibernate(self.id), self._rt.sync)
 
+    async def prefetch(self, ttl_s: float = 60.0) -> bool:
+        return await self._rt.prefetch(self.id, ttl_s)
+
     async def fork(self, n: int = 1) -> list[AsyncSandbox]:
         _, kids = await self._rt.fork(self.id, n)
         return [AsyncSandbox(self._rt, k.id) for k in kids]

@@ -33,7 +33,7 @@ from k3sys.sandbox._wire import (
 from k3sys.sandbox.errors import InvalidArgumentError, SandboxFileNotFoundError, UnavailableError
 from k3sys.sandbox.runtime import CheckpointInfo, SandboxInfo
 from k3sys.sandbox.sandboxfs import EntryInfo
-from k3sys.sandbox.spec import CommandResult, SandboxSpec
+from k3sys.sandbox.spec import MAX_FORK, CommandResult, SandboxSpec, check_number
 
 DEFAULT_TIMEOUT = httpx.Timeout(600.0, connect=10.0)  # life-cycle calls (a fork of many) may take minutes
 _MARGIN = 30.0  # extra seconds the HTTP read waits beyond a command's own timeout
@@ -267,11 +267,16 @@ class HTTPBackend:
     def hibernate(self, sid: str) -> CheckpointInfo:
         return self._do(_Call("POST", f"/sandboxes/{sid}/hibernate", parse=lambda r: checkpoint_info(r.json())))
 
+    def prefetch(self, sid: str, ttl_s: float = 60.0) -> bool:
+        return self._do(_Call("POST", f"/sandboxes/{sid}/prefetch", json={"ttl_s": ttl_s},
+                              parse=lambda r: r.json()["staged"]))
+
     def fork(self, sid: str, n: int = 1) -> tuple[CheckpointInfo, list[SandboxInfo]]:
         def parse(r: httpx.Response) -> tuple[CheckpointInfo, list[SandboxInfo]]:
             d = r.json()
             return checkpoint_info(d["checkpoint"]), [sandbox_info(s) for s in d["sandboxes"]]
 
+        check_number("n", n, 1, MAX_FORK, "children", integer=True)  # named as the SDK names it, not `count`
         return self._do(_Call("POST", f"/sandboxes/{sid}/fork", json={"count": n}, parse=parse))
 
     def restore(self, ck: str, id: str | None = None, timeout_s: float | None = None) -> SandboxInfo:

@@ -6,6 +6,7 @@
     ├── InvalidArgumentError (ValueError) bad argument: negative limit, bad id, ...
     │   ├── UnknownTemplateError          no template with that name
     │   ├── PathEscapeError               a sandbox path leaving the sandbox root (`..`, symlinks)
+    │   ├── WrongFileTypeError            a directory where a file is needed, or the other way round
     │   └── TooLargeError                 a request body over the service's size limit
     ├── SandboxFileNotFoundError (FileNotFoundError)  no such file inside the sandbox
     ├── CommandTimeoutError (TimeoutError)  a command ran past its timeout and was killed
@@ -61,6 +62,13 @@ class PathEscapeError(InvalidArgumentError):
     """A sandbox path that would resolve outside the sandbox's root (through `..` or a symlink)."""
 
     code = "path_escape"
+
+
+class WrongFileTypeError(InvalidArgumentError):
+    """A sandbox path names the wrong kind of file: a directory to read or write as a file, a file
+    to list as a directory, a device or FIFO to read."""
+
+    code = "wrong_file_type"
 
 
 class SandboxFileNotFoundError(SandboxError, FileNotFoundError):

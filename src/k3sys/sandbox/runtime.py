@@ -49,9 +49,9 @@ from k3sys.sandbox.errors import (
     SandboxError,
 )
 from k3sys.sandbox.sandboxfs import EntryInfo, SandboxFS
-from k3sys.sandbox.spec import ON_TIMEOUT, CommandResult, OutputPieces, SandboxSpec, check_id
+from k3sys.sandbox.spec import MAX_FORK, ON_TIMEOUT, CommandResult, OutputPieces, SandboxSpec, check_id, check_number
 from k3sys.sandbox.state import LIVE, Record, State
-from k3sys.sandbox.store import Manifest, Store
+from k3sys.sandbox.store import Follower, Manifest, Store
 from k3sys.sandbox.templates import template_rootfs
 
 
@@ -91,6 +91,27 @@ class CheckpointInfo:
     def from_manifest(cls, m: Manifest, timings: dict[str, float] | None = None) -> CheckpointInfo:
         return cls(m.id, m.parent, m.created, m.bytes_total, m.bytes_new, m.meta.get("sandbox", ""),
                    m.meta.get("spec", {}).get("template", ""), timings or {})
+
+
+@dataclass(frozen=True)
+class _Snapshot:
+    """A sandbox's state captured in staging: checkpoint id, image and sealed-fs directories, timings
+    (seconds per phase), and the store follower already packing the images."""
+
+    ck: str
+    images: Path
+    fs: Path
+    t: dict[str, float]
+    follower: Follower
+
+
+@dataclass(frozen=True)
+class _Staged:
+    """Images of checkpoint `ck` checked out to `path` by `prefetch`, kept until `expires` (monotonic s)."""
+
+    ck: str
+    path: Path
+    expires: float
 
 
 @dataclass
@@ -146,6 +167,9 @@ class Runtime:
         self._locks: dict[str, threading.RLock] = {}
         self._commands: dict[str, _Command] = {}
         self._timings: dict[str, dict[str, float]] = {}  # sandbox id -> phases of its latest operation
+        self._staged: dict[str, _Staged] = {}  # sandbox id -> images prefetched for its resume
+        # Image directories are deleted off the caller's path (freeing 64 MiB of tmpfs takes ~5 ms).
+        self._cleaner = ThreadPoolExecutor(1, thread_name_prefix="k3sys-sandbox-cleanup")
         self._closed = threading.Event()
         self._recover()
         self._reaper = threading.Thread(target=self._reap_expired, name="k3sys-sandbox-reaper", daemon=True)
@@ -244,6 +268,7 @@ class Runtime:
             self._set(rec, State.LOST, reason=f"kill failed: {e}")
             raise
         _rmtree(dirs.root)
+        self._unstage(rec.id)
         with self._mu:
             self._records.pop(rec.id, None)
             self._locks.pop(rec.id, None)
@@ -471,56 +496,95 @@ class Runtime:
             self._set(rec, State.RUNNING, layer=rec.head, prev=None, deadline=deadline, reason="")
             self._gc_layers()
 
+    def prefetch(self, sid: str, ttl_s: float = 60.0) -> bool:
+        """Stage a hibernated sandbox's images on tmpfs ahead of a likely `resume` (e.g. while the
+        policy model thinks), so that the resume restores without reading the store. A hint: it
+        returns whether images are staged (False, doing nothing, unless the sandbox is hibernated).
+        The staged copy holds as much memory as the sandbox's memory image until `resume` uses it,
+        the sandbox is killed, or `ttl_s` seconds pass (a later call renews it)."""
+        check_number("ttl_s", ttl_s, 0.1, 3600, "s")
+        with self._locked(sid) as rec:
+            if rec.state is not State.HIBERNATED:
+                return False
+            expires = time.monotonic() + ttl_s
+            with self._mu:
+                staged = self._staged.get(sid)
+                if staged is not None and staged.ck == rec.head:
+                    self._staged[sid] = _Staged(staged.ck, staged.path, expires)
+                    return True
+            self._unstage(sid)
+            self._ensure_layer(rec.head)
+            path, _ = self._staging(f"{rec.head}-{sid}-prefetched")
+            self.store.checkout(rec.head, {"images": path})
+            with self._mu:
+                self._staged[sid] = _Staged(rec.head, path, expires)
+            return True
+
+    def _unstage(self, sid: str, keep: bool = False) -> _Staged | None:
+        """Forget the images `prefetch` staged for `sid`; delete them unless `keep` (then the caller owns them)."""
+        with self._mu:
+            staged = self._staged.pop(sid, None)
+        if staged is not None and not keep:
+            self._cleaner.submit(_rmtree, staged.path)
+        return staged
+
     # --- checkpoints --------------------------------------------------------------------------
 
-    def _snapshot(self, rec: Record, transitional: State, *, thaw: bool) -> tuple[str, Path, Path, dict[str, float]]:
+    def _snapshot(self, rec: Record, transitional: State, *, thaw: bool) -> _Snapshot:
         """Freeze-consistent images + sealed fs of a live sandbox into staging; marks the record
-        `transitional` with `prev` and `pending` set. Returns (checkpoint id, images, fs, timings)."""
+        `transitional` with `prev` and `pending` set. The store packs the memory images while CRIU
+        writes them (`Store.follow`); `_commit` finishes that, and a caller that does not commit
+        must `abort` the follower."""
         ck = _new_id("ck")
         images, fs = self._staging(ck)
         self._set(rec, transitional, prev=rec.state, pending=ck)
+        follower = self.store.follow(images)
         try:
             t = self.driver.snapshot(rec.id, self._dirs(rec.id), images, fs, self._layer_dir(rec.layer),
                                      thaw=thaw, network=rec.spec.network)
         except BaseException:
+            follower.abort()
             _rmtree(images)
             _rmtree(fs)
             self._set(rec, rec.prev, prev=None, pending=None)
             raise
-        return ck, images, fs, t
+        return _Snapshot(ck, images, fs, t, follower)
 
-    def _commit(self, rec: Record, ck: str, images: Path, fs: Path) -> Manifest:
+    def _commit(self, rec: Record, snap: _Snapshot, fs: Path | None = None) -> Manifest:
+        """Commit `snap` (its sealed fs from `fs` if it moved) as the sandbox's next checkpoint."""
         meta = {"sandbox": rec.id, "spec": rec.spec.to_json()}
-        return self.store.commit({"images": images, "fs": fs}, parent=rec.head, meta=meta, id=ck)
+        return self.store.commit({"images": snap.images, "fs": fs or snap.fs}, parent=rec.head, meta=meta,
+                                 id=snap.ck, follower=snap.follower)
 
     def checkpoint(self, sid: str) -> CheckpointInfo:
         """Snapshot a running or paused sandbox into the store; the sandbox carries on as it was."""
         with self._locked(sid) as rec:
             self._require(rec, "checkpoint", *LIVE)
             info, images, fs = self._checkpoint_locked(rec)
-            _rmtree(images)
+            self._cleaner.submit(_rmtree, images)
             _rmtree(fs)
             return info
 
     def _checkpoint_locked(self, rec: Record) -> tuple[CheckpointInfo, Path, Path]:
         t0 = time.perf_counter()
-        ck, images, fs, t = self._snapshot(rec, State.CHECKPOINTING, thaw=True)
-        prev = rec.prev
-        # The sandbox runs again already; a failed commit only loses this checkpoint.
-        self._set(rec, prev, prev=None)
+        snap = self._snapshot(rec, State.CHECKPOINTING, thaw=True)
+        t = snap.t
         try:
+            # The sandbox runs again already; a failed commit only loses this checkpoint.
+            self._set(rec, rec.prev, prev=None)
             t1 = time.perf_counter()
-            m = self._commit(rec, ck, images, fs)
+            m = self._commit(rec, snap)
             t["store"] = time.perf_counter() - t1
         except BaseException:
-            _rmtree(images)
-            _rmtree(fs)
+            snap.follower.abort()
+            _rmtree(snap.images)
+            _rmtree(snap.fs)
             self._set(rec, rec.state, pending=None)
             raise
-        self._set(rec, rec.state, head=ck, pending=None)
+        self._set(rec, rec.state, head=snap.ck, pending=None)
         t["total"] = time.perf_counter() - t0
         self._timings[rec.id] = t
-        return CheckpointInfo.from_manifest(m, t), images, fs
+        return CheckpointInfo.from_manifest(m, t), snap.images, snap.fs
 
     def hibernate(self, sid: str) -> CheckpointInfo:
         """Checkpoint, then stop every process: memory and CPU are released; `resume` brings it back."""
@@ -528,10 +592,11 @@ class Runtime:
             self._require(rec, "hibernate", *LIVE)
             t0 = time.perf_counter()
             # Frozen, not killed, until the checkpoint is durable: a failure can still roll back.
-            ck, images, fs, t = self._snapshot(rec, State.HIBERNATING, thaw=False)
+            snap = self._snapshot(rec, State.HIBERNATING, thaw=False)
+            ck, images, fs, t = snap.ck, snap.images, snap.fs, snap.t
             try:
                 t1 = time.perf_counter()
-                m = self._commit(rec, ck, images, fs)
+                m = self._commit(rec, snap)
                 t["store"] = time.perf_counter() - t1
             except BaseException:
                 _rmtree(images)
@@ -540,7 +605,7 @@ class Runtime:
                     self.driver.resume(sid)
                 self._set(rec, rec.prev, prev=None, pending=None)
                 raise
-            _rmtree(images)
+            self._cleaner.submit(_rmtree, images)
             t1 = time.perf_counter()
             self.driver.destroy(sid, self._dirs(sid))
             self._wipe_upper(rec)
@@ -571,21 +636,27 @@ class Runtime:
         return layer
 
     def _restore_into(self, rec: Record, ck: str, images: Path | None = None) -> dict[str, float]:
-        """Start `rec`'s processes from checkpoint `ck` (images from the store unless given)."""
+        """Start `rec`'s processes from checkpoint `ck` (images from `prefetch` or the store unless given)."""
         t: dict[str, float] = {}
         t0 = time.perf_counter()
         self._ensure_layer(ck)
         own = images is None
         if own:
-            images, _ = self._staging(f"{ck}-{rec.id}")
-            self.store.checkout(ck, {"images": images})
+            staged = self._unstage(rec.id, keep=True)
+            if staged is not None and staged.ck == ck:
+                images = staged.path
+            else:
+                if staged is not None:
+                    _rmtree(staged.path)
+                images, _ = self._staging(f"{ck}-{rec.id}")
+                self.store.checkout(ck, {"images": images})
         t["store"] = time.perf_counter() - t0
         try:
             lowers = [self._layer_dir(ck), template_rootfs(rec.spec.template)]
             t.update(self.driver.restore(rec.id, self._dirs(rec.id), rec.spec, lowers, images))
         finally:
             if own:
-                _rmtree(images)
+                self._cleaner.submit(_rmtree, images)
         t["total"] = time.perf_counter() - t0
         self._timings[rec.id] = t
         return t
@@ -620,20 +691,20 @@ class Runtime:
         One checkpoint serves all of them: its images stay on tmpfs and its sealed fs becomes their
         shared lower layer, so the store is written once (in parallel with the restores) and never read.
         """
-        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 256:
-            raise InvalidArgumentError(f"n: expected an integer 1 <= n <= 256, got {n!r}")
+        check_number("n", n, 1, MAX_FORK, "children", integer=True)
         with self._locked(sid) as rec:
             self._require(rec, "fork", *LIVE)
             t0 = time.perf_counter()
-            ck, images, fs, t = self._snapshot(rec, State.CHECKPOINTING, thaw=True)
-            # `pending` stays set until the end: it keeps the new layer from being collected.
-            self._set(rec, rec.prev, prev=None)
+            snap = self._snapshot(rec, State.CHECKPOINTING, thaw=True)
+            ck, images, fs, t = snap.ck, snap.images, snap.fs, snap.t
             kids: list[SandboxInfo] = []
             try:
+                # `pending` stays set until the end: it keeps the new layer from being collected.
+                self._set(rec, rec.prev, prev=None)
                 os.rename(fs, self._layer_dir(ck))
                 t1 = time.perf_counter()
                 with ThreadPoolExecutor(max_workers=min(n, 8) + 1) as pool:
-                    commit = pool.submit(self._commit, rec, ck, images, self._layer_dir(ck))
+                    commit = pool.submit(self._commit, rec, snap, self._layer_dir(ck))
                     spawns = [pool.submit(self._spawn, rec.spec, ck, None, self._private_images(images, i))
                               for i in range(n)]
                     failures = []
@@ -647,6 +718,7 @@ class Runtime:
                 if failures:
                     raise failures[0]
             except BaseException:
+                snap.follower.abort()  # in case the commit never ran
                 for kid in kids:
                     with contextlib.suppress(SandboxError):
                         self.kill(kid.id)
@@ -655,7 +727,7 @@ class Runtime:
                 raise
             finally:
                 for d in images.parent.glob(f"{images.name}*"):
-                    _rmtree(d)
+                    self._cleaner.submit(_rmtree, d)
             self._set(rec, rec.state, head=ck, pending=None)
             t["total"] = time.perf_counter() - t0
             self._timings[sid] = t
@@ -701,7 +773,11 @@ class Runtime:
 
     def _reap_expired(self) -> None:
         while not self._closed.wait(0.5):
-            now = time.time()
+            now, mono = time.time(), time.monotonic()
+            with self._mu:
+                stale = [sid for sid, st in self._staged.items() if st.expires <= mono]
+            for sid in stale:
+                self._unstage(sid)
             with self._mu:
                 expired = [r.id for r in self._records.values() if r.deadline is not None and r.deadline <= now]
             for sid in expired:
@@ -792,6 +868,9 @@ class Runtime:
             return
         self._closed.set()
         self._reaper.join()
+        for sid in list(self._staged):
+            self._unstage(sid)
+        self._cleaner.shutdown(wait=True)
         with contextlib.suppress(OSError):
             self.scratch.rmdir()
         self._lock_file.close()

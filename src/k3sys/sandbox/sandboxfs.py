@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from k3sys.sandbox.errors import InvalidArgumentError, PathEscapeError, SandboxError, SandboxFileNotFoundError
+from k3sys.sandbox.errors import InvalidArgumentError, PathEscapeError, SandboxFileNotFoundError, WrongFileTypeError
 
 _MAX_LINKS = 40  # as the kernel's own limit on symlinks followed in one lookup
 _KINDS = {stat.S_IFREG: "file", stat.S_IFDIR: "dir", stat.S_IFLNK: "symlink"}
@@ -105,22 +105,24 @@ class SandboxFS:
             try:
                 return os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dfd)
             except NotADirectoryError:
-                raise SandboxError(f"not a directory in the sandbox: {path!r}") from None
+                raise WrongFileTypeError(f"not a directory in the sandbox: {path!r}") from None
 
     def open(self, path: str) -> BinaryIO:
         """The regular file at `path`, open for reading (the caller closes it)."""
         with self._walk(path) as (dfd, name):
             if not name:
-                raise SandboxError(f"is a directory in the sandbox: {path!r}")
-            try:
-                fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dfd)
-            except IsADirectoryError:
-                raise SandboxError(f"is a directory in the sandbox: {path!r}") from None
-        f = os.fdopen(fd, "rb")
-        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-            f.close()
-            raise SandboxError(f"not a regular file in the sandbox: {path!r}")
-        return f
+                raise WrongFileTypeError(f"is a directory in the sandbox: {path!r}")
+            # O_NONBLOCK: opening a FIFO must not wait for a writer (it is refused below).
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dfd)
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):  # opening a directory read-only succeeds: check what it is
+            os.close(fd)
+            what = "is a directory" if stat.S_ISDIR(mode) else "not a regular file"
+            raise WrongFileTypeError(f"{what} in the sandbox: {path!r}")
+        # Blocking reads from here: with O_NONBLOCK a read of data not in the page cache may fail
+        # with EAGAIN, which a file object reports as no data (an empty or short file).
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
 
     def read(self, path: str) -> bytes:
         """The whole content of the file at `path`."""
@@ -144,7 +146,7 @@ class SandboxFS:
             try:
                 fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, mode, dir_fd=dfd)
             except IsADirectoryError:
-                raise SandboxError(f"is a directory in the sandbox: {path!r}") from None
+                raise WrongFileTypeError(f"is a directory in the sandbox: {path!r}") from None
         with os.fdopen(fd, "wb") as f:
             if not hasattr(data, "read"):
                 return f.write(data)
@@ -164,7 +166,7 @@ class SandboxFS:
                         os.mkdir(name, 0o755, dir_fd=dfd)
                     except FileExistsError:
                         if not stat.S_ISDIR(os.stat(name, dir_fd=dfd, follow_symlinks=False).st_mode):
-                            raise SandboxError(f"not a directory in the sandbox: {'/'.join(done)!r}") from None
+                            raise WrongFileTypeError(f"not a directory in the sandbox: {'/'.join(done)!r}") from None
 
     def list(self, path: str = "/") -> list[EntryInfo]:
         """Entries of directory `path`, sorted by name (symlinks are listed, not followed)."""

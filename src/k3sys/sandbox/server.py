@@ -11,6 +11,7 @@ Resources (all but /health need `Authorization: Bearer <key>`; see `_auth.py` fo
     GET    /sandboxes/{id}/memory             memory charged now       -> {"bytes": n}
     POST   /sandboxes/{id}/pause|resume       freeze / thaw or restore -> SandboxInfo
     POST   /sandboxes/{id}/hibernate          checkpoint + stop        -> CheckpointInfo
+    POST   /sandboxes/{id}/prefetch {"ttl_s"} stage a hibernated one's images for a resume -> {"staged"}
     POST   /sandboxes/{id}/checkpoints        checkpoint               -> 201 CheckpointInfo
     POST   /sandboxes/{id}/fork  {"count": n} n copies                 -> 201 {"checkpoint", "sandboxes"}
     POST   /sandboxes/{id}/commands           run (or start, with "background": true)
@@ -66,7 +67,7 @@ from k3sys.sandbox._wire import ERROR_HEADER, ERROR_MESSAGE_HEADER, error_body, 
 from k3sys.sandbox.errors import InvalidArgumentError, SandboxError
 from k3sys.sandbox.runtime import CheckpointInfo, Runtime, SandboxInfo
 from k3sys.sandbox.sandboxfs import EntryInfo
-from k3sys.sandbox.spec import CommandResult, OutputPieces, SandboxSpec
+from k3sys.sandbox.spec import MAX_FORK, CommandResult, OutputPieces, SandboxSpec
 
 __all__ = ["ServiceConfig", "create_app", "serve"]
 KEEP_ALIVE_S = 75  # seconds an idle connection stays open (clients must drop theirs sooner)
@@ -98,7 +99,16 @@ class Wait(BaseModel):
 
 class Fork(BaseModel):
     model_config = _STRICT
-    count: int = 1
+    count: int = Field(1, ge=1, le=MAX_FORK, description="children to make")
+
+
+class Prefetch(BaseModel):
+    model_config = _STRICT
+    ttl_s: float = Field(60.0, description="seconds the staged images are kept unless a resume uses them")
+
+
+class Prefetched(BaseModel):
+    staged: bool
 
 
 class Restore(BaseModel):
@@ -203,6 +213,12 @@ async def resume(svc: Svc, sid: str) -> Any:
 @router.post("/sandboxes/{sid}/hibernate", response_model=CheckpointInfo, tags=["life cycle"])
 async def hibernate(svc: Svc, sid: str) -> Any:
     return await svc.call("hibernate", svc.rt.hibernate, sid)
+
+
+@router.post("/sandboxes/{sid}/prefetch", response_model=Prefetched, tags=["life cycle"])
+async def prefetch(svc: Svc, sid: str, body: Prefetch | None = None) -> Any:
+    """Stage a hibernated sandbox's images for a likely resume (a hint; see `Runtime.prefetch`)."""
+    return {"staged": await svc.call("prefetch", svc.rt.prefetch, sid, (body or Prefetch()).ttl_s)}
 
 
 @router.post("/sandboxes/{sid}/checkpoints", status_code=201, response_model=CheckpointInfo, tags=["life cycle"])

@@ -23,7 +23,11 @@ def check_id(what: str, value: object) -> str:
     return value
 
 
-def _check_number(name: str, value: object, lo: float, hi: float, unit: str, integer: bool = False) -> None:
+MAX_FORK = 256  # children of one fork call
+
+
+def check_number(name: str, value: object, lo: float, hi: float, unit: str, integer: bool = False) -> None:
+    """InvalidArgumentError naming `name` unless `value` is a finite number (an int if `integer`) in [lo, hi]."""
     kinds = int if integer else int | float
     if isinstance(value, bool) or not isinstance(value, kinds) or not math.isfinite(value) or not lo <= value <= hi:
         what = "an integer" if integer else "a number"
@@ -51,13 +55,13 @@ class SandboxSpec:
     def __post_init__(self) -> None:
         if not isinstance(self.template, str) or not self.template:
             raise InvalidArgumentError(f"template: expected a template name, got {self.template!r}")
-        _check_number("cpu", self.cpu, 0.01, 1024, "cores")
-        _check_number("memory_mb", self.memory_mb, 16, 1 << 20, "MiB", integer=True)
-        _check_number("pids", self.pids, 8, 1 << 22, "tasks", integer=True)
+        check_number("cpu", self.cpu, 0.01, 1024, "cores")
+        check_number("memory_mb", self.memory_mb, 16, 1 << 20, "MiB", integer=True)
+        check_number("pids", self.pids, 8, 1 << 22, "tasks", integer=True)
         if not isinstance(self.network, bool):
             raise InvalidArgumentError(f"network: expected a bool, got {self.network!r}")
         if self.timeout_s is not None:
-            _check_number("timeout_s", self.timeout_s, 1e-3, 1e9, "seconds (or None)")
+            check_number("timeout_s", self.timeout_s, 1e-3, 1e9, "seconds (or None)")
         if self.on_timeout not in ON_TIMEOUT + (None,):
             raise InvalidArgumentError(f"on_timeout: expected one of {ON_TIMEOUT} or None, got {self.on_timeout!r}")
 

@@ -1,7 +1,8 @@
 """Where the host's sandbox pieces live and whether they are usable.
 
 `scripts/install-sandbox.sh` installs them under one system directory (`K3SYS_SYSTEM_DIR`, default
-`/opt/k3sys`): `bin/criu` (CRIU 4.1 with our patches), `etc/criu.conf` (options runc cannot pass it),
+`/opt/k3sys`): `bin/criu` (CRIU 4.1 with our patches), `etc/criu.conf` and `etc/criu-override.conf` (options
+runc cannot pass it),
 `bin/k3sys-lo-up` (the prestart hook), `templates/<name>/rootfs`. runc comes from the distribution.
 """
 
@@ -25,7 +26,13 @@ class SystemPaths:
 
     @property
     def criu_config(self) -> Path:
+        """CRIU options read before runc's own (runc cannot pass them)."""
         return self.root / "etc" / "criu.conf"
+
+    @property
+    def criu_override(self) -> Path:
+        """CRIU options read after runc's own, replacing them."""
+        return self.root / "etc" / "criu-override.conf"
 
     @property
     def lo_up(self) -> Path:
@@ -45,7 +52,8 @@ class SystemPaths:
             return "sandboxes need root (runc, overlayfs mounts, CRIU)"
         if self.runc is None:
             return "runc is not installed (run scripts/install-sandbox.sh)"
-        if not all(os.access(p, os.X_OK) for p in (self.criu, self.lo_up)) or not self.criu_config.exists():
+        configs = (self.criu_config, self.criu_override)
+        if not all(os.access(p, os.X_OK) for p in (self.criu, self.lo_up)) or not all(c.exists() for c in configs):
             return f"CRIU is not installed under {self.root} (run scripts/install-sandbox.sh)"
         return None
 

@@ -38,6 +38,7 @@ _MASKED = ["/proc/acpi", "/proc/scsi", "/proc/kcore", "/proc/keys", "/proc/laten
 _MASKED_BY_BIND = ["/sys/firmware"]
 _READONLY = ["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger"]
 _PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+_FREEZE_TRY = 0.1  # seconds one freeze attempt may take before it is undone and retried
 # PID 1 of every sandbox: drop the host-side stdio runc hands it (CRIU cannot dump host files), then
 # sleep forever; the shell's wait loop also reaps orphans re-parented to it.
 _INIT = "exec </dev/null >/dev/null 2>&1; trap 'exit 0' TERM; while :; do sleep 86400 & wait $!; done"
@@ -82,10 +83,14 @@ class RuncDriver:
         if reason:
             raise DriverError(reason)
         self.runc = self.system.runc
-        # runc runs CRIU as `criu swrk` with no way to pass options; CRIU reads them from this file.
+        # runc runs CRIU as `criu swrk` with no way to pass most options; CRIU reads them from the file
+        # CRIU_CONFIG_FILE names, before runc's own settings. Options that must replace runc's (its
+        # cgroup mode) go in a second file, named by each container's `org.criu.config` annotation,
+        # which runc hands CRIU to read after its settings (see `_config`).
         self._env = {**os.environ, "CRIU_CONFIG_FILE": str(self.system.criu_config)}
         self.state_dir = state_dir.resolve()
         self.runc_root = self.state_dir / "runc"
+        self._runc = [self.runc, "--root", str(self.runc_root), "--criu", str(self.system.criu)]  # global options
         self.runc_root.mkdir(parents=True, exist_ok=True)
         self.empty = self.state_dir / "empty"
         self.empty.mkdir(mode=0o555, exist_ok=True)
@@ -96,10 +101,9 @@ class RuncDriver:
 
     def _run(self, args: list[str], log: Path | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
         """Run `runc <args>`; DriverError with runc's message (and CRIU's log tail, if any) on failure."""
-        cmd = [self.runc, "--root", str(self.runc_root), *args]
         try:
-            p = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout,
-                               env=self._env)
+            p = subprocess.run([*self._runc, *args], stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                               timeout=timeout, env=self._env)
         except subprocess.TimeoutExpired as e:
             raise DriverError(f"runc {args[0]} timed out after {timeout} s") from e
         if p.returncode != 0:
@@ -114,8 +118,8 @@ class RuncDriver:
         collect runc's own messages from a file."""
         err = dirs.logs / "runc.err"
         with open(os.devnull, "r+b") as null, open(err, "wb") as errf:
-            p = subprocess.run([self.runc, "--root", str(self.runc_root), *args], stdin=null, stdout=null,
-                               stderr=errf, cwd=dirs.bundle, timeout=120, env=self._env)
+            p = subprocess.run([*self._runc, *args], stdin=null, stdout=null, stderr=errf, cwd=dirs.bundle,
+                               timeout=120, env=self._env)
         if p.returncode != 0:
             detail = _tail(err)
             if log is not None and log.exists():
@@ -150,6 +154,8 @@ class RuncDriver:
                 "noNewPrivileges": True,
             },
             "root": {"path": "rootfs", "readonly": False},
+            # CRIU options that replace runc's (read after them); see scripts/install-sandbox.sh.
+            "annotations": {"org.criu.config": str(self.system.criu_override)},
             # Constant on purpose: a fork keeps its source's UTS namespace, so an id here would lie.
             "hostname": "sandbox",
             "mounts": mounts,
@@ -193,18 +199,17 @@ class RuncDriver:
                 "--tcp-established", "--file-locks"]
         if not spec.network:
             args += ["--empty-ns", "network"]
-        self._detached(["--criu", str(self.system.criu), *args, sid], dirs, log=work / "restore.log")
+        self._detached([*args, sid], dirs, log=work / "restore.log")
         t["runc+criu"] = time.perf_counter() - t1
         t["criu"] = _criu_seconds(work / "restore.log")
-        # A checkpoint taken while frozen restores frozen (CRIU keeps the freezer state).
-        if self._freezer_frozen(sid):
-            self.resume(sid)
+        # Running: every checkpoint is taken frozen, but CRIU leaves cgroups (the freezer's state
+        # included) to runc, which restores into fresh, thawed ones.
         return t
 
     def exec(self, sid: str, argv: list[str], cwd: str, env: dict[str, str],
              stdin: bool) -> tuple[subprocess.Popen, int]:
         pid_file = self.runc_root / f".exec-{sid}-{os.getpid()}-{time.monotonic_ns()}.pid"
-        args = [self.runc, "--root", str(self.runc_root), "exec", "--pid-file", str(pid_file), "--cwd", cwd]
+        args = [*self._runc, "exec", "--pid-file", str(pid_file), "--cwd", cwd]
         for k, v in env.items():
             args += ["--env", f"{k}={v}"]
         proc = subprocess.Popen([*args, sid, *argv], stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
@@ -243,7 +248,7 @@ class RuncDriver:
         work.mkdir(parents=True, exist_ok=True)
         images.mkdir(parents=True)
         # Always --leave-running: a hibernating sandbox is killed only once its checkpoint is durable.
-        args = ["--criu", str(self.system.criu), "checkpoint", "--leave-running", "--image-path",
+        args = ["checkpoint", "--leave-running", "--image-path",
                 str(images), "--work-path", str(work), "--tcp-established", "--file-locks"]
         if not network:
             args += ["--empty-ns", "network"]
@@ -288,7 +293,7 @@ class RuncDriver:
         state = self.runc_root / sid / "state.json"
         if not state.exists():
             return "missing"
-        p = subprocess.run([self.runc, "--root", str(self.runc_root), "state", sid], capture_output=True, text=True)
+        p = subprocess.run([*self._runc, "state", sid], capture_output=True, text=True)
         if p.returncode != 0:
             return "missing"
         status = json.loads(p.stdout)["status"]
@@ -340,15 +345,7 @@ class RuncDriver:
         try:
             path.write_text(want)
             if self._cgroup_v1 and frozen:
-                # v1 reports FREEZING until every task has stopped; writing FROZEN again re-kicks it.
-                deadline = time.monotonic() + 10
-                while path.read_text().strip() != "FROZEN":
-                    if time.monotonic() > deadline:
-                        stuck = _task_states(path.with_name("cgroup.procs"))
-                        path.write_text("THAWED")
-                        raise DriverError(f"sandbox {sid}: processes did not freeze within 10 s: {stuck}")
-                    time.sleep(0.0002)
-                    path.write_text("FROZEN")
+                self._settle_v1_freeze(sid, path)
             elif not self._cgroup_v1:
                 events = path.with_name("cgroup.events")
                 deadline = time.monotonic() + 10
@@ -358,6 +355,32 @@ class RuncDriver:
                     time.sleep(0.0002)
         except FileNotFoundError:
             raise DriverError(f"sandbox {sid}: no freezer cgroup (container not running)") from None
+
+    def _settle_v1_freeze(self, sid: str, path: Path) -> None:
+        """Wait until the v1 freezer reports FROZEN (it says FREEZING until every task stopped).
+
+        A task can block the freeze for good: one in the middle of an execve of a multi-threaded
+        program (`runc init` starting the sandbox's PID 1 or an exec'd command) waits in D state for
+        its other threads to exit, and those are frozen already. So a freeze that does not settle
+        within `_FREEZE_TRY` seconds is undone and tried again once the tasks had a moment to run;
+        only after 10 s does it fail (thawed: the sandbox runs on as before).
+        """
+        deadline = time.monotonic() + 10
+        while True:
+            attempt = time.monotonic() + _FREEZE_TRY
+            while path.read_text().strip() != "FROZEN":
+                if time.monotonic() > attempt:
+                    break
+                time.sleep(0.0002)
+                path.write_text("FROZEN")  # writing FROZEN again re-kicks tasks that were missed
+            else:
+                return
+            stuck = _task_states(path.with_name("cgroup.procs"))
+            path.write_text("THAWED")
+            if time.monotonic() > deadline:
+                raise DriverError(f"sandbox {sid}: processes did not freeze within 10 s: {stuck}")
+            time.sleep(0.002)
+            path.write_text("FROZEN")
 
     def _cgroup_dirs(self, sid: str) -> list[Path]:
         base = Path("/sys/fs/cgroup")

@@ -15,13 +15,14 @@ from k3sys.sandbox.errors import (
     StoreInputError,
 )
 from k3sys.sandbox.store.manifest import Entry, Manifest
-from k3sys.sandbox.store.store import Store
+from k3sys.sandbox.store.store import Follower, Store
 
 __all__ = [
     "CheckpointExistsError",
     "CheckpointNotFoundError",
     "CorruptStoreError",
     "Entry",
+    "Follower",
     "Manifest",
     "Store",
     "StoreError",

@@ -8,15 +8,12 @@ thread-safe: the store calls the mutating methods under its lock.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import mmap
 import os
 
 import numpy as np
 
 from k3sys.sandbox.store import chunker
-from k3sys.sandbox.store.pack import PAGE
 
 _OFFSET_BITS = 40  # a location packs (pack number, offset) into one int: offsets below 1 TiB
 _OFFSET_MASK = (1 << _OFFSET_BITS) - 1
@@ -27,28 +24,13 @@ Row = tuple[bytes, int, int]  # (digest, offset, length) as a pack's own index l
 
 @dataclasses.dataclass(slots=True)
 class Pack:
-    """A pack file known to the index: its rows and, once needed, a read-only mapping of it."""
+    """A pack file known to the index."""
 
     name: str
     path: str
     rows: list[Row]
     data_end: int
     size: int
-    map: mmap.mmap | None = None
-
-    def pages(self) -> np.ndarray:
-        """The chunk data as `[slots, PAGE // 8]` uint64 (page chunks sit at PAGE-aligned offsets)."""
-        if self.map is None:
-            with open(self.path, "rb") as f:
-                self.map = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
-        n = self.data_end // PAGE
-        return np.frombuffer(self.map, np.uint64, count=n * (PAGE // 8)).reshape(n, PAGE // 8)
-
-    def close(self) -> None:
-        if self.map is not None:
-            with contextlib.suppress(BufferError):  # a view still alive keeps the mapping until it dies
-                self.map.close()
-            self.map = None
 
 
 class ChunkIndex:
@@ -66,6 +48,11 @@ class ChunkIndex:
         # A single dict lookup: safe without the store's lock (atomic under the GIL).
         return digest in self._where
 
+    def missing(self, digests: set[bytes]) -> set[bytes]:
+        """Those of `digests` no pack holds: one C-level pass over `digests` (not over the index),
+        safe without the store's lock as a single call under the GIL."""
+        return digests.difference(self._where)
+
     def add(self, name: str, rows: list[Row], data_end: int, size: int) -> int:
         """Index pack `name` (in `pack_dir`) and return its number."""
         no = self._next
@@ -73,6 +60,10 @@ class ChunkIndex:
         self.packs[no] = Pack(name, os.path.join(self.pack_dir, name), rows, data_end, size)
         self.by_name[name] = no
         where, base = self._where, no << _OFFSET_BITS
+        fresh = {d: base | off for d, off, _ in rows}
+        if len(self.missing(set(fresh))) == len(fresh):  # the usual case: no chunk is stored elsewhere
+            where.update(fresh)
+            return no
         for d, off, _ in rows:
             loc, cur = base | off, where.get(d)
             if cur is None:
@@ -86,7 +77,6 @@ class ChunkIndex:
     def remove(self, no: int) -> Pack:
         """Forget pack `no`; chunks it held the indexed copy of fall back to their next copy, if any."""
         p = self.packs.pop(no)
-        p.close()
         del self.by_name[p.name]
         where, dups, base = self._where, self._dups, no << _OFFSET_BITS
         for d, off, _ in p.rows:

@@ -5,13 +5,17 @@
 footer = b"K3SYSPK1" | u64 index offset | u32 count | BLAKE3 of the index (32 B). A pack is
 written under `tmp/`, fsynced once, then renamed into `packs/` (and the directory fsynced), so a
 pack in `packs/` is always complete; its index makes the store's global index rebuildable. Page
-chunks (`PAGE` bytes) start at `PAGE`-aligned offsets, so a pack's page data can be viewed as an
-array of pages (see `chunker.changed_pages`).
+chunks (`PAGE` bytes) start at `PAGE`-aligned offsets, so runs of them are written, and read back
+at checkout, with O_DIRECT.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
+import itertools
+import mmap
 import os
 import queue
 import struct
@@ -19,6 +23,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 from blake3 import blake3
 
 from k3sys.sandbox.errors import CorruptStoreError
@@ -26,6 +31,7 @@ from k3sys.sandbox.errors import CorruptStoreError
 PAGE = 4096
 MAGIC = b"K3SYSPK1"
 _ROW = struct.Struct("<32sQI")
+_ROW_ARRAY = np.dtype([("digest", "S32"), ("offset", "<u8"), ("length", "<u4")])  # _ROW, for whole runs
 _FOOTER = struct.Struct("<8sQI32s")
 _ZEROS = bytes(PAGE)
 _IOV_MAX = os.sysconf("SC_IOV_MAX")
@@ -58,20 +64,32 @@ class PackWriter:
     """Appends chunks to a new pack under `tmp_path`; `finish` makes it durable at `final_path`.
 
     `add` only queues a chunk run; `flush` writes what is queued, and `then(fn, x)` also calls
-    `fn(x)` once it is written (to recycle the buffer the runs came from). Small batches are written right away, in
-    one `writev`; from the first batch of `ASYNC_BYTES` on (a large new file), the writes move to a
-    background thread, so hashing the next window overlaps copying this one into the page cache,
-    and that thread flushes every `SYNC_EVERY` bytes so the final fsync finds little left to do.
+    `fn(x)` once it is written (to recycle the buffer the runs came from). Small batches are written
+    right away; from the first batch of `ASYNC_BYTES` on (a large new file) the writes move to a
+    background thread, so hashing the next window overlaps writing this one.
+
+    The pack is written with O_DIRECT where the file system allows it: straight from the caller's
+    buffers to the disk, one copy, no page cache. On this host filling fresh page cache costs
+    ~160 ms per 64 MiB (the hypervisor backs free memory lazily) against ~25 ms for the direct
+    write, and the final fsync finds nothing left to flush. O_DIRECT needs `PAGE`-aligned memory,
+    offsets and lengths: runs that are (page chunks from page-aligned buffers) go out as they are,
+    anything else through a small aligned staging buffer; the pad after the footer is cut off by
+    `ftruncate` before the fsync. Where O_DIRECT is refused the same writes go through the page cache.
     """
 
     ASYNC_BYTES = 1 << 20
-    SYNC_EVERY = 16 << 20
+    STAGE = 1 << 20
 
     def __init__(self, tmp_path: str, final_path: str) -> None:
         self.tmp_path, self.final_path = tmp_path, final_path
-        self.fd = os.open(tmp_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        self.fd = _open_direct(tmp_path)
         self.offset = 0
         self.rows: list[tuple[bytes, int, int]] = []  # (digest, offset, length)
+        self.chunk_bytes = 0  # bytes of chunk data added (the offset less padding)
+        self._index: list[bytes] = []  # `rows` packed as the pack's index, run by run
+        self._stage = mmap.mmap(-1, self.STAGE)  # page-aligned (anonymous mappings are)
+        self._staged = 0  # bytes in the stage, which starts at file offset `_written`
+        self._written = 0  # bytes on disk: a multiple of PAGE until `finish`
         self._batch: list[Buffer] = []
         self._batch_bytes = 0
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -91,9 +109,20 @@ class PackWriter:
             self.offset += pad
         self._batch.append(data)
         self._batch_bytes += size
+        self.chunk_bytes += size
         end = self.offset + size
-        self.rows += [(d, off, min(chunk_size, end - off))
-                      for d, off in zip(digests, range(self.offset, end, chunk_size), strict=True)]
+        if len(digests) != -(-size // chunk_size):
+            raise ValueError(f"{len(digests)} digests for {size} bytes in chunks of {chunk_size}")
+        self.rows += zip(digests, range(self.offset, end, chunk_size), itertools.repeat(chunk_size))
+        run = np.empty(len(digests), _ROW_ARRAY)
+        run["digest"] = np.frombuffer(b"".join(digests), "S32")
+        run["offset"] = np.arange(self.offset, end, chunk_size)
+        run["length"] = chunk_size
+        if size % chunk_size:
+            d, off, _ = self.rows[-1]
+            self.rows[-1] = (d, off, size % chunk_size)
+            run["length"][-1] = size % chunk_size
+        self._index.append(run.tobytes())
         self.offset = end
 
     def then(self, fn: Callable[[Any], object], arg: Any) -> None:
@@ -110,8 +139,12 @@ class PackWriter:
         self._drain()
         if self._error is not None:
             raise self._error
-        index = b"".join(_ROW.pack(*r) for r in self.rows)
-        write_all(self.fd, index, _FOOTER.pack(MAGIC, self.offset, len(self.rows), blake3(index).digest()))
+        index = b"".join(self._index)
+        self._append(index)
+        self._append(_FOOTER.pack(MAGIC, self.offset, len(self.rows), blake3(index).digest()))
+        size = self._written + self._staged
+        self._write_stage(-(-self._staged // PAGE) * PAGE)  # whole pages; the pad is cut off below
+        os.ftruncate(self.fd, size)
         os.fsync(self.fd)
         os.close(self.fd)
         self.fd = -1
@@ -123,6 +156,8 @@ class PackWriter:
         self._aborted = True
         self._batch.clear()
         self._drain()
+        with contextlib.suppress(BufferError):  # a view still alive keeps the mapping until it dies
+            self._stage.close()
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
@@ -135,7 +170,7 @@ class PackWriter:
         if not batch:
             return
         if self._thread is None and n < self.ASYNC_BYTES:
-            write_all(self.fd, *batch)
+            self._write_batch(batch)
             return
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="k3sys-pack-writer", daemon=True)
@@ -149,19 +184,76 @@ class PackWriter:
             self._thread = None
 
     def _run(self) -> None:
-        unsynced = 0
         while (item := self._queue.get()) is not None:
             if isinstance(item, tuple):  # a `then` callback: always run, so no buffer is ever lost
                 item[0](item[1])
             elif self._error is None and not self._aborted:
                 try:
-                    write_all(self.fd, *item)
-                    unsynced += sum(memoryview(b).nbytes for b in item)
-                    if unsynced >= self.SYNC_EVERY:
-                        os.fdatasync(self.fd)
-                        unsynced = 0
+                    self._write_batch(item)
                 except BaseException as e:  # noqa: BLE001 - handed to the committing thread by add/finish
                     self._error = e
+
+    # Only one thread at a time writes (this one until the writer thread starts, then that one), so
+    # the staging state below needs no lock.
+
+    def _write_batch(self, batch: list[Buffer]) -> None:
+        for data in batch:
+            self._append(data)
+
+    def _append(self, data: Buffer) -> None:
+        view = memoryview(data).cast("B")
+        if self._staged % PAGE == 0 and view.nbytes % PAGE == 0 and _address(view) % PAGE == 0:
+            self._write_stage(self._staged)
+            self._write(view)
+            self._written += view.nbytes
+            return
+        while view.nbytes:
+            n = min(view.nbytes, self.STAGE - self._staged)
+            self._stage[self._staged : self._staged + n] = view[:n]
+            self._staged += n
+            view = view[n:]
+            if self._staged == self.STAGE:
+                self._write_stage(self.STAGE)
+
+    def _write_stage(self, n: int) -> None:
+        """Write the first `n` staged bytes (a multiple of PAGE; zeros past `_staged`), keep the rest."""
+        if not n:
+            return
+        self._stage[self._staged : n] = bytes(n - self._staged) if n > self._staged else b""
+        self._write(memoryview(self._stage)[:n])
+        rest = max(0, self._staged - n)
+        self._stage[:rest] = self._stage[n : n + rest]
+        self._written += n
+        self._staged = rest
+
+    def _write(self, view: memoryview) -> None:
+        try:
+            write_all(self.fd, view)
+        except OSError as e:
+            # Some file systems take O_DIRECT at open and refuse it on write: go through the cache.
+            if e.errno != errno.EINVAL or not fcntl.fcntl(self.fd, fcntl.F_GETFL) & os.O_DIRECT:
+                raise
+            fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+            os.lseek(self.fd, self._written, os.SEEK_SET)
+            write_all(self.fd, view)
+
+
+def _open_direct(path: str) -> int:
+    """Create `path` for writing, with O_DIRECT unless the file system refuses it."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+    try:
+        return os.open(path, flags | os.O_DIRECT, 0o644)
+    except OSError as e:
+        if e.errno != errno.EINVAL:
+            raise
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)  # some file systems create the file before refusing the flag
+    return os.open(path, flags, 0o644)
+
+
+def _address(view: memoryview) -> int:
+    """The memory address of `view`'s first byte."""
+    return np.frombuffer(view, np.uint8).ctypes.data if view.nbytes else 0
 
 
 def read_index(path: str) -> tuple[list[tuple[bytes, int, int]], int]:

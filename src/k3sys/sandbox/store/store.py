@@ -47,7 +47,7 @@ from blake3 import blake3
 from k3sys.sandbox.errors import CheckpointExistsError, CheckpointNotFoundError, CorruptStoreError, StoreInputError
 from k3sys.sandbox.store import chunker, tree
 from k3sys.sandbox.store.index import ChunkIndex, Row
-from k3sys.sandbox.store.manifest import DIGEST, Entry, Manifest, decode, encode
+from k3sys.sandbox.store.manifest import Entry, Manifest, decode, encode
 from k3sys.sandbox.store.pack import PAGE, PackWriter, fsync_dir, read_index, write_all
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -90,14 +90,29 @@ class Store:
 
     def commit(
         self, trees: Mapping[str, Path | str], parent: str | None = None, meta: dict[str, Any] | None = None,
-        id: str | None = None,
+        id: str | None = None, follower: Follower | None = None,
     ) -> Manifest:
         """Snapshot each named directory tree (e.g. `{"criu": image_dir, "upper": upper_dir}`).
 
-        Chunks already stored are not written again; regular files whose path also exists in
-        `parent` (if that checkpoint exists) are compared page by page against it first. `meta`
-        must be JSON-serialisable. Returns the new checkpoint's manifest.
+        Every chunk is hashed; chunks already stored are not written again, so a checkpoint after a
+        small change writes little whatever its `parent` (recorded in the manifest). `meta` must be
+        JSON-serialisable. `follower` (from `follow`, on one of the trees) brings the files it
+        already packed; the commit takes it over, or aborts it if the commit fails. Returns the new
+        checkpoint's manifest.
         """
+        try:
+            return self._commit(trees, parent, meta, id, follower)
+        finally:
+            if follower is not None:
+                follower.abort()  # a no-op once the commit took it over
+
+    def follow(self, directory: Path | str) -> Follower:
+        """Start packing the CRIU page images that appear in `directory` while they are written
+        (see `Follower`); hand the result to `commit(..., follower=...)` or `abort()` it."""
+        return Follower(self, os.fspath(directory))
+
+    def _commit(self, trees: Mapping[str, Path | str], parent: str | None, meta: dict[str, Any] | None,
+                id: str | None, follower: Follower | None) -> Manifest:
         id = id if id is not None else secrets.token_hex(8)
         _check_name("checkpoint id", id)
         for name in trees:
@@ -112,30 +127,24 @@ class Store:
                 self._refresh()
                 if id in self._manifests:
                     raise CheckpointExistsError(f"checkpoint {id!r} already exists")
-                base = self._manifests.get(parent) if parent is not None else None
             scanned = {name: tree.scan(Path(path)) for name, path in trees.items()}
-            pack_name, writer = self._new_pack()
-            fresh: set[bytes] = set()  # digests written to this pack
-            with self._mu:  # read buffers are reused across commits: fresh memory costs page faults
-                ring = self._rings.pop() if self._rings else chunker.BufferRing()
+            packing = follower.take() if follower is not None else self._packing()
+            writer = packing.writer
             tmp_manifest = os.path.join(self._tdir, f"{id}.{secrets.token_hex(4)}.mf")
             try:
                 out: dict[str, tuple[Entry, ...]] = {}
                 for name, items in scanned.items():
-                    olds = {e.path: e for e in base.trees.get(name, ())} if base else {}
-                    out[name] = tuple(
-                        self._chunk_file(e, path, olds.get(e.path), writer, ring, fresh) if e.kind == "file" else e
-                        for e, path in items
-                    )
+                    out[name] = tuple(self._chunk_file(e, path, packing) if e.kind == "file" else e
+                                      for e, path in items)
                 if writer.rows:
-                    self._publish_pack(writer, pack_name)
+                    self._publish_pack(writer, packing.name)
                 else:
                     writer.abort()
                 with self._mu:  # every buffer is back (the writer has drained); a failed commit drops them
-                    self._rings.append(ring)
+                    self._rings.append(packing.ring)
                 _crash_point("after-pack")
                 m = Manifest(id, parent, time.time(), sum(e.size for es in out.values() for e in es),
-                             sum(n for _, _, n in writer.rows), meta, out)
+                             writer.chunk_bytes, meta, out)
                 self._publish_manifest(m, tmp_manifest)
                 return m
             finally:
@@ -308,52 +317,41 @@ class Store:
 
     # ---------------------------------------------------------------- commit and checkout internals
 
-    def _chunk_file(
-        self, e: Entry, path: str, old: Entry | None, writer: PackWriter, ring: chunker.BufferRing, fresh: set[bytes]
-    ) -> Entry:
-        """`e` with its chunks: diffed against `old` (same path in the parent), hashed, new ones packed."""
-        cs = chunker.chunk_size_for(e.path.rpartition("/")[2])
-        rows = np.empty((-(-e.size // cs), DIGEST), np.uint8)
-        base = old if old is not None and old.kind == "file" and old.chunk_size == cs == PAGE else None
-        if base is not None:
-            full = base.size // PAGE  # only the parent's full pages can be compared
-            pack, offset = self._index.locate(base.chunks[: full * DIGEST])
-            prev = chunker.as_rows(base.chunks)
-        for start, data, buf in chunker.read_windows(path, e.size, ring):
-            c0 = start // cs
-            same = np.zeros(-(-data.size // cs), bool)
-            if base is not None and c0 < full:
-                hit = chunker.unchanged_pages(data, pack[c0:], offset[c0:], self._pages)
-                same[: hit.size] = hit
-                rows[c0 : c0 + hit.size][hit] = prev[c0 : c0 + hit.size][hit]
-            todo = np.flatnonzero(~same)
-            digests = chunker.digest_chunks(data, cs, todo)
-            if digests:
-                rows[c0 + todo] = np.frombuffer(b"".join(digests), np.uint8).reshape(-1, DIGEST)
-            self._pack_new(data, cs, todo, digests, writer, fresh)
-            writer.then(ring.give, buf)
-        return dataclasses.replace(e, chunk_size=cs, chunks=rows.tobytes())
+    def _packing(self) -> _Packing:
+        name, writer = self._new_pack()
+        with self._mu:  # read buffers are reused across commits: fresh memory costs page faults
+            ring = self._rings.pop() if self._rings else chunker.BufferRing()
+        return _Packing(name, writer, ring)
 
-    def _pack_new(
-        self, buf: np.ndarray, cs: int, todo: np.ndarray, digests: list[bytes], writer: PackWriter, fresh: set[bytes]
-    ) -> None:
-        """Append the chunks of `buf` numbered `todo` (digests given) that the store does not hold yet."""
-        stored = self._index
-        run: list[bytes] = []
-        first = last = -2
-        for i, d in zip(todo.tolist(), digests, strict=True):
-            if d in stored or d in fresh:
-                continue
-            fresh.add(d)
-            if i != last + 1 and run:  # the run of consecutive new chunks ends: write it in one go
-                writer.add(run, buf[first * cs : (last + 1) * cs], cs)
-                run = []
-            if not run:
-                first = i
-            run.append(d)
-            last = i
-        if run:
-            writer.add(run, buf[first * cs : (last + 1) * cs], cs)
+    def _chunk_file(self, e: Entry, path: str, packing: _Packing) -> Entry:
+        """`e` with its chunks: every chunk hashed, the ones the store lacks packed."""
+        cs = chunker.chunk_size_for(e.path.rpartition("/")[2])
+        size, digests = packing.done.get(path, (-1, []))
+        if size != e.size:  # not packed by a follower (or changed since): read it now
+            digests = []
+            for _, data, buf in chunker.read_windows(path, e.size, packing.ring):
+                digests += self._pack_window(packing, data, cs)
+                packing.writer.then(packing.ring.give, buf)
+        return dataclasses.replace(e, chunk_size=cs, chunks=b"".join(digests))
+
+    def _pack_window(self, packing: _Packing, buf: np.ndarray, cs: int) -> list[bytes]:
+        """The digests of `buf`'s chunks; appends those that neither the store nor this commit holds
+        yet to the pack, each run of consecutive new chunks in one piece (`buf` must stay unchanged
+        until a following `writer.then` calls back)."""
+        digests = chunker.digest_chunks(buf, cs)
+        # Set operations and `map` run the per-chunk loop in C (16k pages per 64 MiB).
+        new_here = self._index.missing(set(digests)) - packing.fresh
+        new = np.fromiter(map(new_here.__contains__, digests), bool, count=len(digests))
+        if new.sum() > len(new_here):  # a new chunk repeats within the window: write its first copy only
+            seen: set[bytes] = set()
+            for i in np.flatnonzero(new).tolist():
+                new[i] = digests[i] not in seen
+                seen.add(digests[i])
+        packing.fresh |= new_here
+        edges = np.flatnonzero(np.diff(new, prepend=False, append=False)).tolist()
+        for a, b in zip(edges[::2], edges[1::2], strict=True):
+            packing.writer.add(digests[a:b], buf[a * cs : b * cs], cs)
+        return digests
 
     def _new_pack(self) -> tuple[str, PackWriter]:
         # Names sort by creation time, so the oldest copy of a chunk is the indexed one.
@@ -388,10 +386,6 @@ class Store:
         finally:
             with self._mu:
                 self._pending.discard(name)
-
-    def _pages(self, no: int) -> np.ndarray:
-        with self._mu:
-            return self._index.packs[no].pages()
 
     def _fill(self, fd: int, e: Entry, fds: dict[int, int], where: str) -> None:
         """Write file entry `e`'s bytes to `fd`: one in-kernel copy per run of chunks adjacent in a pack.
@@ -502,3 +496,129 @@ class Store:
         if dead:
             fsync_dir(self._pdir)
         return freed
+
+
+@dataclasses.dataclass(eq=False)
+class _Packing:
+    """What one commit writes into: its new pack, its read buffers, the digests it packed so far,
+    and the files a `Follower` already chunked (path -> (bytes, digests))."""
+
+    name: str
+    writer: PackWriter
+    ring: chunker.BufferRing
+    fresh: set[bytes] = dataclasses.field(default_factory=set)
+    done: dict[str, tuple[int, list[bytes]]] = dataclasses.field(default_factory=dict)
+
+
+class Follower:
+    """Chunks and packs the CRIU page images (`pages-*.img`) of a directory while CRIU still writes
+    them, so that the commit after the dump finds them done: hashing and writing overlap the dump
+    instead of following it.
+
+    Only for files their writer appends to, as CRIU does with page images: every byte below a
+    file's current size is then final. A thread polls the directory (every `POLL` s) and takes
+    whole pages, at least `MIN_READ` bytes at a time; `take()` (called by `Store.commit`) reads
+    what is left once the writer is done. A file the commit finds replaced (another inode) or of
+    another size is chunked again by the commit; bytes rewritten in place are not noticed, which
+    is why nothing but append-only writers may be followed. Holds the store's lock shared (as a
+    commit does) from the start, so `gc` cannot take the pack it writes. Until `take()` the thread
+    runs at `NICE`: where cores are short, the writer (CRIU dumping a frozen sandbox) comes first.
+    """
+
+    POLL = 0.001
+    MIN_READ = 1 << 20
+    NICE = 5
+
+    def __init__(self, store: Store, directory: str) -> None:
+        self._store, self._dir = store, directory
+        self._lock = contextlib.ExitStack()
+        self._lock.enter_context(store._flock(exclusive=False))
+        self._packing = store._packing()
+        self._files: dict[str, list] = {}  # path -> [(device, inode), bytes read, digests]
+        self._stop = threading.Event()
+        self._error: BaseException | None = None
+        self._tid: int | None = None
+        self._thread = threading.Thread(target=self._run, name="k3sys-store-follow", daemon=True)
+        self._thread.start()
+
+    def take(self) -> _Packing:
+        """Wait until the files are read to their end (their writer must be done) and hand over the pack."""
+        self._finish()
+        if self._error is not None:
+            raise self._error
+        self._packing.done = {path: (n, digests) for path, (ident, n, digests) in self._files.items()
+                              if _identity(path) == ident}
+        return self._packing
+
+    def abort(self) -> None:
+        """Stop and drop the pack (idempotent; a no-op on the pack once a commit published it)."""
+        self._finish()
+        self._packing.writer.abort()
+
+    def _finish(self) -> None:
+        self._stop.set()
+        if self._tid is not None:  # what is left is on the commit's path now
+            with contextlib.suppress(OSError):
+                os.setpriority(os.PRIO_PROCESS, self._tid, 0)
+        self._thread.join()
+        self._lock.close()
+
+    def _run(self) -> None:
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.NICE)
+            self._tid = threading.get_native_id()
+        try:
+            while True:
+                last = self._stop.is_set()  # looked at before reading: the last pass sees every byte
+                with contextlib.suppress(FileNotFoundError):  # the dump has not made the directory yet
+                    for name in os.listdir(self._dir):
+                        path = os.path.join(self._dir, name)
+                        if path not in self._files and chunker.chunk_size_for(name) == PAGE:
+                            self._files[path] = [None, 0, []]
+                for path, f in self._files.items():
+                    self._read(path, f, last)
+                if last:
+                    return
+                self._stop.wait(self.POLL)
+        except BaseException as e:  # noqa: BLE001 - raised again by take()
+            self._error = e
+
+    def _read(self, path: str, f: list, last: bool) -> None:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return  # gone again: the commit will not find it either
+        try:
+            st = os.fstat(fd)
+            if f[0] is None:
+                f[0] = (st.st_dev, st.st_ino)
+            if f[0] == (st.st_dev, st.st_ino):
+                f[1] = self._append(path, fd, st.st_size, f[1], f[2], last)
+        finally:
+            os.close(fd)
+
+    def _append(self, path: str, fd: int, size: int, done: int, digests: list[bytes], last: bool) -> int:
+        """Pack the pages of `fd` from byte `done` on; returns how far it got."""
+        p = self._packing
+        while (n := size - done if last else (size - done) // PAGE * PAGE) >= (1 if last else self.MIN_READ):
+            buf = p.ring.take()
+            data = buf[: min(n, chunker.WINDOW)]
+            view, got = memoryview(data), 0
+            while got < data.size and (k := os.preadv(fd, [view[got:]], done + got)):
+                got += k
+            if got != data.size:
+                p.ring.give(buf)
+                raise StoreInputError(f"{path!r} shrank while being written")
+            digests += self._store._pack_window(p, data, PAGE)
+            p.writer.then(p.ring.give, buf)
+            done += data.size
+        return done
+
+
+def _identity(path: str) -> tuple[int, int] | None:
+    """(device, inode) of `path`, None if it is gone."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino
