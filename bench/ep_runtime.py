@@ -77,7 +77,7 @@ def main() -> None:
             setup = replace(base, maxvio=maxvio, placement=placement)
             row = {"placement": placement, "maxvio": maxvio, **measure_step(setup)}
             for method in METHODS:  # memory: each method alone in fresh processes
-                alone = measure_step(replace(setup, steps=3, warmup=1), [method], track_memory=True)
+                alone = measure_step(replace(setup, steps=3, warmup=1), [method], malloc="release")
                 row[method]["peak_rss_mib"] = alone[method]["peak_rss_mib"]
                 console.log(f"hot {placement}, maxvio {maxvio:g}, {method}: {row[method]}")
             row["speedup"] = row["baseline"]["time_s"] / row["ours"]["time_s"]
