@@ -44,6 +44,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from k3sys.ep.experts import weighted_sum
 from k3sys.ep.planner import Plan, plan
 
 __all__ = ["EPBuffer", "EPHandle", "RemoteInputError"]
@@ -253,8 +254,7 @@ class EPBuffer:
         if expert_out.shape != (self.buffer_rows, self.hidden) or expert_out.dtype != self.dtype:
             raise ValueError(f"expert_out must be [{self.buffer_rows}, {self.hidden}] {self.dtype}, "
                              f"got {list(expert_out.shape)} {expert_out.dtype}")
-        y_skh = _Combine.apply(expert_out, self, handle)
-        return (handle.topk_weights_sk.unsqueeze(-1).to(y_skh.dtype) * y_skh).sum(1)
+        return weighted_sum(handle.topk_weights_sk, _Combine.apply(expert_out, self, handle))
 
     def _check_handle(self, handle: EPHandle, where: str) -> None:
         if not isinstance(handle, EPHandle) or handle.owner != self._id:

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from k3sys.ep.comm import EPBuffer
-from k3sys.ep.experts import grouped_swiglu
+from k3sys.ep.experts import grouped_swiglu, weighted_sum
 from k3sys.ep.routing import maxvio
 
 
@@ -183,7 +183,7 @@ class MoELayer(nn.Module):
         inverse_n[order_n] = torch.arange(order_n.numel(), device=order_n.device)
         y_skh = y_nh[inverse_n].view(s, k, self.hidden)
         self.last_stats = MoEStats((s * k,), 0, 0, maxvio(tpe_e))
-        return (weights_sk.unsqueeze(-1) * y_skh).sum(1)
+        return weighted_sum(weights_sk, y_skh)
 
     def _parallel_experts(self, x_sh: torch.Tensor, ids_sk: torch.Tensor, weights_sk: torch.Tensor) -> torch.Tensor:
         buf = self.buffer
