@@ -31,6 +31,8 @@ from k3sys.ep.sim import H200, K3_MOE, MOONEP, break_even_tolerance, compare
 RESULTS = Path(__file__).parent / "results"
 METHODS = ("static", "eplb", "capacity", "greedy", "ours", "ours_node", "ours_tol")
 TOLERANCE = break_even_tolerance(4096, 16)
+LABELS = {"eplb": "eplb (rebalanced every 100 steps)", "ours": "ours (exact)", "ours_node": "ours (exact, node-aware)",
+          "ours_tol": f"ours (tolerance {TOLERANCE:.3f}, node-aware)"}
 
 
 def median_ms(fn, repeats: int) -> float:
@@ -140,8 +142,9 @@ def plot(rows: list[dict], ranks: tuple[int, ...], path: Path) -> None:
             for i, name in enumerate(METHODS):
                 if hs and name not in ("eplb",):
                     continue  # only eplb depends on the stale statistics
+                label = LABELS.get(name, name) if not hs else f"{name} (stale, shift 0.5)"
                 ax.plot([r["maxvio"] for r in pts], [r["methods"][name]["relative"] for r in pts], style,
-                        color=f"C{i}", marker="o", ms=3, label=name if not hs else f"{name} (stale, shift 0.5)")
+                        color=f"C{i}", marker="o", ms=3, label=label)
         ax.set_xscale("symlog", linthresh=1)
         ax.set_title(f"R = {R}")
         ax.set_xlabel("maxvio (realised)")
