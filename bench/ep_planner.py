@@ -4,7 +4,9 @@ against static EP, EPLB and capacity-factor dropping across maxvio.
 
 Sweep: E=896, K=16, s=4096 tokens per rank, R in {64, 128, 256}, maxvio in {0 ... 20}, hot_shift
 {0, 0.5} (eplb plans from a past step; 0.5 moves half the experts' preferences in between), plus one
-Zipf-preference routing. Writes bench/results/ep_planner.json and bench/results/ep_planner.png.
+Zipf-preference routing. Cost model: `k3sys.ep.sim` defaults (H200 nodes of 8, prefetch overlapped with
+dispatch on shared links, EPLB rebalanced every 100 steps); ours_tol uses the break-even tolerance.
+Writes bench/results/ep_planner.json and bench/results/ep_planner.png.
 
     PYTHONPATH=src python bench/ep_planner.py [--quick]
 """
@@ -24,11 +26,13 @@ from rich.console import Console
 from rich.table import Table
 
 from k3sys.ep import plan
-from k3sys.ep.sim import H200, K3_MOE, compare
+from k3sys.ep.sim import H200, K3_MOE, MOONEP, break_even_tolerance, compare
 
 RESULTS = Path(__file__).parent / "results"
 METHODS = ("static", "eplb", "capacity", "greedy", "ours", "ours_node", "ours_tol")
-TOLERANCE = 0.05
+TOLERANCE = break_even_tolerance(4096, 16)
+LABELS = {"eplb": "eplb (rebalanced every 100 steps)", "ours": "ours (exact)", "ours_node": "ours (exact, node-aware)",
+          "ours_tol": f"ours (tolerance {TOLERANCE:.3f}, node-aware)"}
 
 
 def median_ms(fn, repeats: int) -> float:
@@ -78,10 +82,22 @@ def main() -> None:
                      *(f"{m[k]['relative']:.3f}" for k in METHODS), f"{m['capacity']['dropped_pct']:.1f}")
     console.print(step)
 
+    sched = Table(title="Prefetch schedule: step time / perfect balance with the replica weights sent after the "
+                  "dispatch (serial) or with it (overlapped, sharing its links); lognormal, hot_shift 0")
+    for col in ("R", "maxvio", "ours serial", "ours overlapped", "ours_node serial", "ours_node overlapped",
+                "ours_tol serial", "ours_tol overlapped"):
+        sched.add_column(col, justify="right")
+    for r in rows:
+        if r["hot_shift"] == 0 and r["dist"] == "lognormal":
+            m = r["methods"]
+            figures = (m[k][f] for k in ("ours", "ours_node", "ours_tol") for f in ("relative_serial", "relative"))
+            sched.add_row(str(r["R"]), f"{r['maxvio']:.2f}", *(f"{v:.3f}" for v in figures))
+    console.print(sched)
+
     quality = Table(title="Planner quality: moved tokens (pairs) and expert copies; plan time median of "
                     f"{args.repeats} (ms, this CPU)")
     for col in ("R", "prefs/shift", "maxvio", "moved LB", "moved greedy", "moved ours", "ratio",
-                "copies greedy", "copies ours", "ratio", "copies node", f"copies tol{TOLERANCE:g}",
+                "copies greedy", "copies ours", "ratio", "copies node", f"copies tol{TOLERANCE:.3f}",
                 "ms greedy", "ms ours", "ms tol"):
         quality.add_column(col, justify="right")
     for r in rows:
@@ -105,7 +121,8 @@ def main() -> None:
     RESULTS.mkdir(exist_ok=True)
     meta = {"machine": f"{platform.machine()} {platform.processor() or ''}".strip(), "torch": torch.__version__,
             "threads": torch.get_num_threads(), "note": "shared, noisy 2-core CPU; plan times are medians",
-            "hardware": asdict(H200), "shape": asdict(K3_MOE), "tolerance": TOLERANCE, "capacity_factor": 1.25}
+            "hardware": asdict(H200), "shape": asdict(K3_MOE), "schedule": asdict(MOONEP), "tolerance": TOLERANCE,
+            "capacity_factor": 1.25}
     (RESULTS / "ep_planner.json").write_text(json.dumps({"meta": meta, "points": rows}, indent=1))
     plot(rows, ranks, RESULTS / "ep_planner.png")
     console.print(f"wrote {RESULTS / 'ep_planner.json'} and {RESULTS / 'ep_planner.png'}")
@@ -125,8 +142,9 @@ def plot(rows: list[dict], ranks: tuple[int, ...], path: Path) -> None:
             for i, name in enumerate(METHODS):
                 if hs and name not in ("eplb",):
                     continue  # only eplb depends on the stale statistics
+                label = LABELS.get(name, name) if not hs else f"{name} (stale, shift 0.5)"
                 ax.plot([r["maxvio"] for r in pts], [r["methods"][name]["relative"] for r in pts], style,
-                        color=f"C{i}", marker="o", ms=3, label=name if not hs else f"{name} (stale, shift 0.5)")
+                        color=f"C{i}", marker="o", ms=3, label=label)
         ax.set_xscale("symlog", linthresh=1)
         ax.set_title(f"R = {R}")
         ax.set_xlabel("maxvio (realised)")

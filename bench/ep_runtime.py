@@ -7,20 +7,23 @@ maxvio in {0, 1, 2, 5, 10}, with the hot experts where the routing puts them ("s
 the baseline with balancing off (planner tolerance R - 1: every pair on its expert's home rank, no
 replicas). Per point (`k3sys.ep.measure`): fwd+bwd time of the routed experts, median over 20 steps
 after 3 warm-up steps, each step timed by its slowest rank, a fresh routing per step from the same
-distribution, the two methods taking turns step by step in the same processes; the busiest rank's CPU
-time per step (less sensitive than wall time to other load on a shared machine); the baseline's
-max/mean rank load; and each method's peak RSS from its own fresh processes (max over ranks).
+distribution, the two methods taking turns step by step in the same processes, freed memory kept in
+the processes as a caching allocator would (`--malloc cache`, see `k3sys.ep.measure.MALLOC_ENV`); the
+busiest rank's CPU time per step (less sensitive than wall time to other load on a shared machine);
+the baseline's max/mean rank load; each method's peak RSS from its own fresh processes (max over
+ranks); and the load average before and after each point.
 
 Targets (issue 4): ours within 15% of its maxvio-0 time; ours' speedup over the baseline >= 0.9 x the
 baseline's max/mean load; ours' peak memory the same at every maxvio.
 
-    PYTHONPATH=src python bench/ep_runtime.py [--steps 20] [--maxvio 0 1 2 5 10]
+    PYTHONPATH=src python bench/ep_runtime.py [--steps 20] [--maxvio 0 1 2 5 10] [--malloc cache]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -28,7 +31,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from k3sys.ep.measure import METHODS, StepSetup, measure_step
+from k3sys.ep.measure import MALLOC_ENV, METHODS, StepSetup, measure_step
 
 OUT = Path(__file__).parent / "results"
 
@@ -68,6 +71,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--maxvio", type=float, nargs="+", default=[0, 1, 2, 5, 10])
+    parser.add_argument("--malloc", choices=list(MALLOC_ENV), default="cache", help="allocator settings for timing")
     args = parser.parse_args()
     console = Console(width=None if sys.stdout.isatty() else 170)  # logs get the whole table
     base = StepSetup(steps=args.steps)
@@ -75,19 +79,21 @@ def main() -> None:
     for placement in ("spread", "rank0"):
         for maxvio in args.maxvio:
             setup = replace(base, maxvio=maxvio, placement=placement)
-            row = {"placement": placement, "maxvio": maxvio, **measure_step(setup)}
+            load_before = os.getloadavg()[0]
+            row = {"placement": placement, "maxvio": maxvio, **measure_step(setup, malloc=args.malloc)}
             for method in METHODS:  # memory: each method alone in fresh processes
-                alone = measure_step(replace(setup, steps=3, warmup=1), [method], track_memory=True)
+                alone = measure_step(replace(setup, steps=3, warmup=1), [method], malloc="release")
                 row[method]["peak_rss_mib"] = alone[method]["peak_rss_mib"]
                 console.log(f"hot {placement}, maxvio {maxvio:g}, {method}: {row[method]}")
             row["speedup"] = row["baseline"]["time_s"] / row["ours"]["time_s"]
+            row["loadavg_1min"] = [load_before, os.getloadavg()[0]]
             rows.append(row)
 
     table = Table(title=f"EP runtime, fwd+bwd: {base.ranks} gloo ranks x 1 thread, E={base.experts} K={base.top_k} "
                         f"H={base.hidden} ffn={base.ffn} s={base.tokens}")
     for col in ("hot experts", "maxvio", "baseline max/mean load", "baseline ms", "ours ms", "speedup",
-                "speedup / load", "ours / ours@vio0", "busiest-rank CPU ms base / ours", "copies",
-                "peak RSS MiB ours / base"):
+                "speedup / load", "ours / ours@vio0", "busiest-rank CPU ms base / ours", "CPU speedup / load",
+                "copies", "peak RSS MiB ours / base", "load avg"):
         table.add_column(col, justify="right")
     for r in rows:
         flat = next(x for x in rows if x["placement"] == r["placement"] and x["maxvio"] == min(args.maxvio))
@@ -96,12 +102,14 @@ def main() -> None:
             f"{r['baseline']['time_s'] * 1e3:.0f}", f"{r['ours']['time_s'] * 1e3:.0f}", f"{r['speedup']:.2f}x",
             f"{r['speedup'] / r['baseline']['max_over_mean_load']:.2f}",
             f"{r['ours']['time_s'] / flat['ours']['time_s']:.2f}",
-            f"{r['baseline']['cpu_s'] * 1e3:.0f} / {r['ours']['cpu_s'] * 1e3:.0f}", f"{r['ours']['copies']:.1f}",
-            f"{r['ours']['peak_rss_mib']:.0f} / {r['baseline']['peak_rss_mib']:.0f}",
+            f"{r['baseline']['cpu_s'] * 1e3:.0f} / {r['ours']['cpu_s'] * 1e3:.0f}",
+            f"{r['baseline']['cpu_s'] / r['ours']['cpu_s'] / r['baseline']['max_over_mean_load']:.2f}",
+            f"{r['ours']['copies']:.1f}", f"{r['ours']['peak_rss_mib']:.0f} / {r['baseline']['peak_rss_mib']:.0f}",
+            "{:.1f}-{:.1f}".format(*r["loadavg_1min"]),
         )
     console.print(table)
     OUT.mkdir(exist_ok=True)
-    config = asdict(base) | {"threads_per_rank": 1, "backend": "gloo", "maxvio": args.maxvio}
+    config = asdict(base) | {"threads_per_rank": 1, "backend": "gloo", "maxvio": args.maxvio, "malloc": args.malloc}
     (OUT / "ep_runtime.json").write_text(json.dumps({"config": config, "rows": rows}, indent=1))
     plot(rows, base, OUT / "ep_runtime.png")
     console.print(f"wrote {OUT / 'ep_runtime.json'} and {OUT / 'ep_runtime.png'}")

@@ -35,6 +35,33 @@ def make_inputs(R: int, E: int, K: int, S: int, maxvio: float, hot_rank0: bool, 
     return xs, [ids[r, :s] for r, s in enumerate(sizes)], ws
 
 
+class _Scaled(torch.autograd.Function):
+    """w * scale, recording where its (freshly allocated) gradient lives."""
+
+    @staticmethod
+    def forward(ctx, w: torch.Tensor, scale: torch.Tensor, made: dict, name: str) -> torch.Tensor:
+        ctx.scale, ctx.made, ctx.name = scale, made, name
+        return w * scale
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        out = grad * ctx.scale
+        ctx.made[ctx.name] = out.data_ptr()
+        return out, None, None, None
+
+
+class _SameGrad(torch.autograd.Function):
+    """a + b whose backward hands the very same gradient tensor to both inputs."""
+
+    @staticmethod
+    def forward(ctx, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return a + b
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, grad
+
+
 def per_rank(R: int, seed: int, make) -> list:
     g = torch.Generator().manual_seed(seed)
     return [make(g) for _ in range(R)]
@@ -73,17 +100,27 @@ def check_paths(group: dist.ProcessGroup, E: int, K: int, S: int, maxvio: float,
     for n in WEIGHT_SHAPES:
         assert torch.equal(reduced[n], ref_red[n])
 
-    # prefetch's backward: home gradient + the replicas' gradients, whether or not `home` is used.
+    # prefetch's backward: home gradient + the replicas' gradients, whether or not `home` is used, and
+    # whether or not its gradient is shared with another tensor (which must then stay untouched).
     scale = per_rank(R, 6, lambda g: {n: torch.randn(epn, *s, generator=g) for n, s in WEIGHT_SHAPES.items()})
-    for use_home in (True, False):
+    for use_home in ("no", "yes", "shared"):
         leaves = {n: w.clone().requires_grad_() for n, w in homes[rank].items()}
+        other = {n: torch.zeros_like(w, requires_grad=True) for n, w in homes[rank].items()}
         home_v, rep_v = buf.prefetch(h, leaves)
         loss = sum((rep_v[n] * grads[rank][n][:used]).sum() for n in WEIGHT_SHAPES)
-        if use_home:
-            loss = loss + sum((home_v[n] * scale[rank][n]).sum() for n in WEIGHT_SHAPES)
-        got = torch.autograd.grad(loss, list(leaves.values()), materialize_grads=True)  # None = no copies here
-        for n, g in zip(WEIGHT_SHAPES, got, strict=True):
-            torch.testing.assert_close(g, ref_red[n] + scale[rank][n] if use_home else ref_red[n], rtol=0, atol=1e-6)
+        made: dict[str, int] = {}
+        for n in WEIGHT_SHAPES if use_home != "no" else ():
+            w = home_v[n] if use_home == "yes" else _SameGrad.apply(home_v[n], other[n])
+            loss = loss + _Scaled.apply(w, scale[rank][n], made, n).sum()
+        inputs = list(leaves.values()) + (list(other.values()) if use_home == "shared" else [])
+        got = torch.autograd.grad(loss, inputs, materialize_grads=True)  # None = no copies here
+        for n, g in zip(WEIGHT_SHAPES, got[: len(leaves)], strict=True):
+            torch.testing.assert_close(g, ref_red[n] + scale[rank][n] if use_home != "no" else ref_red[n],
+                                       rtol=0, atol=1e-6)
+            if use_home == "yes":
+                assert g.data_ptr() == made[n]  # the replica rows were added into the home gradient in place
+        for n, g in zip(WEIGHT_SHAPES, got[len(leaves):], strict=False):  # "shared" only
+            assert torch.equal(g, scale[rank][n])
 
     # Backward of dispatch and of combine against autograd through the reference.
     gy = per_rank(R, 4, lambda g: torch.randn(buf.buffer_rows, H, generator=g))

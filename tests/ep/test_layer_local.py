@@ -81,6 +81,10 @@ def test_grouped_mm_matches_per_group_products(ends: list[int]) -> None:
         ref[a:b] = x[a:b] @ w[g]
     assert torch.equal(y, ref)  # tail rows (past ends[-1]) are zeros too
     assert torch.autograd.gradcheck(lambda x, w: grouped_mm(x, w, ends), (x, w))
+    # The same groups' weights as several tensors taken in order (an empty one included).
+    parts = (w[:1], w[1:1], w[1:])
+    assert torch.equal(grouped_mm(x, parts, ends), ref)
+    assert torch.autograd.gradcheck(lambda x, *ws: grouped_mm(x, ws, ends), (x, *parts))
 
 
 def test_grouped_mm_offsets_follow_torch_grouped_mm() -> None:
@@ -99,6 +103,8 @@ def test_grouped_swiglu_shapes_and_bad_ends() -> None:
     assert not grouped_swiglu(x, [], wg[:0], wg[:0], wd[:0]).any()  # no groups: every row is tail
     with pytest.raises(ValueError, match="ends has 3 groups but w has 2"):
         grouped_mm(x, wg, [1, 2, 3])
+    with pytest.raises(ValueError, match="ends has 2 groups but w has 3"):
+        grouped_mm(x, (wg, wg[:1]), [1, 2])
 
 
 @pytest.mark.parametrize(

@@ -26,9 +26,11 @@ def test_measure_step_runs_both_methods() -> None:
     assert set(out) == {"ours", "baseline"}
     assert out["ours"]["max_over_mean_load"] == 1.0  # exact caps
     assert out["baseline"]["max_over_mean_load"] > 1.2 and out["baseline"]["copies"] == 0
-    assert all(r["time_s"] > 0 and r["peak_rss_mib"] > 0 for r in out.values())
+    assert all(r["time_s"] > 0 and r["peak_rss_mib"] > 0 and r["page_faults"] >= 0 for r in out.values())
 
 
-def test_measure_step_rejects_unknown_method() -> None:
+def test_measure_step_rejects_unknown_method_and_malloc() -> None:
     with pytest.raises(ValueError, match=r"methods must be a non-empty subset of \('ours', 'baseline'\)"):
         measure_step(StepSetup(), ["deepep"])
+    with pytest.raises(ValueError, match=r"malloc must be one of \('cache', 'release', 'default'\), got 'jemalloc'"):
+        measure_step(StepSetup(), malloc="jemalloc")

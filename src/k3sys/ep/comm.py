@@ -44,6 +44,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from k3sys.ep.experts import weighted_sum
 from k3sys.ep.planner import Plan, plan
 
 __all__ = ["EPBuffer", "EPHandle", "RemoteInputError"]
@@ -253,8 +254,7 @@ class EPBuffer:
         if expert_out.shape != (self.buffer_rows, self.hidden) or expert_out.dtype != self.dtype:
             raise ValueError(f"expert_out must be [{self.buffer_rows}, {self.hidden}] {self.dtype}, "
                              f"got {list(expert_out.shape)} {expert_out.dtype}")
-        y_skh = _Combine.apply(expert_out, self, handle)
-        return (handle.topk_weights_sk.unsqueeze(-1).to(y_skh.dtype) * y_skh).sum(1)
+        return weighted_sum(handle.topk_weights_sk, _Combine.apply(expert_out, self, handle))
 
     def _check_handle(self, handle: EPHandle, where: str) -> None:
         if not isinstance(handle, EPHandle) or handle.owner != self._id:
@@ -292,9 +292,9 @@ class EPBuffer:
         Returns:
             (home, replicas): the weights of the groups, home experts then replica slots, as two
             tensors rather than one `[2 * epn, ...]` concatenation (which would copy every home weight
-            each step). `home` (`[epn, ...]` per name) is `home_weights` passed through, so the home
-            gradient meets the replicas' gradients in prefetch's backward, which adds them
-            (`reduce_grads`) instead of building a full-size zero gradient: use it in the home GEMMs.
+            each step). `home` (`[epn, ...]` per name) is `home_weights` passed through: use it in the
+            home GEMMs, so that every rank's backward joins the gradient exchange and the replicas'
+            gradients are added into the home gradient in place (see `_Prefetch`).
             `replicas` (`[c, ...]` per name, c <= epn the slots in use this step; the planner fills
             slots from 0, so groups `epn + c ...` are empty) views the static slot storage: slot j
             holds expert `plan.replicas[rank, j]`. Differentiable.
@@ -302,7 +302,8 @@ class EPBuffer:
         self._check_handle(handle, "prefetch")
         self._check_weights(home_weights, "home_weights")
         names = list(home_weights)
-        out = _Prefetch.apply(self, handle, names, *(home_weights[n] for n in names))
+        home = [home_weights[n] for n in names]
+        out = _Prefetch.apply(self, handle, names, *home, *home)
         return dict(zip(names, out[: len(names)], strict=True)), dict(zip(names, out[len(names):], strict=True))
 
     def _check_weights(self, weights: Mapping[str, torch.Tensor], what: str) -> None:
@@ -352,22 +353,24 @@ class EPBuffer:
         Returns:
             name -> `[epn, ...]` the sum, over every replica of each home expert on any rank, of its
             gradient (zeros for experts without replicas); add it to the home weights' gradients.
-            (Prefetch's backward adds straight into the home gradient instead.)
+            (Prefetch's backward hands the sums to autograd as sparse rows instead, see `_Prefetch`.)
         """
         self._check_handle(handle, "reduce_grads")
         self._check_weights(grads, "grads")
         out = {n: torch.zeros_like(g, memory_format=torch.contiguous_format) for n, g in grads.items()}
-        self._send_grads_home(handle, grads, out)
+        received = self._send_grads_home(handle, grads)
+        if received is not None:
+            experts, sums = received
+            for name in grads:
+                out[name].index_copy_(0, experts, sums[name])
         return out
 
-    def _receives_grads(self, h: EPHandle) -> bool:
-        return bool((self._copies(h.plan)[:, 3] == self.rank).any())
-
     def _send_grads_home(
-        self, h: EPHandle, grads: Mapping[str, torch.Tensor], home: Mapping[str, torch.Tensor] | None
-    ) -> None:
-        """Send `grads` (replica slots) home and add them into `home` (`[epn, ...]` per name; None
-        when no copy of this rank's experts exists, see `_receives_grads`).
+        self, h: EPHandle, grads: Mapping[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]] | None:
+        """Send `grads` (replica slots) home; return what came home to this rank: (local ids `[u]`,
+        ascending, of its experts that have copies; name -> `[u, ...]` the sum of their copies'
+        gradients), or None when no copy of this rank's experts exists.
 
         A home rank may have more incoming copies than its `epn` gradient staging slots, so the
         transfers run in rounds of at most epn per home rank (one round when R = 2); the round
@@ -378,12 +381,15 @@ class EPBuffer:
         home_r = copies[:, 3].contiguous()
         # Position of each copy among its home rank's copies (copies are sorted by home).
         position = torch.arange(len(copies)) - torch.searchsorted(home_r, home_r, side="left")
+        mine = home_r == self.rank
+        experts, landing = torch.unique(copies[mine, 2] % epn, return_inverse=True)  # copy -> its sum's row
+        sums = {name: g.new_zeros(len(experts), *g.shape[1:]) for name, g in grads.items()} if mine.any() else None
         rounds = int(position.max()) // epn + 1 if len(copies) else 0
         for rnd in range(rounds):
-            in_round = copies[(position // epn) == rnd].tolist()
-            stage_slots = (position[(position // epn) == rnd] % epn).tolist()
-            ops, landed = [], []
-            for (dest, slot, expert, src), stage in zip(in_round, stage_slots, strict=True):
+            in_round = (position // epn) == rnd
+            ops = []
+            for (dest, slot, _, src), stage in zip(copies[in_round].tolist(), (position[in_round] % epn).tolist(),
+                                                   strict=True):
                 for i, name in enumerate(grads):
                     tag = slot * len(grads) + i
                     if dest == self.rank:
@@ -392,14 +398,13 @@ class EPBuffer:
                     elif src == self.rank:
                         ops.append(dist.P2POp(dist.irecv, self._grad_stage[name][stage], group=self.group,
                                               tag=tag, group_peer=dest))
-                if src == self.rank:
-                    landed.append(expert % epn)
             _run_p2p(ops)
-            if landed:
-                # This rank's copies in a round are consecutive positions, so they fill stage slots 0, 1, ...
-                local_i = torch.tensor(landed, device=self.device)
-                for name in grads:
-                    home[name].index_add_(0, local_i, self._grad_stage[name][: len(landed)].to(home[name].dtype))
+            # This rank's copies in a round are consecutive positions, so they fill stage slots 0, 1, ...
+            rows = landing[(position[mine] // epn) == rnd].to(self.device)
+            if len(rows):
+                for name, total in sums.items():
+                    total.index_add_(0, rows, self._grad_stage[name][: len(rows)].to(total.dtype))
+        return None if sums is None else (experts.to(self.device), sums)
 
 
 def _run_p2p(ops: list[dist.P2POp]) -> None:
@@ -438,21 +443,37 @@ class _Combine(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_skh: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         buf, h = ctx.buf, ctx.handle
-        grad_nh = torch.zeros(buf.buffer_rows, buf.hidden, dtype=grad_skh.dtype, device=grad_skh.device)
+        grad_nh = torch.empty(buf.buffer_rows, buf.hidden, dtype=grad_skh.dtype, device=grad_skh.device)
         buf._pairs_to_rows(h, grad_skh.reshape(-1, buf.hidden), h.send_pair_n, grad_nh)
+        # Rows no pair came to (group padding, the tail) get zero gradient; the rest were just written.
+        end = h.ends[-1]
+        grad_nh[end:].zero_()
+        if buf.token_padding > 1:
+            padding = torch.ones(end, dtype=torch.bool, device=grad_nh.device).index_fill_(0, h.recv_row_n, False)
+            grad_nh[:end][padding] = 0
         return grad_nh, None, None
 
 
 class _Prefetch(torch.autograd.Function):
-    """home weights `[epn, ...]` per name -> (the same home weights, replica slots `[epn, ...]`);
-    backward: the replica gradients go home and are added to the home gradient."""
+    """home weights `[epn, ...]` per name -> (the same home weights, replica slots `[used, ...]`);
+    backward: the replica gradients go home and join the home gradient.
+
+    The home weights come in twice: first as the replicas' source, then to pass through. Backward
+    returns the pass-through gradient unchanged and, for the source, the summed replica gradients as
+    sparse rows (only the experts with copies). The autograd engine sums the two for the home
+    weight in input order, and it adds a dense gradient onto an earlier sparse one in place when it
+    holds the only reference to the dense one (torch/csrc/autograd/input_buffer.cpp): so the replica
+    rows land straight in the gradient the home GEMMs produced, with no copy and no full-size zero
+    tensor, and where that gradient is shared elsewhere in the graph the engine adds out of place.
+    """
 
     @staticmethod
     def forward(
-        ctx, buf: EPBuffer, handle: EPHandle, names: list[str], *home: torch.Tensor
+        ctx, buf: EPBuffer, handle: EPHandle, names: list[str], *home_twice: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
         ctx.buf, ctx.handle, ctx.names = buf, handle, names
         ctx.set_materialize_grads(False)  # unused outputs give None: no full-size zero tensors
+        home = home_twice[len(names):]
         buf._fill_replicas(handle, list(home), names)
         # Only the slots in use (the planner fills slots from 0): unused ones get no gradient to write.
         used = int((handle.plan.replicas[handle.rank] >= 0).sum())
@@ -463,14 +484,19 @@ class _Prefetch(torch.autograd.Function):
         buf, h, names = ctx.buf, ctx.handle, ctx.names
         n = len(names)
         used = int((h.plan.replicas[h.rank] >= 0).sum())
+        home_grads = grads[:n]
         replica_grads = {name: g if g is not None else torch.zeros_like(buf._replicas[name][:used])
                          for name, g in zip(names, grads[n:], strict=True)}
-        home = dict(zip(names, grads[:n], strict=True))
-        if buf._receives_grads(h):
-            # Out of place: an incoming gradient may be shared with another branch of the graph.
-            home = {name: g.clone(memory_format=torch.contiguous_format) if g is not None
-                    else torch.zeros_like(buf._replicas[name]) for name, g in home.items()}
-            buf._send_grads_home(h, replica_grads, home)
-        else:
-            buf._send_grads_home(h, replica_grads, None)
-        return None, None, None, *(home[name] for name in names)
+        received = buf._send_grads_home(h, replica_grads)
+        if received is None:
+            return None, None, None, *(None for _ in names), *home_grads
+        experts, sums = received
+        source_grads = []
+        for name, g in zip(names, home_grads, strict=True):
+            shape = buf._replicas[name].shape
+            if g is None:  # nothing to add to: a sparse gradient alone would make the weight's .grad sparse
+                source_grads.append(sums[name].new_zeros(shape).index_copy_(0, experts, sums[name]))
+            else:
+                source_grads.append(torch.sparse_coo_tensor(experts.view(1, -1), sums[name], shape,
+                                                            is_coalesced=True, check_invariants=False))
+        return None, None, None, *source_grads, *home_grads

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from k3sys.ep.experts import weighted_sum
 from k3sys.ep.planner import Plan
 
 __all__ = ["combine_reference", "dispatch_reference", "prefetch_reference", "reduce_grads_reference"]
@@ -43,7 +44,7 @@ def combine_reference(
     for src, (ids_sk, w_sk) in enumerate(zip(topk_ids, topk_weights, strict=True)):
         dst_rank_sk, dst_row_sk = p.slots(src, ids_sk)
         y_skh = torch.stack(expert_outs)[dst_rank_sk, dst_row_sk]
-        outs.append((w_sk.unsqueeze(-1) * y_skh).sum(1))
+        outs.append(weighted_sum(w_sk, y_skh))
     return outs
 
 

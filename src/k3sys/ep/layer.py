@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from k3sys.ep.comm import EPBuffer
-from k3sys.ep.experts import grouped_swiglu
+from k3sys.ep.experts import grouped_swiglu, weighted_sum
 from k3sys.ep.routing import maxvio
 
 
@@ -183,23 +183,21 @@ class MoELayer(nn.Module):
         inverse_n[order_n] = torch.arange(order_n.numel(), device=order_n.device)
         y_skh = y_nh[inverse_n].view(s, k, self.hidden)
         self.last_stats = MoEStats((s * k,), 0, 0, maxvio(tpe_e))
-        return (weights_sk.unsqueeze(-1) * y_skh).sum(1)
+        return weighted_sum(weights_sk, y_skh)
 
     def _parallel_experts(self, x_sh: torch.Tensor, ids_sk: torch.Tensor, weights_sk: torch.Tensor) -> torch.Tensor:
         buf = self.buffer
         epn = buf.experts_per_rank
         recv_nh, _, _, handle = buf.dispatch(x_sh, ids_sk, weights_sk)
         home, replicas = buf.prefetch(handle, {"w_gate": self.w_gate, "w_up": self.w_up, "w_down": self.w_down})
-        # One grouped GEMM over the home groups and one over the replica slots, instead of one over
-        # a concatenation, which would copy every home weight each step.
-        ends, split, used = handle.ends, handle.ends[epn - 1], replicas["w_gate"].shape[0]
-        home_nh, replica_nh = recv_nh.split([split, buf.buffer_rows - split])
-        y_home = grouped_swiglu(home_nh, ends[:epn], home["w_gate"], home["w_up"], home["w_down"])
-        y_replica = grouped_swiglu(replica_nh, [e - split for e in ends[epn:epn + used]],
-                                   replicas["w_gate"], replicas["w_up"], replicas["w_down"])
+        # The home experts' weights, then the replica slots', as two tensors: a concatenation would
+        # copy every home weight each step.
+        used = replicas["w_gate"].shape[0]
+        y_nh = grouped_swiglu(recv_nh, handle.ends[:epn + used],
+                              *((home[n], replicas[n]) for n in ("w_gate", "w_up", "w_down")))
         p = handle.plan
         self.last_stats = MoEStats(tuple(p.loads.tolist()), p.num_copies, p.moved_tokens, maxvio(p.tpe.sum(0)))
-        return buf.combine(handle, torch.cat([y_home, y_replica]))
+        return buf.combine(handle, y_nh)
 
     def home_experts(self) -> range:
         """Global ids of the experts this layer holds (all of them when local)."""

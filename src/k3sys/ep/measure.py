@@ -8,9 +8,9 @@ fwd+bwd of the routed experts under synthetic routings, once per method per step
 Methods take turns step by step in the same processes (alternating who goes first), so load from
 elsewhere on a shared machine hits them alike. Per method: the median step time (each step timed by
 its slowest rank); the median CPU time of the busiest rank (the compute balance, which other load
-stretches less than wall time); the mean max/mean rank load and replica copies; and the peak RSS of
-the processes (max over ranks; fresh processes per call, so with one method and `track_memory` it is
-that method's peak).
+stretches less than wall time); the mean max/mean rank load and replica copies; the median minor page
+faults per step of the busiest rank; and the peak RSS of the processes (max over ranks; fresh
+processes per call, so with one method and `malloc="release"` it is that method's peak).
 """
 
 from __future__ import annotations
@@ -34,9 +34,24 @@ import torch.multiprocessing as mp
 from k3sys.ep.layer import MoELayer
 from k3sys.ep.routing import make_routing
 
-__all__ = ["METHODS", "StepSetup", "hot_on_rank0", "measure_step"]
+__all__ = ["MALLOC_ENV", "METHODS", "StepSetup", "hot_on_rank0", "measure_step"]
 
 METHODS = ("ours", "baseline")
+
+# glibc malloc settings of the rank processes, by purpose.
+# - "cache" (timing): freed memory stays in the process, as with a caching allocator (PyTorch's on
+#   GPUs; jemalloc or tcmalloc on CPUs). Under glibc's defaults the heap top is trimmed and large
+#   blocks are unmapped whenever they are freed, so each step faults tens of MB of pages back in
+#   (thousands to tens of thousands of faults per step, 15-50 ms here), by glibc's heuristics rather
+#   than by what the method computes.
+# - "release" (memory): every block over 1 MiB goes back to the OS when freed, so the peak RSS
+#   follows the live tensors instead of the allocator's history. It costs time (fresh pages).
+# - "default": glibc's own heuristics, for comparison.
+MALLOC_ENV = {
+    "cache": {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 40)},
+    "release": {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)},
+    "default": {},
+}
 
 
 @dataclass(frozen=True)
@@ -85,57 +100,64 @@ def _worker(rank: int, c: StepSetup, methods: tuple[str, ...], port: int, out_fi
     x = torch.randn(c.tokens, c.hidden, generator=g).requires_grad_()
     weights = torch.rand(c.tokens, c.top_k, generator=g).softmax(-1)
     grad_out = torch.randn(c.tokens, c.hidden, generator=g)
-    rec: dict[str, dict[str, list[float]]] = {m: {"time": [], "cpu": [], "load": [], "copies": []} for m in methods}
+    keys = ("time", "cpu", "faults", "load", "copies")
+    rec: dict[str, dict[str, list[float]]] = {m: {k: [] for k in keys} for m in methods}
     for i, ids in enumerate(_routings(c)):
         for m in methods if i % 2 == 0 else methods[::-1]:
             layer = layers[m]
             dist.barrier()
-            t0, c0 = time.perf_counter(), time.process_time()
+            t0, c0, f0 = time.perf_counter(), time.process_time(), _minor_faults()
             layer.routed_experts(x, ids[rank], weights).backward(grad_out)
-            elapsed = torch.tensor([time.perf_counter() - t0, time.process_time() - c0], dtype=torch.float64)
+            elapsed = torch.tensor([time.perf_counter() - t0, time.process_time() - c0, _minor_faults() - f0],
+                                   dtype=torch.float64)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             x.grad = None
             layer.zero_grad(set_to_none=True)  # as an optimizer step would
             if i >= c.warmup:
                 loads = torch.tensor(layer.last_stats.slots_per_rank, dtype=torch.float64)
-                for key, value in (("time", elapsed[0]), ("cpu", elapsed[1]), ("load", loads.max() / loads.mean()),
-                                   ("copies", layer.last_stats.copies)):
+                for key, value in zip(keys, (*elapsed, loads.max() / loads.mean(), layer.last_stats.copies),
+                                      strict=True):
                     rec[m][key].append(float(value))
     rss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024], dtype=torch.float64)
     dist.all_reduce(rss, op=dist.ReduceOp.MAX)
     if rank == 0:
         Path(out_file).write_text(json.dumps({m: {
             "time_s": statistics.median(r["time"]), "cpu_s": statistics.median(r["cpu"]),
-            "max_over_mean_load": statistics.mean(r["load"]), "copies": statistics.mean(r["copies"]),
-            "peak_rss_mib": float(rss),
+            "page_faults": statistics.median(r["faults"]), "max_over_mean_load": statistics.mean(r["load"]),
+            "copies": statistics.mean(r["copies"]), "peak_rss_mib": float(rss),
         } for m, r in rec.items()}))
     dist.destroy_process_group()
 
 
-def measure_step(
-    c: StepSetup, methods: Sequence[str] = METHODS, track_memory: bool = False
-) -> dict[str, dict[str, float]]:
-    """Run `methods` on fresh local gloo ranks; per method: time_s, cpu_s, max_over_mean_load,
-    copies, peak_rss_mib.
+def _minor_faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
-    track_memory pins glibc's mmap threshold, so every large tensor goes back to the OS when freed
-    and the peak RSS follows the live tensors instead of the allocator's history. It costs time
-    (each large allocation faults in fresh pages), so time with it off and measure memory with it on.
+
+def measure_step(
+    c: StepSetup, methods: Sequence[str] = METHODS, malloc: str = "cache"
+) -> dict[str, dict[str, float]]:
+    """Run `methods` on fresh local gloo ranks; per method: time_s, cpu_s, page_faults,
+    max_over_mean_load, copies, peak_rss_mib.
+
+    malloc: glibc's allocator settings for the ranks, a key of `MALLOC_ENV`: "cache" to time,
+    "release" to measure peak memory, "default" for glibc's own.
     """
     if not methods or set(methods) - set(METHODS):
         raise ValueError(f"methods must be a non-empty subset of {METHODS}, got {methods}")
+    if malloc not in MALLOC_ENV:
+        raise ValueError(f"malloc must be one of {tuple(MALLOC_ENV)}, got {malloc!r}")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    saved = os.environ.get("MALLOC_MMAP_THRESHOLD_")
-    if track_memory:
-        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(1 << 20)
+    names = {name for env in MALLOC_ENV.values() for name in env}
+    saved = {name: os.environ.pop(name, None) for name in names}
+    os.environ.update(MALLOC_ENV[malloc])  # the spawned ranks inherit it
     try:
         with tempfile.NamedTemporaryFile(suffix=".json") as f:
             mp.spawn(_worker, args=(c, tuple(methods), port, f.name), nprocs=c.ranks)
             return json.loads(Path(f.name).read_text())
     finally:
-        if saved is None:
-            os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
-        else:
-            os.environ["MALLOC_MMAP_THRESHOLD_"] = saved
+        for name, value in saved.items():
+            os.environ.pop(name, None)
+            if value is not None:
+                os.environ[name] = value
