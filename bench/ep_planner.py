@@ -17,7 +17,6 @@ import argparse
 import json
 import platform
 import statistics
-import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -25,6 +24,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from _timing import median_ms
 from k3sys.ep import plan
 from k3sys.ep.sim import H200, K3_MOE, MOONEP, break_even_tolerance, compare
 
@@ -33,21 +33,6 @@ METHODS = ("static", "eplb", "capacity", "greedy", "ours", "ours_node", "ours_to
 TOLERANCE = break_even_tolerance(4096, 16)
 LABELS = {"eplb": "eplb (rebalanced every 100 steps)", "ours": "ours (exact)", "ours_node": "ours (exact, node-aware)",
           "ours_tol": f"ours (tolerance {TOLERANCE:.3f}, node-aware)"}
-
-
-def median_ms(fn, repeats: int) -> float:
-    """Median wall time of `fn` in ms, single-threaded: the planner is a latency-bound chain of small
-    ops, where intra-op threads only add contention (the machine is shared)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    torch.set_num_threads(threads)
-    return 1e3 * statistics.median(times)
 
 
 def main() -> None:
@@ -65,7 +50,7 @@ def main() -> None:
     for R, mv, hs, dist in points:
         c = compare(mv, R, hot_shift=hs, dist=dist, tolerance=TOLERANCE)
         timing = {
-            name: median_ms(lambda tpe=c.tpe, kw=kw: plan(tpe, 16, **kw), args.repeats)
+            name: median_ms(lambda tpe=c.tpe, kw=kw: plan(tpe, 16, **kw), args.repeats, threads=1)
             for name, kw in (("greedy", {"strategy": "greedy"}), ("ours", {}),
                              ("ours_tol", {"tolerance": TOLERANCE, "ranks_per_node": H200.ranks_per_node}))
         }

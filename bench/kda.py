@@ -17,8 +17,6 @@ import argparse
 import json
 import os
 import platform
-import statistics
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -27,6 +25,7 @@ import torch.nn.functional as F
 from rich.console import Console
 from rich.table import Table
 
+from _timing import median_ms
 from k3sys.kda import kda_chunk, kda_gate, kda_naive, kda_state_bytes, kv_cache_bytes
 from k3sys.kda.chunk import chunk_layout, from_slots, inter_chunk_step, intra_chunk, to_slots
 
@@ -75,16 +74,6 @@ def make_inputs(T: int, seed: int = 0) -> list[torch.Tensor]:
                  torch.randn(H, K, generator=gen), lower_bound=-5.0)
     beta = torch.rand(B, T, H, generator=gen)
     return [q, k, v, g, beta]
-
-
-def median_ms(fn: Callable[[], object], repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
 
 
 def timed(method: str, xs: list[torch.Tensor], backward: bool, repeats: int) -> float:
