@@ -16,6 +16,8 @@ def _poisoned(factory):
 
 @pytest.fixture(autouse=True)
 def nan_empty(monkeypatch):
-    """Fill every torch.empty / empty_like with NaN, so an output a kernel forgets to write fails the test."""
+    """Fill every torch.empty / empty_like / Tensor.new_empty with NaN, so an output a kernel forgets
+    to write fails the test."""
     monkeypatch.setattr(torch, "empty", _poisoned(torch.empty))
     monkeypatch.setattr(torch, "empty_like", _poisoned(torch.empty_like))
+    monkeypatch.setattr(torch.Tensor, "new_empty", _poisoned(torch.Tensor.new_empty))

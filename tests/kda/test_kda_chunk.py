@@ -71,7 +71,8 @@ def test_chunk_bf16_accumulates_in_fp32():
     o_ref, S_ref = kda_naive(*(x.double() for x in xs16), initial_state=S0.float().double(), output_final_state=True)
     o, S = kda_chunk(*xs16, initial_state=S0.float(), output_final_state=True)
     assert o.dtype == torch.bfloat16 and S.dtype == torch.float32
-    assert rel_rms(o, o_ref) <= 5e-3 and rel_rms(S, S_ref) <= 5e-3
+    # o is rounded to bf16 on the way out; the state never is (a bf16 state would be ~2e-3 off)
+    assert rel_rms(o, o_ref) <= 5e-3 and rel_rms(S, S_ref) <= 1e-5
 
 
 @pytest.mark.parametrize("C", [16, 32])

@@ -57,6 +57,8 @@ def test_state_is_fixed_size_and_copies_into_preallocated_buffers():
     _, short = layer(x[:, :5])
     _, long = layer(x)
     assert short.nbytes() == long.nbytes() == cache.nbytes()  # independent of the context length
+    # ... and so is the memory the returned state keeps alive (no view into the prefill window)
+    assert sum(t.untyped_storage().nbytes() for t in (long.conv, long.recurrent)) == long.nbytes()
     assert cache.copy_(long) is cache
     assert (cache.conv.data_ptr(), cache.recurrent.data_ptr()) == storage
     assert torch.equal(cache.recurrent, long.recurrent) and torch.equal(cache.conv, long.conv)

@@ -33,7 +33,8 @@ def test_step_fp32_and_bf16_accumulate_in_fp32():
         o_lo, S_lo = kda_naive(*(x.double() for x in xs), initial_state=S0.float(), output_final_state=True)
         o, S = decode(*xs, S0.float())
         assert o.dtype == dtype and S.dtype == torch.float32
-        assert rel_rms(o, o_lo) <= tol and rel_rms(S, S_lo) <= tol
+        # o is rounded to the input dtype on the way out; the state never is (fp32 accumulation)
+        assert rel_rms(o, o_lo) <= tol and rel_rms(S, S_lo) <= 1e-5
     assert rel_rms(decode(q, k, v, g, beta, S0)[0], o_ref) <= 1e-12
 
 

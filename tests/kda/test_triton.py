@@ -146,6 +146,12 @@ def test_rejects_unsupported_inputs():
     q, k, v, g, beta, _ = (x.detach() for x in make_inputs(1, 16, 1, 64, 64, 1, torch.float32))
     with pytest.raises(ValueError, match="float64"):
         kda_triton(q.double(), k, v.double(), g, beta)
+    # an fp64 state asks for fp64 compute (kda_chunk's contract): "triton" refuses, "auto" runs torch
+    S0 = torch.randn(1, 1, 64, 64, dtype=torch.float64, device=DEVICE)
+    with pytest.raises(ValueError, match="initial_state of torch.float64"):
+        kda_chunk(q, k, v, g, beta, initial_state=S0, backend="triton")
+    _, S = kda_chunk(q, k, v, g, beta, initial_state=S0, output_final_state=True, backend="auto")
+    assert S.dtype == torch.float64
     big = torch.zeros(1, 16, 1, 320, device=DEVICE)
     with pytest.raises(ValueError, match="K=320"):
         kda_triton(big, big, v, big, beta)

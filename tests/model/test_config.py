@@ -41,6 +41,12 @@ BAD = {
     "odd-rotated-rope": (dict(mla_use_rope=True, qk_rope_head_dim=7), "qk_rope_head_dim"),
     "router": (dict(router="relu"), "router"),
     "dense-layers": (dict(first_dense_layers=5), "first_dense_layers"),
+    "fractional-top-k": (dict(top_k=2.5), "top_k"),
+    "missing-experts": (dict(num_experts=None), "num_experts"),
+    "negative-shared-experts": (dict(num_shared_experts=-1), "num_shared_experts"),
+    "missing-dense-layers": (dict(first_dense_layers=None), "first_dense_layers"),
+    "missing-rope-dim": (dict(qk_rope_head_dim=None), "qk_rope_head_dim"),
+    "missing-gate-bound": (dict(kda_lower_bound=None), "kda_lower_bound"),
 }
 
 

@@ -64,6 +64,19 @@ def test_greedy_generate_equals_argmax_of_full_forwards(tiny):
     assert torch.equal(out, ids)
 
 
+def test_logits_to_keep_gives_the_last_rows_of_the_full_logits(tiny):
+    model = build(tiny)
+    ids = torch.randint(0, tiny.vocab_size, (2, 9))
+    with torch.no_grad():
+        full = model(ids)
+        last = model(ids, logits_to_keep=3)
+    assert last.shape == (2, 3, tiny.vocab_size)
+    torch.testing.assert_close(last, full[:, -3:])
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="logits_to_keep"):
+            model(ids, logits_to_keep=bad)
+
+
 def test_sampling_is_reproducible_with_a_generator(tiny):
     model = build(tiny)
     prompt = torch.randint(0, tiny.vocab_size, (2, 4))

@@ -334,7 +334,7 @@ def kda_chunk(
     if backend == "triton" or (backend == "auto" and q.is_cuda):
         from k3sys.kda.triton import kda_triton, triton_unsupported  # triton is optional: import when chosen
 
-        why = triton_unsupported(q, k, v, g, beta, chunk_size)
+        why = triton_unsupported(q, k, v, g, beta, chunk_size, initial_state)
         if why is None:
             return kda_triton(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
         if backend == "triton":

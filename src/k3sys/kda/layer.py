@@ -120,7 +120,8 @@ class KimiDeltaAttention(nn.Module):
         o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.norm_eps) * self.o_norm_weight
         o = o * torch.sigmoid(gate.to(S.dtype))
         y = self.o_proj(o.to(x.dtype).reshape(B, T, H * D))
-        return y, KDAState(conv=window[:, window.shape[1] - (W - 1):], recurrent=S)
+        # A copy, not a view: a view would keep the whole prefill window's projections alive.
+        return y, KDAState(conv=window[:, window.shape[1] - (W - 1):].clone(), recurrent=S)
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, num_heads={self.num_heads}, head_dim={self.head_dim}, "

@@ -101,24 +101,23 @@ class ModelConfig:
                                      f"when {field} is not given")
                 set_(field, self.hidden_size // n)
             _positive(field, getattr(self, field))
-        if self.qk_rope_head_dim < 0 or (self.mla_use_rope and self.qk_rope_head_dim % 2):
-            raise ValueError(f"qk_rope_head_dim must be >= 0 and even when rotated, got {self.qk_rope_head_dim}")
+        for field in ("qk_rope_head_dim", "first_dense_layers", "num_experts", "top_k", "num_shared_experts"):
+            _count(field, getattr(self, field))
+        if self.mla_use_rope and self.qk_rope_head_dim % 2:
+            raise ValueError(f"qk_rope_head_dim must be even when rotated, got {self.qk_rope_head_dim}")
         if self.q_lora_rank is not None:
             _positive("q_lora_rank", self.q_lora_rank)
-        if not -5.0 <= self.kda_lower_bound < 0.0:
+        lb = self.kda_lower_bound
+        if isinstance(lb, bool) or not isinstance(lb, int | float) or not -5.0 <= lb < 0.0:
             raise ValueError(f"kda_lower_bound must be in [-5, 0), got {self.kda_lower_bound}")
-        if not 0 <= self.first_dense_layers <= self.num_layers:
+        if self.first_dense_layers > self.num_layers:
             raise ValueError(f"first_dense_layers must be in [0, {self.num_layers}], got {self.first_dense_layers}")
         if any(not self.is_moe_layer(i) for i in range(self.num_layers)):
             _positive("dense_ffn_size", self.dense_ffn_size)
-        if self.num_experts < 0:
-            raise ValueError(f"num_experts must be >= 0, got {self.num_experts}")
         if self.num_experts:
             _positive("expert_ffn_size", self.expert_ffn_size)
             if not 1 <= self.top_k <= self.num_experts:
                 raise ValueError(f"top_k must be in [1, num_experts={self.num_experts}], got {self.top_k}")
-            if self.num_shared_experts < 0:
-                raise ValueError(f"num_shared_experts must be >= 0, got {self.num_shared_experts}")
             if self.moe_latent_size is not None:
                 _positive("moe_latent_size", self.moe_latent_size)
             if self.router not in ("softmax", "sigmoid"):
@@ -167,8 +166,13 @@ class ModelConfig:
 
 
 def _positive(field: str, value: int) -> None:
-    if not isinstance(value, int) or value <= 0:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{field} must be a positive integer, got {value!r}")
+
+
+def _count(field: str, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{field} must be an integer >= 0, got {value!r}")
 
 
 PRESETS: dict[str, ModelConfig] = {

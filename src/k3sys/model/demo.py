@@ -25,7 +25,7 @@ def demo(progress: Progress) -> list[tuple[str, str]]:
     cache = HybridCache(cfg, batch=1, max_len=PROMPT_LEN + NEW_TOKENS)
     with torch.no_grad():
         t0 = time.perf_counter()
-        logits = model(ids, cache)[:, -1]
+        logits = model(ids, cache, logits_to_keep=1)[:, -1]
         prefill_s = time.perf_counter() - t0
         progress.advance(task)
         t0 = time.perf_counter()

@@ -37,7 +37,7 @@ def generate(model: HybridModel, prompt_ids: torch.Tensor, max_new_tokens: int, 
     out = [prompt_ids]
     ids = prompt_ids
     for _ in range(max_new_tokens):
-        logits = model(ids, cache)[:, -1].float()
+        logits = model(ids, cache, logits_to_keep=1)[:, -1].float()
         if temperature == 0:
             ids = logits.argmax(dim=-1, keepdim=True)
         else:

@@ -41,7 +41,7 @@ class Block(nn.Module):
         if self.kind == "kda":
             h, state = self.attn(h, state=cache.layers[self.index] if cache is not None else None)
             if cache is not None:
-                # Into the preallocated buffers: the returned conv tail is a view of the whole prefill window.
+                # Into the preallocated buffers, so the cache's storage stays where it was allocated.
                 cache.layers[self.index].copy_(state)
         else:
             h = self.attn(h, cache.layers[self.index] if cache is not None else None)
@@ -60,10 +60,16 @@ class HybridModel(nn.Module):
         self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
-    def forward(self, ids: torch.Tensor, cache: HybridCache | None = None) -> torch.Tensor:
-        """ids `[B, T]` int64 -> logits `[B, T, vocab]`. With `cache`, ids continue the cached tokens."""
+    def forward(self, ids: torch.Tensor, cache: HybridCache | None = None, logits_to_keep: int = 0) -> torch.Tensor:
+        """ids `[B, T]` int64 -> logits `[B, T, vocab]`. With `cache`, ids continue the cached tokens.
+
+        `logits_to_keep` n > 0 returns the logits of the last n positions only, `[B, n, vocab]` (as in
+        Hugging Face models): a prefill for generation needs one row, not T rows of the vocabulary.
+        """
         if ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32) or ids.shape[1] == 0:
-            raise ValueError(f"ids must be a non-empty int64 tensor [B, T], got {ids.dtype} {list(ids.shape)}")
+            raise ValueError(f"ids must be a non-empty int32/int64 tensor [B, T], got {ids.dtype} {list(ids.shape)}")
+        if isinstance(logits_to_keep, bool) or not isinstance(logits_to_keep, int) or logits_to_keep < 0:
+            raise ValueError(f"logits_to_keep must be an int >= 0, got {logits_to_keep!r}")
         if cache is not None:
             cache.check_room(ids.shape[0], ids.shape[1])
         x = self.embed(ids)
@@ -71,4 +77,6 @@ class HybridModel(nn.Module):
             x = block(x, cache)
         if cache is not None:
             cache.seq_len += ids.shape[1]
+        if logits_to_keep:
+            x = x[:, -logits_to_keep:]
         return self.lm_head(self.norm(x))

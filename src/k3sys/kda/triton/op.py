@@ -158,10 +158,10 @@ def intra_bwd(q, k, v, g, beta, scale: float, states, dstates, do, dvn, chunks: 
     return dq, dk, dv, dg, dbeta
 
 
-def _kernel_limits(q, k, v, g, beta) -> str | None:
+def _kernel_limits(q, k, v, g, beta, initial_state=None) -> str | None:
     """What the kernels cannot run (dtypes, head dims, device), found without reading any data."""
-    for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
-        if x.dtype not in DTYPES:
+    for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("initial_state", initial_state)):
+        if x is not None and x.dtype not in DTYPES:
             return f"it takes bf16/fp16/fp32 inputs, got {name} of {x.dtype}"
     K, V = q.shape[-1], v.shape[-1]
     if max(K, V) > MAX_HEAD_DIM:
@@ -174,7 +174,7 @@ def _kernel_limits(q, k, v, g, beta) -> str | None:
     return None
 
 
-def triton_unsupported(q, k, v, g, beta, chunk_size: int = CHUNK) -> str | None:
+def triton_unsupported(q, k, v, g, beta, chunk_size: int = CHUNK, initial_state=None) -> str | None:
     """Why the Triton backend cannot run this call, or None when it can.
 
     Besides the kernel limits, checks the safe-gate contract (min g >= -5), which reads g once and
@@ -182,7 +182,7 @@ def triton_unsupported(q, k, v, g, beta, chunk_size: int = CHUNK) -> str | None:
     """
     if chunk_size != CHUNK:
         return f"its chunk size is {CHUNK}, got chunk_size={chunk_size}"
-    why = _kernel_limits(q, k, v, g, beta)
+    why = _kernel_limits(q, k, v, g, beta, initial_state)
     if why is None and (g_min := g.min().item()) < SAFE_GATE_MIN:
         why = (f"it needs the safe gate, every g >= {SAFE_GATE_MIN} (16-step decays inside fp32's exp range), "
                f"got min g = {g_min:.4g}; use backend='torch'")
@@ -191,7 +191,7 @@ def triton_unsupported(q, k, v, g, beta, chunk_size: int = CHUNK) -> str | None:
 
 def _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens):
     """Contiguous inputs with q, k, v in one dot dtype, the resolved scale, and the chunk maps."""
-    if (why := _kernel_limits(q, k, v, g, beta)) is not None:
+    if (why := _kernel_limits(q, k, v, g, beta, initial_state)) is not None:
         raise ValueError(f"backend='triton' cannot run this call: {why}")
     B, T, H, K = q.shape
     q, k, v = (x.to(v.dtype).contiguous() for x in (q, k, v))
