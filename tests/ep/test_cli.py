@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -16,7 +17,8 @@ def test_ep_plan_prints_every_rank_balanced():
     out = run("ep", "plan", "-R", "4", "-E", "16", "-K", "2", "-s", "128", "--maxvio", "3")
     assert out.returncode == 0, out.stderr
     assert "balancedness" in out.stdout and "-> 1.000" in out.stdout
-    assert out.stdout.count("256") >= 4  # every rank's cap and slots: 128 tokens * K=2
+    # every rank's row: rank, home load, cap 256 and slots 256 (128 tokens * K=2)
+    assert len(re.findall(r"│\s+\d+ │\s+\d+ │\s+256 │\s+256 │", out.stdout)) == 4, out.stdout
 
 
 def test_ep_plan_rejects_bad_sizes():

@@ -216,6 +216,8 @@ def check_bad_input(group: dist.ProcessGroup, bad_rank: int, kind: str) -> tuple
             i[2, 1] = i[2, 0]
         elif kind == "weights-shape":
             w = w[:, :1]
+        elif kind == "weights-device":
+            w = torch.empty(w.shape, device="meta")  # any device but the buffer's
         elif kind == "x-hidden":
             x = torch.randn(x.shape[0], H + 1)
     try:
@@ -233,7 +235,8 @@ BAD = {
     "capacity": "x has s=33 tokens, more than the buffer capacity S=32",
     "ids-range": r"topk_ids must lie in \[0, 16\), got \[0, 16\]",
     "ids-repeat": "topk_ids repeats an expert within a token's row",
-    "weights-shape": r"topk_weights must be a float \[s=\d+, K=2\] tensor, got \[\d+, 1\]",
+    "weights-shape": r"topk_weights must be a float \[s=\d+, K=2\] tensor on cpu, got \[\d+, 1\]",
+    "weights-device": r"topk_weights must be .* on cpu, got \[\d+, 2\] torch.float32 on meta",
     "x-hidden": r"x must be \[s, 16\] torch.float32 on cpu, got \[\d+, 17\]",
 }
 

@@ -98,6 +98,9 @@ def check_slots(p, topk: torch.Tensor):
     for r in range(R):
         sent[r] = torch.bincount(dst[r].reshape(-1), minlength=R)
     assert torch.equal(p.traffic(), sent)
+    for r in range(R):
+        send, recv = p.traffic_of(r)
+        assert torch.equal(send, sent[r]) and torch.equal(recv, sent[:, r])
     for d in range(R):
         # Sources pack each destination's pairs by row; the all-to-all concatenates them by source.
         delivered = torch.cat([row[r][dst[r] == d].sort().values for r in range(R)])
@@ -196,6 +199,17 @@ def test_tolerance_bounds_loads_and_saves_copies(tolerance):
     assert loose.moved_tokens < exact.moved_tokens and loose.num_copies < exact.num_copies
 
 
+def test_a_tolerance_with_almost_no_slack_never_falls_back_to_the_greedy():
+    # floor(cap * 0.005) is 0 here (caps 128), so the inexact match has no slack and can run out of
+    # room; it must then plan exactly, not hand over to the greedy (which moves more).
+    for seed in range(40):
+        tpe = tokens_per_expert(make_routing(8, 64, 16, 2, 3.0, seed=seed), 16)
+        exact, tiny = plan(tpe, 2), plan(tpe, 2, tolerance=0.005)
+        check_plan(tiny, tpe, 2, 64, 1, 0.005)
+        assert tiny.strategy == "match", seed
+        assert tiny.moved_tokens <= exact.moved_tokens and tiny.num_copies <= exact.num_copies, seed
+
+
 def test_match_meets_the_moved_lower_bound_and_the_greedy_copies():
     for seed, mv in [(0, 0.5), (1, 2.0), (2, 8.0), (3, 0.0)]:
         topk = make_routing(16, 512, 128, 8, mv, seed=seed)
@@ -267,12 +281,13 @@ GOOD = torch.tensor([[2, 1, 1, 0], [0, 2, 1, 1]])  # R=2, E=4, K=2, s=2
         ({"tokens_per_rank": 1}, r"tokens_per_rank \(capacity S=1\) is below this step's s=2"),
         ({"token_padding": 0}, r"token_padding must be >= 1, got 0"),
         ({"strategy": "eplb"}, r"strategy must be one of .* got 'eplb'"),
-        ({"tolerance": -0.1}, r"tolerance must be >= 0, got -0.1"),
+        ({"tolerance": -0.1}, r"tolerance must be a finite number >= 0, got -0.1"),
+        ({"tolerance": float("inf")}, r"tolerance must be a finite number >= 0, got inf"),
         ({"ranks_per_node": 0}, r"ranks_per_node must be >= 1, got 0"),
     ],
     ids=["E-not-multiple", "R-gt-E", "negative", "row-not-sK", "uneven-no-total", "over-s", "float", "1-D",
          "topk-gt-E", "topk-0", "total-mismatch", "capacity-below-s", "padding-0", "strategy", "tolerance",
-         "ranks-per-node"],
+         "tolerance-inf", "ranks-per-node"],
 )
 def test_bad_plan_input_rejected(kwargs, match):
     args = {"tpe": GOOD, "top_k": 2} | kwargs
@@ -290,5 +305,7 @@ def test_bad_slots_input_rejected():
         p.slots(0, torch.tensor([[0, 1, 2], [0, 2, 3]]))
     with pytest.raises(ValueError, match=r"must lie in \[0, 4\), got \[0, 4\]"):
         p.slots(0, torch.tensor([[0, 1], [0, 4]]))
-    with pytest.raises(ValueError, match=r"route 1 pairs to expert 2, but the plan's tpe\[0, 2\] is 0|expert"):
+    with pytest.raises(ValueError, match=r"rank 1 route 2 pairs to expert 0, but the plan's tpe\[1, 0\] is 0"):
         p.slots(1, torch.tensor([[0, 1], [0, 2]]))
+    with pytest.raises(ValueError, match=r"rank must be in \[0, 2\), got 2"):
+        p.traffic_of(2)

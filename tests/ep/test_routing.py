@@ -77,6 +77,8 @@ def test_bad_routing_options_rejected():
         tokens_per_expert(torch.tensor([[[0, 4]]]), 4)
     with pytest.raises(ValueError, match=r"3-D"):
         tokens_per_expert(torch.tensor([[0, 1]]), 4)
+    with pytest.raises(ValueError, match=r"integer expert ids, got torch.float32"):
+        tokens_per_expert(torch.tensor([[[0.5, 1.0]]]), 4)
 
 
 def test_public_names():

@@ -61,7 +61,7 @@ def static(tpe: torch.Tensor) -> Placement:
     return _home(tpe.long().cpu())
 
 
-def capacity(tpe: torch.Tensor, top_k: int, factor: float = 1.25) -> Placement:
+def capacity(tpe: torch.Tensor, factor: float = 1.25) -> Placement:
     """Home placement, pairs over ceil(factor * s_r * K / E) per (source rank, expert) dropped."""
     tpe = tpe.long().cpu()
     R, E = tpe.shape
@@ -76,8 +76,9 @@ def eplb_replicas(past_load: torch.Tensor, num_slots: int, num_ranks: int) -> to
     (the D'Hondt apportionment), which is what is computed, ties to the lower expert id."""
     E = past_load.numel()
     extra = num_slots - E
-    if extra < 0:
-        raise ValueError(f"num_slots ({num_slots}) must be >= num_experts ({E})")
+    if not 0 <= extra <= E * (num_ranks - 1):
+        raise ValueError(f"num_slots ({num_slots}) must be in [num_experts, num_experts * num_ranks] = "
+                         f"[{E}, {E * num_ranks}]: at most one replica of an expert per rank")
     per_replica = past_load.double().view(E, 1) / torch.arange(1, num_ranks, dtype=torch.float64)  # [E, R-1]
     order = torch.argsort(-per_replica.reshape(-1), stable=True)[:extra]
     return 1 + torch.bincount(order // (num_ranks - 1), minlength=E)

@@ -171,8 +171,8 @@ class EPBuffer:
         if p.buffer_rows != self.buffer_rows:
             raise AssertionError(f"planner gave {p.buffer_rows} buffer rows, expected {self.buffer_rows}")
         dst_rank_sk, dst_row_sk = p.slots(self.rank, topk_ids.to(p.tpe.device))
-        traffic_rr = p.traffic()
-        send_splits, recv_splits = traffic_rr[self.rank].tolist(), traffic_rr[:, self.rank].tolist()
+        send_r, recv_r = p.traffic_of(self.rank)
+        send_splits, recv_splits = send_r.tolist(), recv_r.tolist()
         send_pair_n = dst_rank_sk.reshape(-1).argsort(stable=True).to(self.device)
         # Rows and weights travel ahead of the data, so the data lands in place with one scatter.
         send_meta = self._src_meta_n2[: send_pair_n.numel()]
@@ -207,9 +207,10 @@ class EPBuffer:
             return 3, f"topk_ids must lie in [0, {E}), got [{int(topk_ids.min())}, {int(topk_ids.max())}]"
         if K > 1 and bool((topk_ids.sort(-1).values.diff(dim=-1) == 0).any()):
             return 3, "topk_ids repeats an expert within a token's row"
-        if topk_weights.shape != (s, K) or not topk_weights.dtype.is_floating_point:
-            return 4, (f"topk_weights must be a float [s={s}, K={K}] tensor, "
-                       f"got {list(topk_weights.shape)} {topk_weights.dtype}")
+        if (topk_weights.shape != (s, K) or not topk_weights.dtype.is_floating_point
+                or topk_weights.device != self.device):
+            return 4, (f"topk_weights must be a float [s={s}, K={K}] tensor on {self.device}, "
+                       f"got {list(topk_weights.shape)} {topk_weights.dtype} on {topk_weights.device}")
         return None
 
     def _gather_counts(self, tpe_e: torch.Tensor | None, problem: tuple[int, str] | None) -> torch.Tensor:

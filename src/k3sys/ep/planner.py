@@ -19,6 +19,7 @@ its epn slots. Both meet every cap exactly and never use more than epn replica s
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -127,6 +128,22 @@ class Plan:
         src, dst, _, size = self._pieces()
         return torch.zeros(R * R, dtype=torch.long, device=size.device).index_add_(0, src * R + dst, size).view(R, R)
 
+    def traffic_of(self, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(`[R]` send counts, `[R]` receive counts) of `rank`: row and column `rank` of `traffic()`,
+        from the overlaps of its line runs with the destination runs, in O(E * R) (what a runtime
+        needs every step; the whole table costs a sort of all 2 * E * R run boundaries)."""
+        if not 0 <= rank < self.num_ranks:
+            raise ValueError(f"rank must be in [0, {self.num_ranks}), got {rank}")
+        R, E = self.num_ranks, self.num_experts
+        run_end = self._run_end.view(E, R)
+        run_start = run_end - self.alloc
+        src_start, src_end = self._src_start, self._src_start + self.tpe  # [R, E]
+        send = (torch.minimum(src_end[rank].unsqueeze(1), run_end)
+                - torch.maximum(src_start[rank].unsqueeze(1), run_start)).clamp(min=0).sum(0)
+        recv = (torch.minimum(src_end, run_end[:, rank])
+                - torch.maximum(src_start, run_start[:, rank])).clamp(min=0).sum(1)
+        return send, recv
+
     def recv_rows(self, rank: int) -> torch.Tensor:
         """`[n]` destination rows of the pairs `rank` receives, in the order an all-to-all delivers them
         when every source packs its pairs for each destination sorted by dst_row: by source rank,
@@ -231,8 +248,8 @@ def plan(
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
-    if not tolerance >= 0:
-        raise ValueError(f"tolerance must be >= 0, got {tolerance}")
+    if not (math.isfinite(tolerance) and tolerance >= 0):
+        raise ValueError(f"tolerance must be a finite number >= 0, got {tolerance}")
     if ranks_per_node is not None and ranks_per_node < 1:
         raise ValueError(f"ranks_per_node must be >= 1, got {ranks_per_node}")
     S, epn = _check(tpe, top_k, tokens_per_rank, total_tokens, token_padding)
@@ -258,8 +275,12 @@ def _place(
     expert_load = load.view(R, epn).tolist()
     group_load = [sum(g) for g in expert_load]
     pieces = None
-    if strategy == "match":
-        quotas = match_quotas(group_load, limit.tolist(), epn, exact, ranks_per_node)
+    # A tolerance so small that it leaves almost no slack can make the inexact match run out of
+    # room; the exact match then still beats the greedy fallback.
+    attempts = [(limit, exact)] + ([] if exact else [(cap, True)])
+    while strategy == "match" and pieces is None and attempts:
+        bound, exact_caps = attempts.pop(0)
+        quotas = match_quotas(group_load, bound.tolist(), epn, exact_caps, ranks_per_node)
         pieces = None if quotas is None else cut_quotas(quotas, expert_load)
         if pieces and max(Counter(d for _, d, _ in pieces).values()) > epn:
             pieces = None  # a quota split over several experts overfilled a rank's slots

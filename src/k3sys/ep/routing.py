@@ -44,6 +44,8 @@ def tokens_per_expert(topk: torch.Tensor, num_experts: int) -> torch.Tensor:
     """tpe[r, e] = token-k pairs rank r routes to expert e, from `topk` `[R, s, K]`; returns `[R, E]` int64."""
     if topk.dim() != 3:
         raise ValueError(f"topk must be 3-D [R, s, K], got shape {list(topk.shape)}")
+    if topk.dtype.is_floating_point or topk.dtype.is_complex or topk.dtype == torch.bool:
+        raise ValueError(f"topk must hold integer expert ids, got {topk.dtype}")
     if topk.numel() and (int(topk.min()) < 0 or int(topk.max()) >= num_experts):
         raise ValueError(f"topk ids must lie in [0, {num_experts}), got [{int(topk.min())}, {int(topk.max())}]")
     R = topk.shape[0]

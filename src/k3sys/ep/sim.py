@@ -250,7 +250,7 @@ def compare(
         "static": baselines.static(padded),
         "eplb": baselines.eplb(now, window(1, 0.0).sum(0), 2 * padded.shape[1] // R,
                                previous_load=window(2, 0.0).sum(0)),
-        "capacity": baselines.capacity(padded, K, capacity_factor),
+        "capacity": baselines.capacity(padded, capacity_factor),
     }
     plans = {
         "greedy": plan(padded, K, strategy="greedy"),
