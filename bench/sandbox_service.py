@@ -18,6 +18,7 @@ Writes bench/results/sandbox_service.json. Needs root, runc and our CRIU (script
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -61,13 +62,13 @@ def start_service(data_dir: Path, key: str) -> tuple[subprocess.Popen, str]:
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     while True:
-        try:
+        with contextlib.suppress(httpx.TransportError):
             if httpx.get(f"{url}/health", timeout=1).status_code == 200:
                 return proc, url
-        except httpx.TransportError:
-            if time.monotonic() > deadline or proc.poll() is not None:
-                raise RuntimeError("the service did not start") from None
-            time.sleep(0.05)
+        if time.monotonic() > deadline or proc.poll() is not None:
+            proc.kill()
+            raise RuntimeError("the service did not start")
+        time.sleep(0.05)
 
 
 def one_life(rt: Backend) -> dict[str, float]:

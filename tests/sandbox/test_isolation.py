@@ -33,7 +33,10 @@ def test_network_is_loopback_only(sbx):
     assert "UP" in links
     assert sbx.commands.run("ip route show").stdout.strip() == ""
     # Loopback works inside; nothing outside is reachable.
-    r = sbx.commands.run("(nc -l -p 5000 -e echo pong &) ; sleep 0.2; echo ping | nc 127.0.0.1 5000")
+    # The client retries until the listener is up (no fixed sleep: the machine may be loaded).
+    r = sbx.commands.run("(nc -l -p 5000 -e echo pong &); for i in $(seq 100); do "
+                         "r=$(echo ping | nc 127.0.0.1 5000 2>/dev/null) && [ -n \"$r\" ] && break; sleep 0.05; done; "
+                         "echo \"$r\"")
     assert r.stdout.strip() == "pong"
     r = sbx.commands.run("wget -q -T 2 -O - http://deb.debian.org/ || echo unreachable")
     assert "unreachable" in r.stdout

@@ -200,3 +200,51 @@ def test_failed_dump_leaves_the_sandbox_as_it_was(private_root, tmp_path, monkey
             rt.kill_all()
     finally:
         subprocess.run(["umount", str(scratch)], check=True)
+
+
+@pytest.mark.embedded
+def test_fork_whose_child_fails_leaves_no_child_and_no_checkpoint(private_root, monkeypatch):
+    """One of three children fails to restore: the fork raises, the children that did start are
+    gone, the checkpoint it committed for them is deleted, and the source runs on as before."""
+    spawn, calls = Runtime._spawn, []
+
+    def flaky(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise DriverError("injected: restore failed")
+        return spawn(self, *args, **kwargs)
+
+    monkeypatch.setattr(Runtime, "_spawn", flaky)
+    with Runtime(private_root) as rt:
+        sbx = Sandbox.create(runtime=rt)
+        sbx.commands.run(COUNTER)
+        n = assert_counting(sbx)[-1]
+        with pytest.raises(DriverError, match="injected"):
+            sbx.fork(3)
+        assert len(calls) == 3
+        assert [s.id for s in Sandbox.list(runtime=rt)] == [sbx.id] and sbx.state == "running"
+        assert rt.checkpoints() == [] and sbx.info.head is None
+        assert_counting(sbx, n)
+        rt.kill_all()
+
+
+@pytest.mark.embedded
+def test_reaper_outlives_an_unexpected_error(private_root, monkeypatch):
+    """An error that is not a SandboxError (say, a full disk under the store) while applying one
+    sandbox's timeout must not stop the reaper: later timeouts are still applied."""
+    expire, calls = Runtime._expire, []
+
+    def failing_once(self, sid):
+        calls.append(sid)
+        if len(calls) == 1:
+            raise OSError(28, "No space left on device (injected)")
+        return expire(self, sid)
+
+    monkeypatch.setattr(Runtime, "_expire", failing_once)
+    with Runtime(private_root, on_timeout="kill") as rt:
+        s = Sandbox.create(runtime=rt, timeout_s=1)
+        deadline = time.monotonic() + 20
+        while s in Sandbox.list(runtime=rt) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert len(calls) >= 2 and s not in Sandbox.list(runtime=rt)
+        rt.kill_all()

@@ -175,3 +175,18 @@ def test_bad_arguments_are_rejected(rt):
         engine.run([], episodes=1)
     with pytest.raises(InvalidArgumentError, match="episodes"):
         engine.run([log_task({})], episodes=0)
+
+
+def test_a_failing_on_turn_callback_ends_only_its_episode(rt):
+    logs: dict[str, str] = {}
+    engine = RolloutEngine(LogPolicy(), default_factory(rt, memory_mb=64), "pause")
+
+    def on_turn(episode, turn):
+        if episode == "e1" and turn.turn == 1:
+            raise RuntimeError("callback broke")
+
+    report = engine.run([log_task(logs)], episodes=2, turns=3, on_turn=on_turn)
+    assert [e.id for e in report.episodes if e.error] == ["e1"] and "callback broke" in report.episodes[1].error
+    assert [len(e.turns) for e in report.episodes] == [3, 2]
+    assert not {i.id for i in rt.list()} & {e.sandbox_id for e in report.episodes}  # all killed
+    engine.run([log_task(logs)], episodes=1, turns=1)  # the session was closed: the engine runs again

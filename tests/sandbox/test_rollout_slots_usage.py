@@ -106,11 +106,13 @@ def test_usage_sampler_thread_samples_at_its_interval():
     cg.mem = 1000
     sampler = UsageSampler(interval_s=0.01)
     sampler.track("e0", cg)
+    t0 = time.monotonic()
     sampler.start()
     time.sleep(0.3)
     sampler.stop()
+    elapsed = time.monotonic() - t0  # a loaded machine oversleeps: bound by what really passed
     u = sampler.untrack("e0")
-    assert 5 <= len(sampler.totals) <= 40 and all(b == 1000 for _, b in sampler.totals)
+    assert 5 <= len(sampler.totals) <= elapsed / 0.01 + 5 and all(b == 1000 for _, b in sampler.totals)
     assert u.byte_s == pytest.approx(1000 * (u.series[-1][0] - u.series[0][0]), rel=1e-9)
     with pytest.raises(InvalidArgumentError, match="interval_s"):
         UsageSampler(interval_s=0)

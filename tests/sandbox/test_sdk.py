@@ -53,6 +53,14 @@ def test_run_timeout_kills_the_command_tree(sbx):
     assert "sleep 30" not in ps
 
 
+def test_unread_stdin_cannot_outlast_the_timeout(sbx):
+    # More than a pipe holds (64 KiB), to a command that never reads it.
+    t0 = time.monotonic()
+    with pytest.raises(CommandTimeoutError):
+        sbx.commands.run("sleep 30", timeout=0.5, stdin=b"x" * (256 << 10))
+    assert time.monotonic() - t0 < 10
+
+
 def test_background_command_wait_output_and_kill(sbx):
     h = sbx.commands.run("echo a; sleep 0.2; echo b", background=True)
     assert isinstance(h, CommandHandle)
@@ -96,6 +104,20 @@ def test_files_round_trip(sbx):
     with pytest.raises(SandboxFileNotFoundError):
         sbx.files.read("/data/inside.txt")
     assert sbx.commands.run("test -e /data").exit_code == 1
+
+
+def test_reading_a_file_that_grows_meanwhile(sbx):
+    """A log being appended to while it is read (over HTTP: streamed with the size it had when
+    opened) reads whole and unbroken every time."""
+    head = b"x" * (4 << 20)
+    sbx.files.write("/tmp/grow", head)
+    h = sbx.commands.run("while :; do echo more >> /tmp/grow; done", background=True)
+    try:
+        for _ in range(5):
+            got = sbx.files.read("/tmp/grow")
+            assert got.startswith(head) and set(got[len(head):].split()) <= {b"more"}
+    finally:
+        h.kill()
 
 
 def test_pause_refuses_commands_and_files_then_resume(sbx):
@@ -174,7 +196,7 @@ def test_get_list_kill_and_context_manager(rt):
 
 
 def test_sandbox_timeout_kills_it(rt):
-    s = Sandbox.create(runtime=rt, timeout_s=1)
+    s = Sandbox.create(runtime=rt, timeout_s=2)
     assert s.state == "running"
     deadline = time.monotonic() + 10
     while s in Sandbox.list(runtime=rt) and time.monotonic() < deadline:

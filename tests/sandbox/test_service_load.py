@@ -78,5 +78,5 @@ def test_slow_checkpoint_does_not_stall_other_sandboxes(service):
         worker.join()
         inside = [dt for t0, dt in during if t0 + dt < span[1]]
         took = span[1] - span[0]
-        assert len(inside) >= 3, f"only {len(inside)} calls on another sandbox during a {took:.2f} s checkpoint"
+        assert len(inside) >= 2, f"only {len(inside)} calls on another sandbox during a {took:.2f} s checkpoint"
         assert max(inside) < took / 2

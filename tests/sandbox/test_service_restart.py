@@ -92,15 +92,16 @@ def test_sigterm_hibernates_and_restart_resumes(tmp_path, leak_check):
 
 def test_timeout_reaper_hibernates_by_default_or_kills(service):
     with service.client() as rt:
-        s = Sandbox.create(runtime=rt, memory_mb=64, timeout_s=1)  # the service's default: hibernate
+        # 3 s: room for a slow create, the write and the resume's read below before it runs out
+        s = Sandbox.create(runtime=rt, memory_mb=64, timeout_s=3)  # the service's default: hibernate
         s.files.write("/root/k", "kept")
         t0 = time.monotonic()
-        wait_for(lambda: s.state == "hibernated", timeout=15, step=0.05)
+        wait_for(lambda: s.state == "hibernated", timeout=20, step=0.05)
         assert time.monotonic() - t0 > 0.5
-        assert "timeout_s=1" in s.info.reason and s.memory_bytes() == 0
+        assert "timeout_s=3" in s.info.reason and s.memory_bytes() == 0
         s.resume()
         assert s.files.read_text("/root/k") == "kept" and s.info.reason == ""
-        wait_for(lambda: s.state == "hibernated", timeout=15, step=0.05)  # a fresh timeout after resume
+        wait_for(lambda: s.state == "hibernated", timeout=20, step=0.05)  # a fresh timeout after resume
         s.kill()
         k = Sandbox.create(runtime=rt, memory_mb=64, timeout_s=1, on_timeout="kill")
         wait_for(lambda: k not in Sandbox.list(runtime=rt), timeout=15, step=0.05)

@@ -206,6 +206,10 @@ def test_follower_packs_page_images_while_they_grow(store: Store, shm: Path):
                 f.flush()
                 time.sleep(0.002)
     m = store.commit({"images": images}, follower=follower)
+    # The follower packed both page images itself (the commit re-chunks only what it did not)...
+    done = {os.path.basename(path): n for path, (n, _) in follower._packing.done.items()}
+    assert done == {"pages-1.img": len(first), "pages-2.img": len(second)}
+    # ... and the result is exactly what committing the finished files gives.
     files = {e.path: e for e in m.trees["images"]}
     assert files["pages-1.img"].chunks == page_digests(first)
     assert files["pages-2.img"].chunks == page_digests(second)
@@ -225,7 +229,10 @@ def test_follower_abort_and_changed_files(store: Store, shm: Path):
     assert store.gc()["packs"] == 0  # the follower's lock is gone: gc may run
     # A file replaced after the follower read it (another inode) is chunked again by the commit.
     follower = store.follow(images)
-    time.sleep(0.1)
+    deadline = time.monotonic() + 10
+    while follower._files.get(str(images / "pages-1.img"), [None, 0])[1] < 400 * PAGE:  # read the old file
+        assert time.monotonic() < deadline, "the follower never read pages-1.img"
+        time.sleep(0.01)
     changed = rand(400 * PAGE, 2) + rand(PAGE, 3)
     write(shm / "new.img", changed).rename(images / "pages-1.img")
     m = store.commit({"images": images}, follower=follower)

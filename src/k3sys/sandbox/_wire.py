@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import asdict
 from typing import Any
 from urllib.parse import unquote
 
@@ -115,13 +114,6 @@ def error_type_for_status(status: int) -> str:
 
 
 # --- JSON shapes -----------------------------------------------------------------------------------
-
-
-def to_json(obj: Any) -> Any:
-    """A result dataclass (or a list of them) as plain JSON data."""
-    if isinstance(obj, list):
-        return [to_json(o) for o in obj]
-    return asdict(obj)
 
 
 def sandbox_info(d: Mapping[str, Any]) -> SandboxInfo:

@@ -51,10 +51,6 @@ def unmount(target: Path) -> None:
     _check(_libc.umount2(os.fsencode(target), _MNT_DETACH), f"unmount {target}")
 
 
-def is_whiteout(st: os.stat_result) -> bool:
-    return stat.S_ISCHR(st.st_mode) and st.st_rdev == 0
-
-
 def _copy_meta(src: str, dst: str, st: os.stat_result) -> None:
     """Owner, mode, xattrs (overlay's bookkeeping dropped, except opacity) and times of `src` onto `dst`."""
     os.chown(dst, st.st_uid, st.st_gid, follow_symlinks=False)

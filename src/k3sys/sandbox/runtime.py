@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import logging
 import os
 import secrets
 import shutil
@@ -54,6 +55,7 @@ from k3sys.sandbox.state import LIVE, Record, State
 from k3sys.sandbox.store import Follower, Manifest, Store
 from k3sys.sandbox.templates import template_rootfs
 
+_log = logging.getLogger(__name__)
 
 def default_root() -> Path:
     """`K3SYS_HOME`, else `~/.local/share/k3sys`."""
@@ -224,8 +226,12 @@ class Runtime:
             self._locks.setdefault(rec.id, threading.RLock())
 
     def _staging(self, name: str) -> tuple[Path, Path]:
-        """(tmpfs directory for process images, disk directory for a sealed tree), both not yet created."""
+        """(tmpfs directory for process images, disk directory for a sealed tree), both not yet created.
+
+        Unique per call: staging is deleted off the caller's path, so a retried operation must not meet
+        (or have deleted under it) the directory of an earlier attempt."""
         self.scratch.mkdir(mode=0o700, exist_ok=True)
+        name = f"{name}-{secrets.token_hex(4)}"
         return self.scratch / name, self.root / "tmp" / name
 
     # --- create / list / kill -----------------------------------------------------------------
@@ -334,9 +340,9 @@ class Runtime:
             t.start()
             c.readers.append(t)
         if stdin is not None:
-            with contextlib.suppress(BrokenPipeError):
-                proc.stdin.write(stdin)
-            proc.stdin.close()
+            # On a thread: a command that does not read its stdin would block a write past the pipe's
+            # buffer, and with it this call and the timeout the caller's wait is about to start.
+            threading.Thread(target=_feed, args=(proc.stdin, stdin), daemon=True).start()
         cid = _new_id("cmd")
         with self._mu:
             self._commands[cid] = c
@@ -356,6 +362,8 @@ class Runtime:
             code = c.proc.wait(timeout)
         except subprocess.TimeoutExpired:
             self.kill_command(cid)
+            for t in c.readers:  # what was still in the pipes belongs to the partial output
+                t.join(1)
             out, err = bytes(c.out), bytes(c.err)
             raise CommandTimeoutError(f"command {cid} in sandbox {c.sandbox_id} ran past {timeout} s and was killed",
                                       _decode(out), _decode(err)) from None
@@ -698,15 +706,16 @@ class Runtime:
             snap = self._snapshot(rec, State.CHECKPOINTING, thaw=True)
             ck, images, fs, t = snap.ck, snap.images, snap.fs, snap.t
             kids: list[SandboxInfo] = []
+            m: Manifest | None = None
             try:
                 # `pending` stays set until the end: it keeps the new layer from being collected.
                 self._set(rec, rec.prev, prev=None)
                 os.rename(fs, self._layer_dir(ck))
+                private = [self._private_images(images, i) for i in range(n)]  # before any child starts
                 t1 = time.perf_counter()
                 with ThreadPoolExecutor(max_workers=min(n, 8) + 1) as pool:
                     commit = pool.submit(self._commit, rec, snap, self._layer_dir(ck))
-                    spawns = [pool.submit(self._spawn, rec.spec, ck, None, self._private_images(images, i))
-                              for i in range(n)]
+                    spawns = [pool.submit(self._spawn, rec.spec, ck, None, d) for d in private]
                     failures = []
                     for f in spawns:
                         try:
@@ -722,12 +731,16 @@ class Runtime:
                 for kid in kids:
                     with contextlib.suppress(SandboxError):
                         self.kill(kid.id)
+                if m is not None:  # a fork that failed leaves no checkpoint behind
+                    with contextlib.suppress(SandboxError):
+                        self.store.delete(ck)
                 self._set(rec, rec.state, pending=None)
                 self._gc_layers()
                 raise
             finally:
                 for d in images.parent.glob(f"{images.name}*"):
                     self._cleaner.submit(_rmtree, d)
+                _rmtree(fs)  # only there if the rename did not happen
             self._set(rec, rec.state, head=ck, pending=None)
             t["total"] = time.perf_counter() - t0
             self._timings[sid] = t
@@ -751,11 +764,13 @@ class Runtime:
         return CheckpointInfo.from_manifest(self.store.get(ck))
 
     def delete_checkpoint(self, ck: str) -> None:
-        """Remove a checkpoint from the store; refused while a hibernated sandbox needs it."""
+        """Remove a checkpoint from the store; refused while a hibernated (or resuming) sandbox needs it."""
         with self._mu:
-            users = [r.id for r in self._records.values() if r.head == ck and r.state is State.HIBERNATED]
+            users = [r for r in self._records.values()
+                     if r.head == ck and r.state in (State.HIBERNATED, State.RESUMING)]
         if users:
-            raise InvalidStateError(f"checkpoint {ck} holds hibernated sandbox {users[0]}; kill or resume it first")
+            raise InvalidStateError(f"checkpoint {ck} holds {users[0].state} sandbox {users[0].id}; "
+                                    "kill or resume it first")
         self.store.delete(ck)
         self._gc_layers()
 
@@ -781,8 +796,10 @@ class Runtime:
             with self._mu:
                 expired = [r.id for r in self._records.values() if r.deadline is not None and r.deadline <= now]
             for sid in expired:
-                with contextlib.suppress(SandboxError):
+                try:
                     self._expire(sid)
+                except Exception as e:  # noqa: BLE001 - the reaper must outlive any one sandbox's failure
+                    _log.warning("timeout of sandbox %s not applied: %s: %s", sid, type(e).__name__, e)
 
     def _expire(self, sid: str) -> None:
         """Apply the sandbox's `on_timeout` (its spec's, else the runtime's) if it is still past its deadline."""
@@ -797,7 +814,7 @@ class Runtime:
                 return
             try:
                 self.hibernate(sid)
-            except SandboxError:
+            except Exception:  # noqa: BLE001 - e.g. a full disk under the store
                 self._discard(rec)  # its time is up either way: never hold resources past it
                 return
             why = f"hibernated when its timeout_s={rec.spec.timeout_s:g} ran out"
@@ -892,3 +909,11 @@ def _pump(stream: Any, buf: bytearray) -> None:
     for chunk in iter(lambda: stream.read1(65536), b""):
         buf += chunk
     stream.close()
+
+
+def _feed(stream: Any, data: bytes) -> None:
+    """Write a command's whole stdin and close it (a command that exits early just gets less)."""
+    with contextlib.suppress(BrokenPipeError, OSError):
+        stream.write(data)
+    with contextlib.suppress(BrokenPipeError, OSError):
+        stream.close()

@@ -299,8 +299,12 @@ async def read_file(svc: Svc, sid: str, path: PathQ) -> StreamingResponse:
     size = os.fstat(f.fileno()).st_size
 
     async def chunks() -> AsyncIterator[bytes]:
+        # The file as long as it was when opened: a file that grows meanwhile (a log being written)
+        # must not send more than the declared content-length.
+        left = size
         try:
-            while chunk := await anyio.to_thread.run_sync(f.read, 1 << 20, limiter=svc.io):
+            while left and (chunk := await anyio.to_thread.run_sync(f.read, min(left, 1 << 20), limiter=svc.io)):
+                left -= len(chunk)
                 yield chunk
         finally:
             f.close()
@@ -314,9 +318,14 @@ async def read_file(svc: Svc, sid: str, path: PathQ) -> StreamingResponse:
 async def write_file(svc: Svc, sid: str, path: PathQ, request: Request) -> Any:
     # Spooled to the host first (memory up to 1 MiB, then disk; the body limit applies as it arrives),
     # so the sandbox's lock is held for a local copy, never for a slow client's upload.
-    with tempfile.SpooledTemporaryFile(max_size=1 << 20) as spool:
+    in_memory, written = 1 << 20, 0
+    with tempfile.SpooledTemporaryFile(max_size=in_memory) as spool:
         async for chunk in request.stream():
-            spool.write(chunk)
+            written += len(chunk)
+            if written <= in_memory:
+                spool.write(chunk)
+            else:  # the spool is (or is about to be) a disk file: off the event loop
+                await anyio.to_thread.run_sync(spool.write, chunk, limiter=svc.io)
         spool.seek(0)
         n = await svc.call("write_file", svc.rt.write_file, sid, path, spool, io=True)
     return {"path": path, "bytes": n}

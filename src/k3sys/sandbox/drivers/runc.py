@@ -237,6 +237,10 @@ class RuncDriver:
     def snapshot(self, sid: str, dirs: SandboxDirs, images: Path, fs: Path, layer: Path | None,
                  *, thaw: bool, network: bool) -> dict[str, float]:
         t: dict[str, float] = {}
+        # Before the freeze: nothing that can fail may run between it and the try that thaws.
+        work = dirs.logs / "dump"
+        work.mkdir(parents=True, exist_ok=True)
+        images.mkdir(parents=True)
         t0 = time.perf_counter()
         was_frozen = self._freezer_frozen(sid)
         # Frozen across the dump and the seal: CRIU leaves a frozen cgroup frozen, so no process runs
@@ -244,9 +248,6 @@ class RuncDriver:
         if not was_frozen:
             self.pause(sid)
         t["freeze"] = time.perf_counter() - t0
-        work = dirs.logs / "dump"
-        work.mkdir(parents=True, exist_ok=True)
-        images.mkdir(parents=True)
         # Always --leave-running: a hibernating sandbox is killed only once its checkpoint is durable.
         args = ["checkpoint", "--leave-running", "--image-path",
                 str(images), "--work-path", str(work), "--tcp-established", "--file-locks"]

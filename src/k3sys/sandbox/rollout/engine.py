@@ -460,7 +460,8 @@ class RolloutEngine:
                             spawn(play, kid)
                     turn = self.step(ep)
                     if on_turn is not None:
-                        on_turn(ep.id, turn)
+                        with self._guard(ep):  # a failing callback ends its episode like a failing turn
+                            on_turn(ep.id, turn)
                 self.finish(ep)
 
         def root(i: int) -> None:
