@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from k3sys.sandbox import Runtime, Sandbox
@@ -26,7 +28,11 @@ def test_kill_in_every_state_leaves_nothing(private_root, leak_check):
         assert Sandbox.list(runtime=rt) == []
         assert leak_check(private_root, ids) == []
         assert list((private_root / "layers").iterdir()) == []
-        assert not rt.scratch.exists() or not any(rt.scratch.iterdir())
+        # Image directories are deleted on the runtime's cleanup thread: give it a moment.
+        deadline = time.monotonic() + 10
+        while rt.scratch.exists() and any(rt.scratch.iterdir()):
+            assert time.monotonic() < deadline, f"scratch not emptied: {sorted(rt.scratch.iterdir())}"
+            time.sleep(0.05)
         # Checkpoints are not sandboxes: they stay until deleted, and deleting them frees the store.
         for ck in rt.checkpoints():
             rt.delete_checkpoint(ck.id)
