@@ -62,11 +62,11 @@ def _step_args(N=2, H=3, K=8, V=4):
 
 @pytest.mark.parametrize("name, bad, match", [
     ("q", torch.zeros(2, 1, 3, 8), r"q must be 3-D \[N, H, K\]"),
-    ("k", torch.zeros(2, 3, 7), r"k must have shape"),
+    ("k", torch.zeros(2, 3, 7), r"k must have shape \[2, 3, 8\] to match q \[2, 3, 8\], got \[2, 3, 7\]"),
     ("v", torch.zeros(2, 3), r"v must be 3-D"),
     ("g", torch.zeros(2, 3, 8, 1), r"g must be 3-D"),
     ("beta", torch.zeros(2, 3, 1), r"beta must be 2-D \[N, H\]"),
-    ("beta", torch.zeros(2, 4), r"beta must have shape"),
+    ("beta", torch.zeros(2, 4), r"beta must have shape \[2, 3\] to match q \[2, 3, 8\], got \[2, 4\]"),
     ("state", torch.zeros(2, 3, 8, 5), r"state must have shape \[N, H, K, V\] = \[2, 3, 8, 4\], got \[2, 3, 8, 5\]"),
     ("state", torch.zeros(3, 8, 4), r"state must be 4-D"),
     ("state", None, r"state must be 4-D .* got NoneType"),

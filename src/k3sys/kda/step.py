@@ -26,7 +26,11 @@ def _check_step_ranks(q, k, v, g, beta, state) -> None:
             got = f"{x.dim()}-D shape {list(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
             raise ValueError(f"{name} must be {rank}-D {what} (one token per sequence), got {got}")
     N, H, K = q.shape
-    if tuple(state.shape) != (N, H, K, v.shape[-1]):
+    V = v.shape[-1]
+    for name, x, want in (("k", k, (N, H, K)), ("g", g, (N, H, K)), ("v", v, (N, H, V)), ("beta", beta, (N, H))):
+        if tuple(x.shape) != want:  # before check_inputs, which would word it in [B, T, ...] terms
+            raise ValueError(f"{name} must have shape {list(want)} to match q {list(q.shape)}, got {list(x.shape)}")
+    if tuple(state.shape) != (N, H, K, V):
         raise ValueError(f"state must have shape [N, H, K, V] = {[N, H, K, v.shape[-1]]}, got {list(state.shape)}")
 
 
