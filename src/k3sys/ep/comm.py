@@ -333,7 +333,9 @@ class EPBuffer:
 
     def _fill_replicas(self, h: EPHandle, home: list[torch.Tensor], names: list[str]) -> None:
         ops = []
-        for dest, slot, expert, src in self._copies(h.plan).tolist():
+        copies = self._copies(h.plan)
+        copies = copies[(copies[:, 0] == self.rank) | (copies[:, 3] == self.rank)]  # the ones this rank is in
+        for dest, slot, expert, src in copies.tolist():
             for i, name in enumerate(names):
                 tag = slot * len(names) + i
                 if src == self.rank:
@@ -386,8 +388,9 @@ class EPBuffer:
         experts, landing = torch.unique(copies[mine, 2] % epn, return_inverse=True)  # copy -> its sum's row
         sums = {name: g.new_zeros(len(experts), *g.shape[1:]) for name, g in grads.items()} if mine.any() else None
         rounds = int(position.max()) // epn + 1 if len(copies) else 0
+        involved = mine | (copies[:, 0] == self.rank)  # rounds count every copy; ops only this rank's
         for rnd in range(rounds):
-            in_round = (position // epn) == rnd
+            in_round = ((position // epn) == rnd) & involved
             ops = []
             for (dest, slot, _, src), stage in zip(copies[in_round].tolist(), (position[in_round] % epn).tolist(),
                                                    strict=True):
