@@ -2,7 +2,7 @@
 
 x -> fused q/k/v projection -> depthwise causal short conv + SiLU -> L2-normalised q, k
   -> low-rank gate projection -> kda_gate (g) ; sigmoid(b_proj x) (beta)
-  -> kda_chunk (prefill, T > 1) or kda_step (decode, T = 1)
+  -> kda_chunk (prefill, T > 1) or kda_step's update (decode, T = 1)
   -> per-head RMSNorm * sigmoid(low-rank output gate) -> output projection
 (the structure of fla's `KimiDeltaAttention`).
 """
@@ -16,7 +16,7 @@ from torch import nn
 from k3sys.kda.chunk import MAX_HEAD_DIM, kda_chunk
 from k3sys.kda.gate import check_lower_bound, kda_gate
 from k3sys.kda.state import KDAState
-from k3sys.kda.step import kda_step
+from k3sys.kda.step import step_unchecked
 
 
 class KimiDeltaAttention(nn.Module):
@@ -111,7 +111,8 @@ class KimiDeltaAttention(nn.Module):
         g = kda_gate(self.f_proj(x).view(B, T, H, D), self.A_log, self.dt_bias, self.lower_bound)
         beta = torch.sigmoid(self.b_proj(x))
         if T == 1:
-            o, S = kda_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state.recurrent)
+            # Shapes are the layer's own and kda_gate keeps g in range: no per-token validation sync.
+            o, S = step_unchecked(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state.recurrent)
             o = o[:, None]
         else:
             o, S = kda_chunk(q, k, v, g, beta, initial_state=state.recurrent, output_final_state=True)

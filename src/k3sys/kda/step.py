@@ -59,6 +59,15 @@ def kda_step(
     """
     _check_step_ranks(q, k, v, g, beta, state)
     check_inputs(*(x.unsqueeze(1) for x in (q, k, v, g, beta)), initial_state=state)
+    return step_unchecked(q, k, v, g, beta, state, scale)
+
+
+def step_unchecked(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`kda_step` without its input checks, for callers that built the inputs themselves (the layer):
+    the checks read g's range, which on a GPU is a device sync per layer per decoded token."""
     dt = compute_dtype(q, k, v, g, beta, state)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     o, S = delta_update(q.to(dt) * scale, *(x.to(dt) for x in (k, v, g, beta, state)))
