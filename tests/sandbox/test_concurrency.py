@@ -3,6 +3,7 @@ sandboxes run side by side, and nothing is lost or left half done."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -85,6 +86,27 @@ def test_sandboxes_in_parallel_threads(rt):
     run_threads([life] * 4)
     assert len(set(made)) == 4
     assert not set(made) & {s.id for s in Sandbox.list(runtime=rt)}
+
+
+@pytest.mark.embedded
+def test_create_returns_once_pid1_holds_only_its_own_stdio(rt):
+    """`runc run -d` returns while PID 1 may still hold runc's stdio (host files, which CRIU cannot
+    dump: a checkpoint right after a create failed). Create must return only after PID 1 has swapped
+    them for the sandbox's own /dev/null. Parallel creates on a busy machine widen that window."""
+    found: list[list[tuple[int, int]]] = []
+
+    def create():
+        with Sandbox.create(runtime=rt) as s:
+            pid = rt.driver.init_pid(s.id)
+            fds = [os.stat(f"/proc/{pid}/fd/{n}") for n in range(3)]
+            null = os.stat(f"/proc/{pid}/root/dev/null")
+            found.append([(st.st_dev, st.st_ino) for st in fds] + [(null.st_dev, null.st_ino)])
+
+    for _ in range(10):
+        run_threads([create] * 4)
+    assert len(found) == 40
+    for ids in found:
+        assert ids[:3] == [ids[3]] * 3
 
 
 @pytest.mark.embedded

@@ -114,14 +114,18 @@ class RuncDriver:
         return p
 
     def _detached(self, args: list[str], dirs: SandboxDirs, log: Path | None = None) -> None:
-        """`runc run -d` / `restore -d`: the sandbox inherits runc's stdio, so give it /dev/null and
-        collect runc's own messages from a file."""
-        err = dirs.logs / "runc.err"
-        with open(os.devnull, "r+b") as null, open(err, "wb") as errf:
-            p = subprocess.run([*self._runc, *args], stdin=null, stdout=null, stderr=errf, cwd=dirs.bundle,
-                               timeout=120, env=self._env)
+        """`runc run -d` / `restore -d`. The sandbox's PID 1 inherits runc's stdio: /dev/null for stdin
+        and stdout, and for stderr a pipe read to its end, which carries runc's messages. The end comes
+        once runc has exited and PID 1 has dropped what it inherited (`_INIT`'s first command): without
+        that wait, a checkpoint right after a create could find a host file among PID 1's descriptors,
+        which CRIU cannot dump."""
+        try:
+            p = subprocess.run([*self._runc, *args], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, cwd=dirs.bundle, timeout=120, env=self._env)
+        except subprocess.TimeoutExpired as e:
+            raise DriverError(f"runc {args[0]} timed out after 120 s") from e
         if p.returncode != 0:
-            detail = _tail(err)
+            detail = p.stderr[-2000:].decode(errors="replace")
             if log is not None and log.exists():
                 detail += f"\n--- {log} ---\n" + _log_excerpt(log)
             raise DriverError(f"runc {args[0]} failed ({p.returncode}): {detail.strip()}")
