@@ -62,7 +62,7 @@ def _log_excerpt(path: Path) -> str:
     return "\n".join(errors[:10] + ["..."] + lines[-5:])
 
 
-def _tail(path: Path, n: int = 2000) -> str:
+def _tail(path: Path, n: int) -> str:
     try:
         with open(path, "rb") as f:
             f.seek(0, os.SEEK_END)
@@ -100,7 +100,13 @@ class RuncDriver:
     # --- runc plumbing ------------------------------------------------------------------------
 
     def _run(self, args: list[str], log: Path | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-        """Run `runc <args>`; DriverError with runc's message (and CRIU's log tail, if any) on failure."""
+        """Run `runc <args>`; DriverError with runc's message (and CRIU's log tail, if any) on failure.
+
+        stdout and stderr are pipes read to their end. For `run -d` / `restore -d` that end comes only
+        once the sandbox's PID 1, which inherits runc's stdio, has dropped it (`_INIT`'s first command):
+        without that wait a checkpoint right after a create could find these host-side descriptors in
+        PID 1, which CRIU cannot dump.
+        """
         try:
             p = subprocess.run([*self._runc, *args], stdin=subprocess.DEVNULL, capture_output=True, text=True,
                                timeout=timeout, env=self._env)
@@ -112,23 +118,6 @@ class RuncDriver:
                 detail += f"\n--- {log} ---\n" + _log_excerpt(log)
             raise DriverError(f"runc {args[0]} failed ({p.returncode}): {detail}")
         return p
-
-    def _detached(self, args: list[str], dirs: SandboxDirs, log: Path | None = None) -> None:
-        """`runc run -d` / `restore -d`. The sandbox's PID 1 inherits runc's stdio: /dev/null for stdin
-        and stdout, and for stderr a pipe read to its end, which carries runc's messages. The end comes
-        once runc has exited and PID 1 has dropped what it inherited (`_INIT`'s first command): without
-        that wait, a checkpoint right after a create could find a host file among PID 1's descriptors,
-        which CRIU cannot dump."""
-        try:
-            p = subprocess.run([*self._runc, *args], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.PIPE, cwd=dirs.bundle, timeout=120, env=self._env)
-        except subprocess.TimeoutExpired as e:
-            raise DriverError(f"runc {args[0]} timed out after 120 s") from e
-        if p.returncode != 0:
-            detail = p.stderr[-2000:].decode(errors="replace")
-            if log is not None and log.exists():
-                detail += f"\n--- {log} ---\n" + _log_excerpt(log)
-            raise DriverError(f"runc {args[0]} failed ({p.returncode}): {detail.strip()}")
 
     def _config(self, sid: str, spec: SandboxSpec) -> dict:
         namespaces = [{"type": t} for t in ("pid", "ipc", "uts", "mount")]
@@ -189,7 +178,7 @@ class RuncDriver:
 
     def create(self, sid: str, dirs: SandboxDirs, spec: SandboxSpec, lowers: list[Path]) -> None:
         self._prepare(sid, dirs, spec, lowers)
-        self._detached(["run", "-d", "--bundle", str(dirs.bundle), sid], dirs)
+        self._run(["run", "-d", "--bundle", str(dirs.bundle), sid])
 
     def restore(self, sid: str, dirs: SandboxDirs, spec: SandboxSpec, lowers: list[Path],
                 images: Path) -> dict[str, float]:
@@ -203,7 +192,7 @@ class RuncDriver:
                 "--tcp-established", "--file-locks"]
         if not spec.network:
             args += ["--empty-ns", "network"]
-        self._detached([*args, sid], dirs, log=work / "restore.log")
+        self._run([*args, sid], log=work / "restore.log")
         t["runc+criu"] = time.perf_counter() - t1
         t["criu"] = _criu_seconds(work / "restore.log")
         # Running: every checkpoint is taken frozen, but CRIU leaves cgroups (the freezer's state
