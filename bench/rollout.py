@@ -37,8 +37,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from k3sys.sandbox import Runtime
-from k3sys.sandbox.rollout import (
+from k3sys.rollout import (
     EpisodeRecord,
     RolloutEngine,
     RolloutReport,
@@ -46,6 +45,7 @@ from k3sys.sandbox.rollout import (
     builtin_tasks,
     default_factory,
 )
+from k3sys.sandbox import Runtime
 
 RESULTS = Path(__file__).resolve().parent / "results"
 RATIOS = (1, 10, 50)

@@ -31,7 +31,7 @@ from rich.console import Console
 from rich.table import Table
 
 from k3sys.sandbox import Runtime, Sandbox
-from k3sys.sandbox.templates import template_rootfs
+from k3sys.sandbox.runtime.templates import template_rootfs
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MIB = 1 << 20

@@ -39,7 +39,7 @@ from blake3 import blake3
 from rich.console import Console
 from rich.table import Table
 
-from k3sys.sandbox.store import Store
+from k3sys.sandbox.runtime.store import Store
 
 PAGE = 4096
 MIB = 1 << 20
@@ -162,7 +162,7 @@ def main() -> None:
     cpu = {k: statistics.median(c for _, c in v) for k, v in t.items()}
     targets = {"first commit": 60.0, "incremental commit": 25.0}
     copy_in, copy_out = med["baseline: copy tree to disk + fsync"], med["baseline: copy tree from disk -> tmpfs"]
-    table = Table(title=f"k3sys.sandbox.store, {args.mem_mib} MiB memory image, {args.dirty_pages} dirty pages, "
+    table = Table(title=f"the checkpoint store, {args.mem_mib} MiB memory image, {args.dirty_pages} dirty pages, "
                         f"median of {args.runs}")
     for col in ("operation", "wall ms", "cpu ms", "copy ms / ours", "target ms"):
         table.add_column(col, justify="left" if col == "operation" else "right")

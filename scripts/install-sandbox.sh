@@ -127,6 +127,6 @@ install -d -m 0700 -o root -g root "$KDAT_DIR"
 py="$ROOT/.venv/bin/python"
 if [ -x "$py" ] && [ ! -e "$PREFIX/templates/busybox/rootfs" ]; then
     K3SYS_SYSTEM_DIR="$PREFIX" PYTHONPATH="$ROOT/src" "$py" -c \
-        "from k3sys.sandbox.templates import main; main(['busybox'])"
+        "from k3sys.sandbox.runtime.templates import main; main(['busybox'])"
 fi
 exit 0

@@ -8,8 +8,8 @@ import typer
 
 from k3sys.ep.cli import app as ep_app
 from k3sys.model.cli import memory
+from k3sys.rollout.cli import rollout
 from k3sys.sandbox.cli import app as sandbox_app
-from k3sys.sandbox.rollout.cli import rollout
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="k3sys: Kimi K3's system designs, runnable.")
 app.add_typer(ep_app, name="ep")

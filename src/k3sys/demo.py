@@ -20,7 +20,7 @@ PARTS: list[tuple[str, str]] = [
     ("EP", "k3sys.ep.demo"),
     ("Model", "k3sys.model.demo"),
     ("Sandbox", "k3sys.sandbox.demo"),
-    ("Rollout", "k3sys.sandbox.rollout.demo"),
+    ("Rollout", "k3sys.rollout.demo"),
 ]
 
 

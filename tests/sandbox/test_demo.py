@@ -8,7 +8,7 @@ from rich.progress import Progress
 
 from k3sys.demo import PARTS
 from k3sys.sandbox.demo import demo
-from k3sys.sandbox.system import system_paths
+from k3sys.sandbox.runtime.system import system_paths
 
 pytestmark = pytest.mark.timeout(120)
 

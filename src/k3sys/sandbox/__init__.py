@@ -4,14 +4,11 @@ incremental checkpoint, fork, hibernate, restore. Imports no torch.
 - `Sandbox`, `Checkpoint` (api.py): the SDK facade; `Runtime` (runtime.py): the embedded runtime
   behind it, over a driver (drivers/runc.py: runc + CRIU + overlayfs).
 - `HTTPBackend`, `AsyncHTTPBackend` (client.py): the same SDK against a sandbox service
-  (`k3sys.sandbox.server`, `k3sys sandbox serve`); `AsyncSandbox` (aio.py): the SDK for asyncio.
-- `k3sys.sandbox.store`: the content-addressed chunk store behind incremental checkpoints.
+  (`k3sys.sandbox.service.server`, `k3sys sandbox serve`); `AsyncSandbox` (aio.py): the SDK for asyncio.
+- `k3sys.sandbox.runtime.store`: the content-addressed chunk store behind incremental checkpoints.
 - `k3sys.sandbox.errors`: the exception tree (`SandboxError` and subclasses).
 """
 
-from k3sys.sandbox.aio import AsyncCommandHandle, AsyncSandbox
-from k3sys.sandbox.api import Backend, Checkpoint, CommandHandle, Sandbox, default_runtime
-from k3sys.sandbox.client import AsyncHTTPBackend, HTTPBackend
 from k3sys.sandbox.errors import (
     AuthError,
     CapacityError,
@@ -34,9 +31,11 @@ from k3sys.sandbox.errors import (
     UnknownTemplateError,
     WrongFileTypeError,
 )
-from k3sys.sandbox.runtime import CheckpointInfo, Runtime, SandboxInfo
-from k3sys.sandbox.sandboxfs import EntryInfo
+from k3sys.sandbox.sdk.aio import AsyncCommandHandle, AsyncSandbox
+from k3sys.sandbox.sdk.api import Backend, Checkpoint, CommandHandle, Sandbox, default_runtime
+from k3sys.sandbox.sdk.client import AsyncHTTPBackend, HTTPBackend
 from k3sys.sandbox.spec import CommandResult, SandboxSpec
+from k3sys.sandbox.types import CheckpointInfo, EntryInfo, SandboxInfo
 
 __all__ = [
     "AsyncCommandHandle",
@@ -75,3 +74,13 @@ __all__ = [
     "WrongFileTypeError",
     "default_runtime",
 ]
+
+
+def __getattr__(name: str) -> object:
+    # `Runtime` loads the runtime, the store, numpy and blake3: only when asked for, so a remote-only
+    # client (`from k3sys.sandbox import Sandbox` with an `api_url`) never pays for them.
+    if name == "Runtime":
+        from k3sys.sandbox.runtime.runtime import Runtime
+
+        return Runtime
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

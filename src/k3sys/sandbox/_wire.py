@@ -36,9 +36,8 @@ from k3sys.sandbox.errors import (
     UnavailableError,
     error_from_code,
 )
-from k3sys.sandbox.runtime import CheckpointInfo, SandboxInfo
-from k3sys.sandbox.sandboxfs import EntryInfo
 from k3sys.sandbox.spec import CommandResult, SandboxSpec
+from k3sys.sandbox.types import CheckpointInfo, EntryInfo, SandboxInfo
 
 ERROR_HEADER = "k3sys-error-type"
 ERROR_MESSAGE_HEADER = "k3sys-error-message"

@@ -36,7 +36,6 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from k3sys.sandbox.api import Backend, Checkpoint, Sandbox
 from k3sys.sandbox.errors import (
     AuthError,
     CapacityError,
@@ -49,6 +48,7 @@ from k3sys.sandbox.errors import (
     SandboxFileNotFoundError,
     UnavailableError,
 )
+from k3sys.sandbox.sdk.api import Backend, Checkpoint, Sandbox
 
 EXIT_CODES: dict[type[SandboxError], int] = {
     InvalidArgumentError: 2, NotFoundError: 3, SandboxFileNotFoundError: 3, InvalidStateError: 4,
@@ -83,12 +83,12 @@ def _backend(api_url: str | None, api_key: str | None, data_dir: Path | None,
     """The backend for one command; errors become a message on stderr and the documented exit code."""
     try:
         if api_url:
-            from k3sys.sandbox.client import HTTPBackend
+            from k3sys.sandbox.sdk.client import HTTPBackend
 
             with HTTPBackend(api_url, api_key) as backend:
                 yield backend
         else:
-            from k3sys.sandbox.runtime import Runtime
+            from k3sys.sandbox.runtime.runtime import Runtime
 
             # Sandboxes outlive this process; the next runtime (or `serve`) on the directory adopts them.
             with Runtime(data_dir) as runtime:
@@ -329,10 +329,10 @@ def serve(host: Annotated[str, typer.Option(help="Address to listen on (beyond l
           no_auth: Annotated[bool, typer.Option("--no-auth", help="No API key (loopback only).")] = False,
           log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "warning") -> None:
     """Serve the sandbox HTTP API until SIGINT/SIGTERM."""
-    from k3sys.sandbox._auth import KEY_FILE, check_bind, load_or_create_key
-    from k3sys.sandbox.runtime import default_root
-    from k3sys.sandbox.server import ServiceConfig
-    from k3sys.sandbox.server import serve as run_server
+    from k3sys.sandbox.runtime.runtime import default_root
+    from k3sys.sandbox.service.auth import KEY_FILE, check_bind, load_or_create_key
+    from k3sys.sandbox.service.server import ServiceConfig
+    from k3sys.sandbox.service.server import serve as run_server
 
     root = data_dir or default_root()
     try:

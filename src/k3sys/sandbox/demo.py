@@ -9,7 +9,7 @@ from pathlib import Path
 
 from rich.progress import Progress
 
-from k3sys.sandbox.system import system_paths
+from k3sys.sandbox.runtime.system import system_paths
 
 # A counter in the shell's memory, written through a descriptor opened once: the log stays 1, 2, 3...
 # across pause, checkpoint, fork, hibernate and restore only if memory, descriptors and files agree.

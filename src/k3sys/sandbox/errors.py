@@ -15,7 +15,7 @@
     ├── AuthError                         the service refused the API key (missing or wrong)
     ├── CapacityError                     the service is at a limit (sandboxes, memory); retry later
     ├── UnavailableError                  the service is shutting down or cannot be reached
-    └── StoreError                        the checkpoint store (`k3sys.sandbox.store`)
+    └── StoreError                        the checkpoint store (`k3sys.sandbox.runtime.store`)
         ├── CheckpointNotFoundError       unknown checkpoint id (also a NotFoundError)
         ├── CheckpointExistsError         commit with an id that is already taken
         ├── StoreInputError               bad id, tree, destination or entry path (also a ValueError)

@@ -1,0 +1,517 @@
+"""The runc driver: each sandbox is an OCI container run by runc and checkpointed by CRIU through runc.
+
+Shape of a sandbox: root = overlay (sealed layer, template; own upper); own mount, pid, ipc, uts and
+(by default) network namespaces, the last with loopback only; cgroup limits on memory (no swap),
+pids and CPU; Docker's default capability set minus NET_RAW; no new privileges.
+
+Choices that keep checkpoints small and fast, measured on this host (see docs/sandbox.md):
+- as few tmpfs mounts as possible (`/dev` lives in the overlay, /sys/firmware is masked by a bind):
+  CRIU archives every tmpfs with tar + gzip on each dump;
+- the private network namespace is dumped as empty (`--empty-ns network`): it only ever holds `lo`,
+  which a prestart hook brings up again after a restore (runc does not save network setup);
+- pause and resume write the freezer cgroup directly instead of spawning runc (the same kernel
+  operation, minus a Go process start).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from k3sys.sandbox.errors import DriverError
+from k3sys.sandbox.runtime import layers
+from k3sys.sandbox.runtime.drivers.base import SandboxDirs
+from k3sys.sandbox.runtime.system import SystemPaths, system_paths
+from k3sys.sandbox.spec import SandboxSpec
+
+_CAPS = ["CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FSETID", "CAP_FOWNER", "CAP_MKNOD", "CAP_SETGID", "CAP_SETUID",
+         "CAP_SETFCAP", "CAP_SETPCAP", "CAP_NET_BIND_SERVICE", "CAP_SYS_CHROOT", "CAP_KILL", "CAP_AUDIT_WRITE"]
+# Masked by runc (a file gets /dev/null, a directory an empty read-only tmpfs: runc allows nothing
+# else inside /proc). /sys/firmware is masked with a bind instead, which CRIU need not archive.
+_MASKED = ["/proc/acpi", "/proc/scsi", "/proc/kcore", "/proc/keys", "/proc/latency_stats", "/proc/timer_list",
+           "/proc/timer_stats", "/proc/sched_debug"]
+_MASKED_BY_BIND = ["/sys/firmware"]
+_READONLY = ["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger"]
+_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+_FREEZE_TRY = 0.1  # seconds one freeze attempt may take before it is undone and retried
+# PID 1 of every sandbox: drop the host-side stdio runc hands it (CRIU cannot dump host files), then
+# sleep forever; the shell's wait loop also reaps orphans re-parented to it.
+_INIT = "exec </dev/null >/dev/null 2>&1; trap 'exit 0' TERM; while :; do sleep 86400 & wait $!; done"
+
+
+def _criu_seconds(log: Path) -> float:
+    """CRIU's own run time: the timestamp of the last line of its log (`(00.048150) ...`)."""
+    try:
+        return float(_tail(log, 200).rstrip().rsplit("\n", 1)[-1].split(")", 1)[0].lstrip("("))
+    except ValueError:
+        return float("nan")
+
+
+def _log_excerpt(path: Path) -> str:
+    """CRIU's error lines and the last lines of its log, for an error message."""
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    errors = [line for line in lines if "Error (" in line]
+    return "\n".join(errors[:10] + ["..."] + lines[-5:])
+
+
+def _tail(path: Path, n: int) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - n))
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+class RuncDriver:
+    """Sandboxes as runc containers under `<state_dir>/runc`."""
+
+    name = "runc"
+
+    def __init__(self, state_dir: Path, system: SystemPaths | None = None) -> None:
+        self.system = system or system_paths()
+        reason = self.system.missing()
+        if reason:
+            raise DriverError(reason)
+        self.runc = self.system.runc
+        # runc runs CRIU as `criu swrk` with no way to pass most options; CRIU reads them from the file
+        # CRIU_CONFIG_FILE names, before runc's own settings. Options that must replace runc's (its
+        # cgroup mode) go in a second file, named by each container's `org.criu.config` annotation,
+        # which runc hands CRIU to read after its settings (see `_config`).
+        self._env = {**os.environ, "CRIU_CONFIG_FILE": str(self.system.criu_config)}
+        self.state_dir = state_dir.resolve()
+        self.runc_root = self.state_dir / "runc"
+        self._runc = [self.runc, "--root", str(self.runc_root), "--criu", str(self.system.criu)]  # global options
+        self.runc_root.mkdir(parents=True, exist_ok=True)
+        self.empty = self.state_dir / "empty"
+        self.empty.mkdir(mode=0o555, exist_ok=True)
+        self._cgroup_v1 = Path("/sys/fs/cgroup/freezer").is_dir()
+        _ensure_kdat_dir()
+
+    # --- runc plumbing ------------------------------------------------------------------------
+
+    def _run(self, args: list[str], log: Path | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+        """Run `runc <args>`; DriverError with runc's message (and CRIU's log tail, if any) on failure.
+
+        stdout and stderr are pipes read to their end. For `run -d` / `restore -d` that end comes only
+        once the sandbox's PID 1, which inherits runc's stdio, has dropped it (`_INIT`'s first command):
+        without that wait a checkpoint right after a create could find these host-side descriptors in
+        PID 1, which CRIU cannot dump.
+        """
+        try:
+            p = subprocess.run([*self._runc, *args], stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                               timeout=timeout, env=self._env)
+        except subprocess.TimeoutExpired as e:
+            raise DriverError(f"runc {args[0]} timed out after {timeout} s") from e
+        if p.returncode != 0:
+            detail = (p.stderr or p.stdout).strip()
+            if log is not None and log.exists():
+                detail += f"\n--- {log} ---\n" + _log_excerpt(log)
+            raise DriverError(f"runc {args[0]} failed ({p.returncode}): {detail}")
+        return p
+
+    def _config(self, sid: str, spec: SandboxSpec) -> dict:
+        namespaces = [{"type": t} for t in ("pid", "ipc", "uts", "mount")]
+        if not spec.network:
+            namespaces.append({"type": "network"})
+        mounts = [
+            {"destination": "/proc", "type": "proc", "source": "proc", "options": ["nosuid", "noexec", "nodev"]},
+            {"destination": "/sys", "type": "sysfs", "source": "sysfs", "options": ["nosuid", "noexec", "nodev", "ro"]},
+        ] + [
+            {"destination": d, "type": "bind", "source": str(self.empty), "options": ["rbind", "ro", "nosuid", "nodev"]}
+            for d in _MASKED_BY_BIND if os.path.isdir(d)
+        ]
+        if spec.network:  # the host's resolver configuration, read-only
+            mounts.append({"destination": "/etc/resolv.conf", "type": "bind", "source": "/etc/resolv.conf",
+                           "options": ["rbind", "ro"]})
+        memory = spec.memory_mb << 20
+        return {
+            "ociVersion": "1.0.2",
+            "process": {
+                "terminal": False,
+                "user": {"uid": 0, "gid": 0},
+                "args": ["/bin/sh", "-c", _INIT],
+                "env": [f"PATH={_PATH}", "HOME=/root", "LANG=C.UTF-8"],
+                "cwd": "/",
+                "capabilities": {k: _CAPS for k in ("bounding", "effective", "permitted")},
+                "rlimits": [{"type": "RLIMIT_NOFILE", "hard": 4096, "soft": 1024}],
+                "noNewPrivileges": True,
+            },
+            "root": {"path": "rootfs", "readonly": False},
+            # CRIU options that replace runc's (read after them); see scripts/install-sandbox.sh.
+            "annotations": {"org.criu.config": str(self.system.criu_override)},
+            # Constant on purpose: a fork keeps its source's UTS namespace, so an id here would lie.
+            "hostname": "sandbox",
+            "mounts": mounts,
+            # Brings loopback up: needed after a restore, harmless after a create (runc did it).
+            "hooks": {"prestart": [{"path": str(self.system.lo_up)}]} if not spec.network else {},
+            "linux": {
+                "resources": {
+                    "devices": [{"allow": False, "access": "rwm"}],
+                    "memory": {"limit": memory, "swap": memory},
+                    "pids": {"limit": spec.pids},
+                    "cpu": {"quota": max(1000, int(spec.cpu * 100_000)), "period": 100_000},
+                },
+                "cgroupsPath": f"/k3sys-{sid}",
+                "namespaces": namespaces,
+                "maskedPaths": _MASKED,
+                "readonlyPaths": _READONLY,
+            },
+        }
+
+    def _prepare(self, sid: str, dirs: SandboxDirs, spec: SandboxSpec, lowers: list[Path]) -> None:
+        for d in (dirs.upper, dirs.work, dirs.rootfs, dirs.logs):
+            d.mkdir(parents=True, exist_ok=True)
+        (dirs.bundle / "config.json").write_text(json.dumps(self._config(sid, spec)))
+        layers.mount_overlay(lowers, dirs.upper, dirs.work, dirs.rootfs)
+
+    # --- life cycle ---------------------------------------------------------------------------
+
+    def create(self, sid: str, dirs: SandboxDirs, spec: SandboxSpec, lowers: list[Path]) -> None:
+        self._prepare(sid, dirs, spec, lowers)
+        self._run(["run", "-d", "--bundle", str(dirs.bundle), sid])
+
+    def restore(self, sid: str, dirs: SandboxDirs, spec: SandboxSpec, lowers: list[Path],
+                images: Path) -> dict[str, float]:
+        t0 = time.perf_counter()
+        self._prepare(sid, dirs, spec, lowers)
+        work = dirs.logs / "restore"
+        work.mkdir(exist_ok=True)
+        t1 = time.perf_counter()
+        t = {"mount": t1 - t0}
+        args = ["restore", "-d", "--image-path", str(images), "--work-path", str(work), "--bundle", str(dirs.bundle),
+                "--tcp-established", "--file-locks"]
+        if not spec.network:
+            args += ["--empty-ns", "network"]
+        self._run([*args, sid], log=work / "restore.log")
+        t["runc+criu"] = time.perf_counter() - t1
+        t["criu"] = _criu_seconds(work / "restore.log")
+        # Running: every checkpoint is taken frozen, but CRIU leaves cgroups (the freezer's state
+        # included) to runc, which restores into fresh, thawed ones.
+        return t
+
+    def exec(self, sid: str, argv: list[str], cwd: str, env: dict[str, str],
+             stdin: bool) -> tuple[subprocess.Popen, int]:
+        pid_file = self.runc_root / f".exec-{sid}-{os.getpid()}-{time.monotonic_ns()}.pid"
+        args = [*self._runc, "exec", "--pid-file", str(pid_file), "--cwd", cwd]
+        for k, v in env.items():
+            args += ["--env", f"{k}={v}"]
+        proc = subprocess.Popen([*args, sid, *argv], stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        # runc writes the pid file once the process runs; until then (or if exec fails) we have none.
+        pid = 0
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                pid = int(pid_file.read_text() or 0)
+            except (OSError, ValueError):
+                pid = 0
+            if pid or proc.poll() is not None:
+                break
+            time.sleep(0.0005)
+        pid_file.unlink(missing_ok=True)
+        return proc, pid
+
+    def pause(self, sid: str) -> None:
+        self._set_frozen(sid, True)
+
+    def resume(self, sid: str) -> None:
+        self._set_frozen(sid, False)
+
+    def snapshot(self, sid: str, dirs: SandboxDirs, images: Path, fs: Path, layer: Path | None,
+                 *, thaw: bool, network: bool) -> dict[str, float]:
+        t: dict[str, float] = {}
+        # Before the freeze: nothing that can fail may run between it and the try that thaws.
+        work = dirs.logs / "dump"
+        work.mkdir(parents=True, exist_ok=True)
+        images.mkdir(parents=True)
+        t0 = time.perf_counter()
+        was_frozen = self._freezer_frozen(sid)
+        # Frozen across the dump and the seal: CRIU leaves a frozen cgroup frozen, so no process runs
+        # between the memory dump and the copy of the upper, and the two agree.
+        if not was_frozen:
+            self.pause(sid)
+        t["freeze"] = time.perf_counter() - t0
+        # Always --leave-running: a hibernating sandbox is killed only once its checkpoint is durable.
+        args = ["checkpoint", "--leave-running", "--image-path",
+                str(images), "--work-path", str(work), "--tcp-established", "--file-locks"]
+        if not network:
+            args += ["--empty-ns", "network"]
+        ok = False
+        try:
+            t1 = time.perf_counter()
+            self._run([*args, sid], log=work / "dump.log")
+            t["runc+criu"] = time.perf_counter() - t1
+            t["criu"] = _criu_seconds(work / "dump.log")
+            t1 = time.perf_counter()
+            layers.seal(dirs.upper, fs, layer)
+            t["seal"] = time.perf_counter() - t1
+            ok = True
+        finally:
+            if not was_frozen and (thaw or not ok):
+                t1 = time.perf_counter()
+                self.resume(sid)
+                t["thaw"] = time.perf_counter() - t1
+                t["frozen"] = time.perf_counter() - t0  # how long the sandbox's processes stood still
+        return t
+
+    def destroy(self, sid: str, dirs: SandboxDirs) -> None:
+        # Kill through the cgroup and wait for the tasks to be gone before runc cleans up: runc's
+        # `delete --force` alone kills too, but then retries removing the cgroups with growing sleeps
+        # while the tasks exit (~150 ms here instead of a few).
+        self._kill_cgroup(sid)
+        if (self.runc_root / sid).exists():
+            self._run(["delete", "--force", sid], timeout=60)
+        self._remove_cgroups(sid)
+        layers.unmount(dirs.rootfs)
+
+    def kill_tree(self, pid: int) -> None:
+        for _ in range(3):  # again, for children forked while we were killing
+            victims = descendants(pid)
+            for p in victims:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p, signal.SIGKILL)
+            if len(victims) <= 1 and not _alive(pid):
+                break
+
+    def status(self, sid: str) -> str:
+        state = self.runc_root / sid / "state.json"
+        if not state.exists():
+            return "missing"
+        p = subprocess.run([*self._runc, "state", sid], capture_output=True, text=True)
+        if p.returncode != 0:
+            return "missing"
+        status = json.loads(p.stdout)["status"]
+        return {"running": "running", "paused": "paused", "created": "running"}.get(status, "stopped")
+
+    def init_pid(self, sid: str) -> int | None:
+        """Host pid of the sandbox's PID 1 (None when it has none)."""
+        try:
+            return int(json.loads((self.runc_root / sid / "state.json").read_text())["init_process_pid"])
+        except (OSError, ValueError, KeyError):
+            return None
+
+    def memory_bytes(self, sid: str) -> int:
+        path = (Path(f"/sys/fs/cgroup/memory/k3sys-{sid}/memory.usage_in_bytes") if self._cgroup_v1
+                else Path(f"/sys/fs/cgroup/k3sys-{sid}/memory.current"))
+        try:
+            return int(path.read_text())
+        except (OSError, ValueError):
+            return 0
+
+    def cpu_seconds(self, sid: str) -> float:
+        """CPU time the sandbox's current cgroup has charged (user + system); a new cgroup, after a
+        restore, starts again from 0."""
+        try:
+            if self._cgroup_v1:
+                return int(Path(f"/sys/fs/cgroup/cpuacct/k3sys-{sid}/cpuacct.usage").read_text()) / 1e9
+            stat = Path(f"/sys/fs/cgroup/k3sys-{sid}/cpu.stat").read_text().split()
+            return int(stat[stat.index("usage_usec") + 1]) / 1e6
+        except (OSError, ValueError):
+            return 0.0
+
+    # --- cgroups ------------------------------------------------------------------------------
+
+    def _freezer(self, sid: str) -> Path:
+        if self._cgroup_v1:
+            return Path(f"/sys/fs/cgroup/freezer/k3sys-{sid}/freezer.state")
+        return Path(f"/sys/fs/cgroup/k3sys-{sid}/cgroup.freeze")
+
+    def _freezer_frozen(self, sid: str) -> bool:
+        try:
+            value = self._freezer(sid).read_text().strip()
+        except OSError:
+            return False
+        return value in ("FROZEN", "FREEZING", "1")
+
+    def _set_frozen(self, sid: str, frozen: bool) -> None:
+        path = self._freezer(sid)
+        want = ("FROZEN" if frozen else "THAWED") if self._cgroup_v1 else ("1" if frozen else "0")
+        try:
+            path.write_text(want)
+            if self._cgroup_v1 and frozen:
+                self._settle_v1_freeze(sid, path)
+            elif not self._cgroup_v1:
+                events = path.with_name("cgroup.events")
+                deadline = time.monotonic() + 10
+                while f"frozen {want}" not in events.read_text():
+                    if time.monotonic() > deadline:
+                        raise DriverError(f"sandbox {sid}: freezer did not settle within 10 s")
+                    time.sleep(0.0002)
+        except FileNotFoundError:
+            raise DriverError(f"sandbox {sid}: no freezer cgroup (container not running)") from None
+
+    def _settle_v1_freeze(self, sid: str, path: Path) -> None:
+        """Wait until the v1 freezer reports FROZEN (it says FREEZING until every task stopped).
+
+        A task can block the freeze for good: one in the middle of an execve of a multi-threaded
+        program (`runc init` starting the sandbox's PID 1 or an exec'd command) waits in D state for
+        its other threads to exit, and those are frozen already. So a freeze that does not settle
+        within `_FREEZE_TRY` seconds is undone and tried again once the tasks had a moment to run;
+        only after 10 s does it fail (thawed: the sandbox runs on as before).
+        """
+        deadline = time.monotonic() + 10
+        while True:
+            attempt = time.monotonic() + _FREEZE_TRY
+            while path.read_text().strip() != "FROZEN":
+                if time.monotonic() > attempt:
+                    break
+                time.sleep(0.0002)
+                path.write_text("FROZEN")  # writing FROZEN again re-kicks tasks that were missed
+            else:
+                return
+            stuck = _task_states(path.with_name("cgroup.procs"))
+            path.write_text("THAWED")
+            if time.monotonic() > deadline:
+                raise DriverError(f"sandbox {sid}: processes did not freeze within 10 s: {stuck}")
+            time.sleep(0.002)
+            path.write_text("FROZEN")
+
+    def _cgroup_dirs(self, sid: str) -> list[Path]:
+        base = Path("/sys/fs/cgroup")
+        if self._cgroup_v1:
+            return [d / f"k3sys-{sid}" for d in base.iterdir() if (d / f"k3sys-{sid}").is_dir()]
+        return [base / f"k3sys-{sid}"] if (base / f"k3sys-{sid}").is_dir() else []
+
+    def _kill_cgroup(self, sid: str) -> None:
+        """SIGKILL every task of the sandbox (thawing it, or frozen tasks never die) and wait until
+        the cgroup is empty."""
+        dirs = self._cgroup_dirs(sid)
+        if not dirs:
+            return
+        procs = dirs[0] / "cgroup.procs"
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                pids = procs.read_text().split()
+            except FileNotFoundError:
+                return
+            if not pids:
+                return
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(pid), signal.SIGKILL)
+            if self._freezer_frozen(sid):
+                with contextlib.suppress(DriverError):
+                    self._set_frozen(sid, False)
+            if time.monotonic() > deadline:
+                raise DriverError(f"sandbox {sid}: tasks {' '.join(pids[:5])} survive SIGKILL")
+            time.sleep(0.0005)
+
+    def _remove_cgroups(self, sid: str) -> None:
+        """Remove the cgroups runc left (none, unless its state was lost in a crash)."""
+        self._kill_cgroup(sid)
+        for d in self._cgroup_dirs(sid):
+            deadline = time.monotonic() + 5
+            while True:
+                try:
+                    os.rmdir(d)
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError as e:
+                    if time.monotonic() > deadline:
+                        raise DriverError(f"cannot remove cgroup {d}: {e.strerror}") from e
+                    time.sleep(0.005)
+
+    # --- crash leftovers ----------------------------------------------------------------------
+
+    def cleanup_stale(self) -> None:
+        """Kill runc / CRIU helpers still working on our containers (their runtime died), and
+        unmount the cgroup yards a killed CRIU leaves (`.criu.cgyard.*`)."""
+        root = str(self.runc_root)
+        procs = _process_table()
+        stale = {pid for pid, (_, cmd) in procs.items() if root in cmd and pid != os.getpid()}
+        criu = str(self.system.criu)
+        for pid, (ppid, cmd) in procs.items():
+            if ppid in stale and cmd.startswith(criu):
+                stale.add(pid)
+        for pid in stale:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        # Only yards under our own directory (CRIU makes them in its work directory): another
+        # runtime's CRIU may be restoring right now, and its yard is not ours to take away.
+        mine = [m for m in _mounts_matching("/.criu.cgyard.") if m.startswith(f"{self.state_dir}/")]
+        for target in sorted(mine, key=len, reverse=True):
+            layers.unmount(Path(target))
+            with contextlib.suppress(OSError):
+                os.rmdir(target)
+
+
+def _process_table() -> dict[int, tuple[int, str]]:
+    """pid -> (ppid, command line joined by spaces) for every process we can see."""
+    out: dict[int, tuple[int, str]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except (OSError, IndexError, ValueError):
+            continue
+        out[int(entry)] = (ppid, cmd)
+    return out
+
+
+def descendants(pid: int) -> list[int]:
+    """`pid` and every process below it, parents first."""
+    children: dict[int, list[int]] = {}
+    for p, (ppid, _) in _process_table().items():
+        children.setdefault(ppid, []).append(p)
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += children.get(p, [])
+    return out
+
+
+def _task_states(procs: Path) -> str:
+    """`pid:state:wchan cmd` of every task listed in a cgroup's `cgroup.procs` (for error messages)."""
+    out = []
+    for pid in procs.read_text().split():
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            wchan = Path(f"/proc/{pid}/wchan").read_text()
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")[:60].decode(errors="replace")
+        except OSError:
+            continue
+        out.append(f"{pid}:{state}:{wchan} {cmd.strip()}")
+    return "; ".join(out)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def _mounts_matching(fragment: str) -> list[str]:
+    with open("/proc/self/mountinfo") as f:
+        points = [line.split()[4] for line in f]
+    return [p for p in points if fragment in p]
+
+
+def _ensure_kdat_dir() -> None:
+    """The tmpfs directory our CRIU build caches kernel facts in (gone after a reboot). It must be
+    ours alone: root-owned, mode 0700, a real directory, or CRIU could be fed a forged cache."""
+    d = "/dev/shm/k3sys-criu"
+    try:
+        os.mkdir(d, 0o700)
+    except FileExistsError:
+        st = os.lstat(d)
+        if not (os.path.isdir(d) and not os.path.islink(d) and st.st_uid == 0 and (st.st_mode & 0o077) == 0):
+            raise DriverError(f"{d} exists but is not a root-only directory; remove it") from None

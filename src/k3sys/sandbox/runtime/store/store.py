@@ -1,0 +1,624 @@
+"""The content-addressed checkpoint store: commit trees as deduplicated chunks, check them out again.
+
+Layout under `root`:
+
+    LOCK                  fcntl lock file (see Concurrency)
+    manifests/<id>.mf     one per checkpoint (`manifest.py`)
+    packs/<name>.pack     the chunks one commit wrote, with their index (`pack.py`)
+    tmp/                  files being written; anything left here is from a crash
+
+Durability: a commit writes its new chunks to one pack (one fsync), renames it into `packs/` and
+fsyncs the directory, then writes the manifest to `tmp/`, fsyncs it and links it into `manifests/`
+(and fsyncs that directory). A manifest is therefore visible only once every chunk it names is
+durable, and a crash at any point leaves earlier checkpoints intact and at worst a pack no manifest
+references (or a temp file), which `gc()` removes and `verify()` reports. Nothing else is stored:
+the chunk index (digest -> pack, offset) and the reference counts are rebuilt in memory from the
+pack indexes and manifests when the store opens, so they can never disagree with the disk.
+
+Concurrency: `fcntl.flock` on `LOCK`, taken on a fresh file descriptor per call, so it excludes
+threads of one process as well as other processes: commit and checkout hold it shared; delete,
+gc, compact and verify exclusive (they move, remove or judge data a commit in flight may rely on). The
+in-memory index and counts are updated under a thread lock; hashing, comparing and file I/O run
+outside it. Dictionary reads outside the lock are single, GIL-atomic lookups, and a chunk found
+in the index cannot disappear while the shared lock is held. Another process's commits and deletes
+are picked up by comparing directory listings at the start of every call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import json
+import mmap
+import os
+import re
+import secrets
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from blake3 import blake3
+
+from k3sys.sandbox.errors import CheckpointExistsError, CheckpointNotFoundError, CorruptStoreError, StoreInputError
+from k3sys.sandbox.runtime.store import chunker, tree
+from k3sys.sandbox.runtime.store.index import ChunkIndex, Row
+from k3sys.sandbox.runtime.store.manifest import Entry, Manifest, decode, encode
+from k3sys.sandbox.runtime.store.pack import PAGE, PackWriter, fsync_dir, read_index, write_all
+
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+# Test hook: name a point in `commit` at which the process dies, as a crash would kill it.
+CRASH_ENV = "K3SYS_STORE_CRASH_AT"
+
+
+def _crash_point(name: str) -> None:
+    if os.environ.get(CRASH_ENV) == name:
+        os._exit(86)
+
+
+def _check_name(kind: str, value: str) -> None:
+    if not isinstance(value, str) or not _NAME.fullmatch(value):
+        raise StoreInputError(f"{kind} {value!r} is not a valid name (letters, digits, '._-', at most 128)")
+
+
+class Store:
+    """A checkpoint store rooted at `root` (created if missing). See the module docstring."""
+
+    def __init__(self, root: Path | str) -> None:
+        self.root = Path(root)
+        self._mdir, self._pdir, self._tdir = (os.fspath(self.root / d) for d in ("manifests", "packs", "tmp"))
+        for d in (self._mdir, self._pdir, self._tdir):
+            os.makedirs(d, exist_ok=True)
+        self._mu = threading.Lock()
+        self._manifests: dict[str, Manifest] = {}
+        self._broken: dict[str, str] = {}  # manifest or pack file name -> why it could not be read
+        self._index = ChunkIndex(self._pdir)  # a chunk's length follows from its file entry
+        self._pending: set[str] = set()  # pack file names this process is publishing right now
+        # digest -> number of manifests that reference it. Counting is deferred (`_unsettled`) until
+        # delete, gc, verify or stats need the counts, which keeps it off the checkpoint's path.
+        self._refs: Counter[bytes] = Counter()
+        self._unsettled: dict[str, Manifest] = {}
+        self._rings: list[chunker.BufferRing] = []  # idle read buffers, one ring per concurrent commit
+        with self._mu:
+            self._refresh()
+
+    # ---------------------------------------------------------------- public API
+
+    def commit(
+        self, trees: Mapping[str, Path | str], parent: str | None = None, meta: dict[str, Any] | None = None,
+        id: str | None = None, follower: Follower | None = None,
+    ) -> Manifest:
+        """Snapshot each named directory tree (e.g. `{"criu": image_dir, "upper": upper_dir}`).
+
+        Every chunk is hashed; chunks already stored are not written again, so a checkpoint after a
+        small change writes little whatever its `parent` (recorded in the manifest). `meta` must be
+        JSON-serialisable. `follower` (from `follow`, on one of the trees) brings the files it
+        already packed; the commit takes it over, or aborts it if the commit fails. Returns the new
+        checkpoint's manifest.
+        """
+        try:
+            return self._commit(trees, parent, meta, id, follower)
+        finally:
+            if follower is not None:
+                follower.abort()  # a no-op once the commit took it over
+
+    def follow(self, directory: Path | str) -> Follower:
+        """Start packing the CRIU page images that appear in `directory` while they are written
+        (see `Follower`); hand the result to `commit(..., follower=...)` or `abort()` it."""
+        return Follower(self, os.fspath(directory))
+
+    def _commit(self, trees: Mapping[str, Path | str], parent: str | None, meta: dict[str, Any] | None,
+                id: str | None, follower: Follower | None) -> Manifest:
+        id = id if id is not None else secrets.token_hex(8)
+        _check_name("checkpoint id", id)
+        for name in trees:
+            _check_name("tree name", name)
+        meta = dict(meta or {})
+        try:
+            json.dumps(meta)
+        except (TypeError, ValueError) as e:
+            raise StoreInputError(f"meta is not JSON-serialisable: {e}") from e
+        with self._flock(exclusive=False):
+            with self._mu:
+                self._refresh()
+                if id in self._manifests:
+                    raise CheckpointExistsError(f"checkpoint {id!r} already exists")
+            scanned = {name: tree.scan(Path(path)) for name, path in trees.items()}
+            packing = follower.take() if follower is not None else self._packing()
+            writer = packing.writer
+            tmp_manifest = os.path.join(self._tdir, f"{id}.{secrets.token_hex(4)}.mf")
+            try:
+                out: dict[str, tuple[Entry, ...]] = {}
+                for name, items in scanned.items():
+                    out[name] = tuple(self._chunk_file(e, path, packing) if e.kind == "file" else e
+                                      for e, path in items)
+                if writer.rows:
+                    self._publish_pack(writer, packing.name)
+                else:
+                    writer.abort()
+                with self._mu:  # every buffer is back (the writer has drained); a failed commit drops them
+                    self._rings.append(packing.ring)
+                _crash_point("after-pack")
+                m = Manifest(id, parent, time.time(), sum(e.size for es in out.values() for e in es),
+                             writer.chunk_bytes, meta, out)
+                self._publish_manifest(m, tmp_manifest)
+                return m
+            finally:
+                writer.abort()
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp_manifest)
+
+    def checkout(self, id: str, dests: Mapping[str, Path | str]) -> None:
+        """Rebuild each named tree of checkpoint `id` at `dests[name]` (created, or an empty directory).
+
+        `dests` may name a subset of the checkpoint's trees. On failure nothing is left behind.
+        """
+        with self._flock(exclusive=False):
+            with self._mu:
+                self._refresh()  # packs another process removed must not be read from
+            m = self.get(id)
+            unknown = sorted(set(dests) - set(m.trees))
+            if unknown:
+                raise StoreInputError(f"checkpoint {id!r} has no tree {unknown[0]!r} (it has {sorted(m.trees)})")
+            done: list[tuple[Path, bool]] = []
+            fds: dict[int, int] = {}
+            try:
+                for name, dest in dests.items():
+                    dest = Path(dest)
+                    done.append((dest, tree.prepare_dest(dest)))
+                    tree.build(dest, m.trees[name], lambda fd, e, name=name: self._fill(fd, e, fds, f"{id}/{name}"))
+            except BaseException:
+                for dest, created in done:
+                    tree.discard_dest(dest, created)
+                raise
+            finally:
+                for fd in fds.values():
+                    os.close(fd)
+
+    def get(self, id: str) -> Manifest:
+        """The manifest of checkpoint `id`."""
+        with self._mu:
+            m = self._manifests.get(id)
+            if m is None:
+                self._refresh()
+                m = self._manifests.get(id)
+        if m is None:
+            raise CheckpointNotFoundError(f"no checkpoint {id!r} in store {os.fspath(self.root)!r}")
+        return m
+
+    def list(self) -> list[Manifest]:
+        """All checkpoints, oldest first."""
+        with self._mu:
+            self._refresh()
+            return sorted(self._manifests.values(), key=lambda m: (m.created, m.id))
+
+    def delete(self, id: str) -> None:
+        """Remove checkpoint `id`; chunks no other checkpoint references go, and packs left empty."""
+        with self._flock(exclusive=True), self._mu:
+            self._refresh()
+            m = self._manifests.get(id)
+            if m is None:
+                raise CheckpointNotFoundError(f"no checkpoint {id!r} in store {os.fspath(self.root)!r}")
+            os.unlink(os.path.join(self._mdir, f"{id}.mf"))
+            fsync_dir(self._mdir)
+            self._settle()
+            del self._manifests[id]
+            dead = set()
+            for d in m.digests():
+                self._refs[d] -= 1
+                if self._refs[d] <= 0:
+                    del self._refs[d]
+                    dead |= self._index.holders(d)
+            self._collect(dead)
+
+    def gc(self) -> dict[str, int]:
+        """Remove what interrupted commits and deletes left: temp files and unreferenced packs."""
+        with self._flock(exclusive=True), self._mu:
+            self._refresh()
+            temps = os.listdir(self._tdir)
+            for name in temps:
+                os.unlink(os.path.join(self._tdir, name))
+            self._settle()
+            before = len(self._index.packs)
+            freed = self._collect(set(self._index.packs))
+            return {"temp_files": len(temps), "packs": before - len(self._index.packs), "bytes": freed}
+
+    def verify(self) -> list[str]:
+        """Re-hash every stored chunk and check every manifest; return the problems ([] if healthy).
+
+        Holds the store's lock exclusively, so commits and checkouts wait until it is done.
+        """
+        with self._flock(exclusive=True):
+            with self._mu:
+                self._refresh()
+                self._settle()
+            # From here on the exclusive lock keeps every commit, delete and gc (any process) out.
+            index, refs = self._index, self._refs
+            problems = [f"{name}: {why}" for name, why in sorted(self._broken.items())]
+            problems += [f"leftover temp file tmp/{n} (an interrupted commit; gc() removes it)"
+                         for n in sorted(os.listdir(self._tdir))]
+            for m in sorted(self._manifests.values(), key=lambda m: m.id):
+                for name, entries in m.trees.items():
+                    for e in entries:
+                        missing = [d for d in chunker.split(e.chunks) if d not in index]
+                        if missing:
+                            problems.append(f"checkpoint {m.id!r} tree {name!r} file {e.path!r}: {len(missing)} "
+                                            f"chunk(s) missing, first {missing[0].hex()}")
+            # A pack whose chunks all have an older copy elsewhere (two commits wrote them at once) is
+            # only wasted space, reclaimed by the next gc(); one that no checkpoint references is debris.
+            for p in sorted(index.packs.values(), key=lambda p: p.name):
+                label = f"pack {p.name}"
+                if not any(d in refs for d, _, _ in p.rows):
+                    problems.append(f"{label} holds no chunk any checkpoint references (left by an interrupted "
+                                    "commit or delete; gc() removes it)")
+                try:
+                    with open(p.path, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mm:
+                        bad = [(d, off) for d, off, n in p.rows if blake3(memoryview(mm)[off : off + n]).digest() != d]
+                except OSError as e:
+                    problems.append(f"{label}: cannot read ({e.strerror})")
+                    continue
+                problems += [f"{label} offset {off}: chunk {d.hex()} does not match its data" for d, off in bad]
+            return problems
+
+    def compact(self, min_live: float = 0.5) -> dict[str, int]:
+        """Rewrite the still-referenced chunks of packs less than `min_live` full into one new pack.
+
+        Deleting old checkpoints of a long chain leaves packs mostly dead but kept alive by a few
+        pages; this bounds that waste. Holds the lock exclusively. Returns counts and bytes freed.
+        """
+        with self._flock(exclusive=True), self._mu:
+            self._refresh()
+            self._settle()
+            victims: dict[int, list[Row]] = {}
+            for no, p in self._index.packs.items():
+                live = [r for r in self._index.indexed_rows(no) if r[0] in self._refs]
+                if live and sum(n for _, _, n in live) < min_live * p.data_end:
+                    victims[no] = live
+            if not victims:
+                return {"packs": 0, "bytes": 0}
+            name, writer = self._new_pack()
+            try:
+                for no, live in victims.items():
+                    with open(self._index.packs[no].path, "rb") as f, \
+                            mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mm:
+                        for d, off, n in live:
+                            writer.add([d], mm[off : off + n], PAGE if n == PAGE else n)
+                    writer.flush()  # one old pack's worth at a time: memory stays bounded
+                writer.finish()
+            finally:
+                writer.abort()
+            self._index.add(name, writer.rows, writer.offset, os.path.getsize(writer.final_path))
+            # The old copies sort first and stay indexed until their packs go; then the new ones take over.
+            before = sum(self._index.packs[no].size for no in victims)
+            for no in victims:
+                os.unlink(self._index.remove(no).path)
+            fsync_dir(self._pdir)
+            return {"packs": len(victims), "bytes": before - os.path.getsize(writer.final_path)}
+
+    def stats(self) -> dict[str, int]:
+        """Sizes in bytes and counts: on disk (packs + manifests), logical, unique chunk data."""
+        with self._mu:
+            self._refresh()
+            self._settle()
+            manifest_bytes = sum(os.path.getsize(os.path.join(self._mdir, f"{i}.mf")) for i in self._manifests)
+            packs = self._index.packs
+            return {
+                "bytes_on_disk": sum(p.size for p in packs.values()) + manifest_bytes,
+                "bytes_logical": sum(m.bytes_total for m in self._manifests.values()),
+                "bytes_unique": sum(n for no in packs for d, _, n in self._index.indexed_rows(no) if d in self._refs),
+                "chunks": len(self._refs),
+                "packs": len(packs),
+                "manifests": len(self._manifests),
+            }
+
+    # ---------------------------------------------------------------- commit and checkout internals
+
+    def _packing(self) -> _Packing:
+        name, writer = self._new_pack()
+        with self._mu:  # read buffers are reused across commits: fresh memory costs page faults
+            ring = self._rings.pop() if self._rings else chunker.BufferRing()
+        return _Packing(name, writer, ring)
+
+    def _chunk_file(self, e: Entry, path: str, packing: _Packing) -> Entry:
+        """`e` with its chunks: every chunk hashed, the ones the store lacks packed."""
+        cs = chunker.chunk_size_for(e.path.rpartition("/")[2])
+        size, digests = packing.done.get(path, (-1, []))
+        if size != e.size:  # not packed by a follower (or changed since): read it now
+            digests = []
+            for _, data, buf in chunker.read_windows(path, e.size, packing.ring):
+                digests += self._pack_window(packing, data, cs)
+                packing.writer.then(packing.ring.give, buf)
+        return dataclasses.replace(e, chunk_size=cs, chunks=b"".join(digests))
+
+    def _pack_window(self, packing: _Packing, buf: np.ndarray, cs: int) -> list[bytes]:
+        """The digests of `buf`'s chunks; appends those that neither the store nor this commit holds
+        yet to the pack, each run of consecutive new chunks in one piece (`buf` must stay unchanged
+        until a following `writer.then` calls back)."""
+        digests = chunker.digest_chunks(buf, cs)
+        # Set operations and `map` run the per-chunk loop in C (16k pages per 64 MiB).
+        new_here = self._index.missing(set(digests)) - packing.fresh
+        new = np.fromiter(map(new_here.__contains__, digests), bool, count=len(digests))
+        if new.sum() > len(new_here):  # a new chunk repeats within the window: write its first copy only
+            seen: set[bytes] = set()
+            for i in np.flatnonzero(new).tolist():
+                new[i] = digests[i] not in seen
+                seen.add(digests[i])
+        packing.fresh |= new_here
+        edges = np.flatnonzero(np.diff(new, prepend=False, append=False)).tolist()
+        for a, b in zip(edges[::2], edges[1::2], strict=True):
+            packing.writer.add(digests[a:b], buf[a * cs : b * cs], cs)
+        return digests
+
+    def _new_pack(self) -> tuple[str, PackWriter]:
+        # Names sort by creation time, so the oldest copy of a chunk is the indexed one.
+        name = f"{time.time_ns():016x}-{secrets.token_hex(4)}.pack"
+        return name, PackWriter(os.path.join(self._tdir, name), os.path.join(self._pdir, name))
+
+    def _publish_manifest(self, m: Manifest, tmp: str) -> None:
+        """Write `m` durably to `tmp`, then link it into place (no-clobber: the id may have been taken)."""
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        try:
+            write_all(fd, encode(m))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        _crash_point("before-manifest")
+        with self._mu:
+            try:
+                os.link(tmp, os.path.join(self._mdir, f"{m.id}.mf"))
+            except FileExistsError as e:  # another process took the id after our check
+                raise CheckpointExistsError(f"checkpoint {m.id!r} already exists") from e
+            self._add_manifest(m)
+        fsync_dir(self._mdir)
+
+    def _publish_pack(self, writer: PackWriter, name: str) -> None:
+        """Make the pack durable and index its chunks (after which other commits may dedup against it)."""
+        with self._mu:
+            self._pending.add(name)
+        try:
+            writer.finish()
+            with self._mu:
+                self._index.add(name, writer.rows, writer.offset, os.path.getsize(writer.final_path))
+        finally:
+            with self._mu:
+                self._pending.discard(name)
+
+    def _fill(self, fd: int, e: Entry, fds: dict[int, int], where: str) -> None:
+        """Write file entry `e`'s bytes to `fd`: one in-kernel copy per run of chunks adjacent in a pack.
+
+        All-zero chunks become holes (a sparse file: no tmpfs memory, no copy), as in the source.
+        """
+        if not e.size:
+            return
+        pack, off = self._index.locate(e.chunks)
+        lost = np.flatnonzero(pack < 0)
+        if lost.size:
+            raise CorruptStoreError(f"checkpoint {where} file {e.path!r}: chunk {e.digest(int(lost[0])).hex()} "
+                                    f"missing ({lost.size} of {pack.size})")
+        n = np.full(pack.size, e.chunk_size, np.int64)
+        n[-1] = e.size - (pack.size - 1) * e.chunk_size
+        zero = (chunker.as_rows(e.chunks) == chunker.zero_digest(e.chunk_size)).all(axis=1) & (n == e.chunk_size)
+        # Runs of chunks back to back in one pack are copied with one sendfile each; runs of zeros skipped.
+        cut = np.flatnonzero((pack[1:] != pack[:-1]) | (off[1:] != off[:-1] + n[:-1]) | (zero[1:] != zero[:-1])) + 1
+        starts = np.r_[0, cut]
+        runs = zip(pack[starts].tolist(), off[starts].tolist(), np.add.reduceat(n, starts).tolist(),
+                   zero[starts].tolist(), strict=True)
+        for p, start, size, hole in runs:
+            if hole:
+                os.lseek(fd, size, os.SEEK_CUR)
+                continue
+            src = fds.get(p)
+            if src is None:
+                with self._mu:
+                    src = fds[p] = os.open(self._index.packs[p].path, os.O_RDONLY | os.O_CLOEXEC)
+            while size:
+                sent = os.sendfile(fd, src, start, size)
+                if not sent:
+                    raise CorruptStoreError(f"checkpoint {where} file {e.path!r}: a pack is truncated at {start}")
+                start, size = start + sent, size - sent
+        os.ftruncate(fd, e.size)  # a trailing hole has no bytes written to size the file
+
+    # ---------------------------------------------------------------- index bookkeeping (under self._mu)
+
+    @contextlib.contextmanager
+    def _flock(self, exclusive: bool) -> Iterator[None]:
+        fd = os.open(self.root / "LOCK", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+            yield
+        finally:
+            os.close(fd)  # closing the descriptor releases the lock
+
+    def _add_manifest(self, m: Manifest) -> None:
+        self._manifests[m.id] = m
+        self._unsettled[m.id] = m
+
+    def _settle(self) -> None:
+        """Count the references of manifests added since the counts were last needed."""
+        for m in self._unsettled.values():
+            self._refs.update(m.digests())
+        self._unsettled.clear()
+
+    def _refresh(self) -> None:
+        """Catch up with manifests and packs other processes added or removed since we last looked."""
+        # Manifests first: a manifest we list has its pack in place before it, so listing packs after
+        # it finds every chunk it names.
+        m_names = {n[:-3] for n in os.listdir(self._mdir) if n.endswith(".mf")}
+        p_names = {n for n in os.listdir(self._pdir) if n.endswith(".pack")} - self._pending
+        known_m = set(self._manifests) | {n[:-3] for n in self._broken if n.endswith(".mf")}
+        known_p = set(self._index.by_name) | {n for n in self._broken if n.endswith(".pack")}
+        if m_names == known_m and p_names == known_p:
+            return
+        for name in known_p - p_names:
+            self._broken.pop(name, None)
+            if name in self._index.by_name:
+                self._index.remove(self._index.by_name[name])
+        for name in sorted(p_names - known_p):
+            path = os.path.join(self._pdir, name)
+            try:
+                rows, data_end = read_index(path)
+            except FileNotFoundError:  # removed by another process since we listed it
+                continue
+            except (CorruptStoreError, OSError) as e:
+                self._broken[name] = str(e)
+                continue
+            self._index.add(name, rows, data_end, os.path.getsize(path))
+        for id in known_m - m_names:
+            self._broken.pop(f"{id}.mf", None)
+            m = self._manifests.pop(id, None)
+            if m is not None and self._unsettled.pop(id, None) is None:
+                self._refs.subtract(m.digests())
+                self._refs = +self._refs  # drop counts that reached zero
+        for id in sorted(m_names - known_m):
+            try:
+                with open(os.path.join(self._mdir, f"{id}.mf"), "rb") as f:
+                    m = decode(f.read(), f"manifests/{id}.mf")
+            except FileNotFoundError:
+                continue
+            except (CorruptStoreError, OSError) as e:
+                self._broken[f"{id}.mf"] = str(e)
+                continue
+            self._add_manifest(m)
+
+    def _collect(self, candidates: set[int]) -> int:
+        """Delete those of the packs numbered `candidates` that hold the indexed copy of no referenced
+        chunk; return the bytes freed."""
+        dead = [no for no in candidates if not any(d in self._refs for d, _, _ in self._index.indexed_rows(no))]
+        freed = 0
+        for no in dead:
+            p = self._index.remove(no)
+            os.unlink(p.path)
+            freed += p.size
+        if dead:
+            fsync_dir(self._pdir)
+        return freed
+
+
+@dataclasses.dataclass(eq=False)
+class _Packing:
+    """What one commit writes into: its new pack, its read buffers, the digests it packed so far,
+    and the files a `Follower` already chunked (path -> (bytes, digests))."""
+
+    name: str
+    writer: PackWriter
+    ring: chunker.BufferRing
+    fresh: set[bytes] = dataclasses.field(default_factory=set)
+    done: dict[str, tuple[int, list[bytes]]] = dataclasses.field(default_factory=dict)
+
+
+class Follower:
+    """Chunks and packs the CRIU page images (`pages-*.img`) of a directory while CRIU still writes
+    them, so that the commit after the dump finds them done: hashing and writing overlap the dump
+    instead of following it.
+
+    Only for files their writer appends to, as CRIU does with page images: every byte below a
+    file's current size is then final. A thread polls the directory (every `POLL` s) and takes
+    whole pages, at least `MIN_READ` bytes at a time; `take()` (called by `Store.commit`) reads
+    what is left once the writer is done. A file the commit finds replaced (another inode) or of
+    another size is chunked again by the commit; bytes rewritten in place are not noticed, which
+    is why nothing but append-only writers may be followed. Holds the store's lock shared (as a
+    commit does) from the start, so `gc` cannot take the pack it writes. Until `take()` the thread
+    runs at `NICE`: where cores are short, the writer (CRIU dumping a frozen sandbox) comes first.
+    """
+
+    POLL = 0.001
+    MIN_READ = 1 << 20
+    NICE = 5
+
+    def __init__(self, store: Store, directory: str) -> None:
+        self._store, self._dir = store, directory
+        self._lock = contextlib.ExitStack()
+        self._lock.enter_context(store._flock(exclusive=False))
+        self._packing = store._packing()
+        self._files: dict[str, list] = {}  # path -> [(device, inode), bytes read, digests]
+        self._stop = threading.Event()
+        self._error: BaseException | None = None
+        self._tid: int | None = None
+        self._thread = threading.Thread(target=self._run, name="k3sys-store-follow", daemon=True)
+        self._thread.start()
+
+    def take(self) -> _Packing:
+        """Wait until the files are read to their end (their writer must be done) and hand over the pack."""
+        self._finish()
+        if self._error is not None:
+            raise self._error
+        self._packing.done = {path: (n, digests) for path, (ident, n, digests) in self._files.items()
+                              if _identity(path) == ident}
+        return self._packing
+
+    def abort(self) -> None:
+        """Stop and drop the pack (idempotent; a no-op on the pack once a commit published it)."""
+        self._finish()
+        self._packing.writer.abort()
+
+    def _finish(self) -> None:
+        self._stop.set()
+        if self._tid is not None:  # what is left is on the commit's path now
+            with contextlib.suppress(OSError):
+                os.setpriority(os.PRIO_PROCESS, self._tid, 0)
+        self._thread.join()
+        self._lock.close()
+
+    def _run(self) -> None:
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.NICE)
+            self._tid = threading.get_native_id()
+        try:
+            while True:
+                last = self._stop.is_set()  # looked at before reading: the last pass sees every byte
+                with contextlib.suppress(FileNotFoundError):  # the dump has not made the directory yet
+                    for name in os.listdir(self._dir):
+                        path = os.path.join(self._dir, name)
+                        if path not in self._files and chunker.chunk_size_for(name) == PAGE:
+                            self._files[path] = [None, 0, []]
+                for path, f in self._files.items():
+                    self._read(path, f, last)
+                if last:
+                    return
+                self._stop.wait(self.POLL)
+        except BaseException as e:  # noqa: BLE001 - raised again by take()
+            self._error = e
+
+    def _read(self, path: str, f: list, last: bool) -> None:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return  # gone again: the commit will not find it either
+        try:
+            st = os.fstat(fd)
+            if f[0] is None:
+                f[0] = (st.st_dev, st.st_ino)
+            if f[0] == (st.st_dev, st.st_ino):
+                f[1] = self._append(path, fd, st.st_size, f[1], f[2], last)
+        finally:
+            os.close(fd)
+
+    def _append(self, path: str, fd: int, size: int, done: int, digests: list[bytes], last: bool) -> int:
+        """Pack the pages of `fd` from byte `done` on; returns how far it got."""
+        p = self._packing
+        while (n := size - done if last else (size - done) // PAGE * PAGE) >= (1 if last else self.MIN_READ):
+            buf = p.ring.take()
+            data = buf[: min(n, chunker.WINDOW)]
+            view, got = memoryview(data), 0
+            while got < data.size and (k := os.preadv(fd, [view[got:]], done + got)):
+                got += k
+            if got != data.size:
+                p.ring.give(buf)
+                raise StoreInputError(f"{path!r} shrank while being written")
+            digests += self._store._pack_window(p, data, PAGE)
+            p.writer.then(p.ring.give, buf)
+            done += data.size
+        return done
+
+
+def _identity(path: str) -> tuple[int, int] | None:
+    """(device, inode) of `path`, None if it is gone."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino

@@ -1,0 +1,363 @@
+"""Clients of the sandbox service (`server.py`): `HTTPBackend`, a `Backend` over httpx, so
+
+    Sandbox.create(api_url="http://127.0.0.1:8765", api_key=...)    # or K3SYS_API_URL / K3SYS_API_KEY
+
+gives a sandbox whose every call goes over HTTP and raises what the embedded runtime raises (the
+status mapping is `_wire.error_of`). `AsyncHTTPBackend` makes the same calls as coroutines.
+
+Each method only describes its request (`_Call`); `_do` performs it. The sync client's `_do` sends
+it with `httpx.Client`, the async one's awaits `httpx.AsyncClient`, so both share every route.
+Connections are pooled and reused; `connect` keeps one client per (url, key) per process.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import json
+import os
+import threading
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, BinaryIO
+
+import httpx
+
+from k3sys.sandbox._wire import (
+    checkpoint_info,
+    command_result,
+    entry_info,
+    error_of,
+    sandbox_info,
+)
+from k3sys.sandbox.errors import InvalidArgumentError, SandboxFileNotFoundError, UnavailableError
+from k3sys.sandbox.spec import MAX_FORK, CommandResult, SandboxSpec, check_number
+from k3sys.sandbox.types import CheckpointInfo, EntryInfo, SandboxInfo
+
+DEFAULT_TIMEOUT = httpx.Timeout(600.0, connect=10.0)  # life-cycle calls (a fork of many) may take minutes
+_MARGIN = 30.0  # extra seconds the HTTP read waits beyond a command's own timeout
+_CHUNK = 1 << 20
+
+
+def _none(r: httpx.Response) -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class _Call:
+    """One request: what to send, how to read the answer (`parse` also sees error answers when `raw`).
+    `timeout` in seconds, None for none; by default the client's."""
+
+    method: str
+    path: str
+    params: dict[str, Any] | None = None
+    json: Any = None
+    content: bytes | Iterable[bytes] | None = None
+    parse: Callable[[httpx.Response], Any] = _none
+    timeout: Any = httpx.USE_CLIENT_DEFAULT
+    raw: bool = False
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+def _exists(r: httpx.Response) -> bool:
+    if r.status_code == 200:
+        return True
+    err = error_of(r.status_code, r.content, r.headers)
+    if isinstance(err, SandboxFileNotFoundError):
+        return False
+    raise err
+
+
+def _command_timeout(timeout: float | None) -> float | None:
+    return None if timeout is None else timeout + _MARGIN
+
+
+def _chunks(f: BinaryIO) -> Iterator[bytes]:
+    while chunk := f.read(_CHUNK):
+        yield chunk
+
+
+class _Events:
+    """Reads /commands/{cid}/events line by line: `feed` returns `(stream, text)` for an output event,
+    raises the error an `error` event carries, and sets `ended` at the `end` event."""
+
+    def __init__(self) -> None:
+        self.event, self.data, self.ended = "message", [], False
+
+    def feed(self, line: str) -> tuple[str, str] | None:
+        if line.startswith("event:"):
+            self.event = line[6:].strip()
+        elif line.startswith("data:"):
+            self.data.append(line[5:].lstrip(" "))
+        elif not line and self.data:  # a blank line dispatches the event
+            event, data = self.event, "\n".join(self.data)
+            self.event, self.data = "message", []
+            if event in ("stdout", "stderr"):
+                return event, json.loads(data)
+            if event == "error":
+                raise error_of(500, data.encode())
+            self.ended = event == "end"
+        return None
+
+
+_STREAM_TIMEOUT = httpx.Timeout(None, connect=10.0)  # a quiet command may send nothing for long
+
+
+class HTTPBackend:
+    """A `Backend` (see `k3sys.sandbox.sdk.api`) served by a sandbox service at `api_url`.
+
+    `api_key` defaults to `K3SYS_API_KEY`; `timeout` (seconds, or an httpx.Timeout) bounds every call
+    but commands, which wait their own timeout plus a margin. Thread-safe; `close()` when done.
+    """
+
+    def __init__(self, api_url: str, api_key: str | None = None,
+                 timeout: httpx.Timeout | float = DEFAULT_TIMEOUT, max_connections: int = 100) -> None:
+        if not isinstance(api_url, str) or not api_url.startswith(("http://", "https://")):
+            raise InvalidArgumentError(f"api_url: expected an http(s) URL, got {api_url!r}")
+        self.api_url = api_url.rstrip("/")
+        self.api_key = api_key if api_key is not None else os.environ.get("K3SYS_API_KEY")
+        headers = {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        # Idle connections expire long before the server closes them (server.KEEP_ALIVE_S): a request
+        # never goes out on a connection the server is closing.
+        self._http = self._client(base_url=self.api_url, headers=headers, timeout=timeout,
+                                  limits=httpx.Limits(max_connections=max_connections,
+                                                      max_keepalive_connections=max_connections, keepalive_expiry=5.0))
+
+    def _client(self, **kw: Any) -> Any:
+        return httpx.Client(**kw)
+
+    def _request(self, call: _Call) -> Any:
+        return self._http.build_request(call.method, call.path, params=call.params, json=call.json,
+                                        content=call.content, headers=call.headers, timeout=call.timeout)
+
+    def _answer(self, call: _Call, r: httpx.Response) -> Any:
+        if r.status_code >= 400 and not call.raw:
+            raise error_of(r.status_code, r.content, r.headers)
+        return call.parse(r)
+
+    def _unreachable(self, e: httpx.TransportError) -> UnavailableError:
+        return UnavailableError(f"sandbox service at {self.api_url}: {type(e).__name__}: {e}")
+
+    def _do(self, call: _Call) -> Any:
+        try:
+            r = self._http.send(self._request(call))
+        except httpx.TransportError as e:
+            raise self._unreachable(e) from e
+        return self._answer(call, r)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> HTTPBackend:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.api_url!r})"
+
+    # --- sandboxes ------------------------------------------------------------------------------
+
+    def create(self, spec: SandboxSpec, id: str | None = None) -> SandboxInfo:
+        return self._do(_Call("POST", "/sandboxes", json={**spec.to_json(), "id": id},
+                              parse=lambda r: sandbox_info(r.json())))
+
+    def info(self, sid: str) -> SandboxInfo:
+        return self._do(_Call("GET", f"/sandboxes/{sid}", parse=lambda r: sandbox_info(r.json())))
+
+    def list(self) -> list[SandboxInfo]:
+        return self._do(_Call("GET", "/sandboxes", parse=lambda r: [sandbox_info(d) for d in r.json()]))
+
+    def kill(self, sid: str) -> None:
+        return self._do(_Call("DELETE", f"/sandboxes/{sid}"))
+
+    def memory_bytes(self, sid: str) -> int:
+        return self._do(_Call("GET", f"/sandboxes/{sid}/memory", parse=lambda r: r.json()["bytes"]))
+
+    def cpu_seconds(self, sid: str) -> float:
+        return self._do(_Call("GET", f"/sandboxes/{sid}/cpu", parse=lambda r: r.json()["seconds"]))
+
+    # --- commands -------------------------------------------------------------------------------
+
+    @staticmethod
+    def _command_body(cmd: str, cwd: str | None, env: dict[str, str] | None, stdin: bytes | None) -> dict:
+        return {"cmd": cmd, "cwd": cwd, "env": env,
+                "stdin_base64": base64.b64encode(stdin).decode() if stdin is not None else None}
+
+    def start_command(self, sid: str, cmd: str, cwd: str | None = None, env: dict[str, str] | None = None,
+                      stdin: bytes | None = None) -> str:
+        body = {**self._command_body(cmd, cwd, env, stdin), "background": True}
+        return self._do(_Call("POST", f"/sandboxes/{sid}/commands", json=body, parse=lambda r: r.json()["id"]))
+
+    def run(self, sid: str, cmd: str, timeout: float | None = 60, cwd: str | None = None,
+            env: dict[str, str] | None = None, stdin: bytes | None = None) -> CommandResult:
+        body = {**self._command_body(cmd, cwd, env, stdin), "timeout": timeout}
+        return self._do(_Call("POST", f"/sandboxes/{sid}/commands", json=body, timeout=_command_timeout(timeout),
+                              parse=lambda r: command_result(r.json())))
+
+    def wait_command(self, cid: str, timeout: float | None = None) -> CommandResult:
+        return self._do(_Call("POST", f"/commands/{cid}/wait", json={"timeout": timeout},
+                              timeout=_command_timeout(timeout), parse=lambda r: command_result(r.json())))
+
+    def command_output(self, cid: str) -> tuple[str, str]:
+        return self._do(_Call("GET", f"/commands/{cid}", parse=lambda r: (r.json()["stdout"], r.json()["stderr"])))
+
+    def command_running(self, cid: str) -> bool:
+        return self._do(_Call("GET", f"/commands/{cid}", parse=lambda r: r.json()["running"]))
+
+    def kill_command(self, cid: str) -> None:
+        return self._do(_Call("DELETE", f"/commands/{cid}"))
+
+    def stream_command(self, cid: str) -> Iterator[tuple[str, str]]:
+        """`("stdout" | "stderr", text)` as the command writes it, until it ends (server-sent events)."""
+        events = _Events()
+        try:
+            with self._http.stream("GET", f"/commands/{cid}/events", timeout=_STREAM_TIMEOUT) as r:
+                if r.status_code >= 400:
+                    raise error_of(r.status_code, r.read(), r.headers)
+                for line in r.iter_lines():
+                    if piece := events.feed(line):
+                        yield piece
+                    elif events.ended:
+                        return
+        except httpx.TransportError as e:
+            raise self._unreachable(e) from e
+        raise UnavailableError(f"sandbox service at {self.api_url}: the output stream of {cid} broke off")
+
+    # --- files ----------------------------------------------------------------------------------
+
+    def read_file(self, sid: str, path: str) -> bytes:
+        return self._do(_Call("GET", f"/sandboxes/{sid}/files", params={"path": path}, parse=lambda r: r.content))
+
+    def write_file(self, sid: str, path: str, data: bytes | str | BinaryIO) -> int:
+        """Upload `data`; a file object is streamed in chunks."""
+        if isinstance(data, str):
+            data = data.encode()
+        content = _chunks(data) if hasattr(data, "read") else bytes(data)
+        return self._do(_Call("PUT", f"/sandboxes/{sid}/files", params={"path": path}, content=content,
+                              headers={"content-type": "application/octet-stream"},
+                              parse=lambda r: r.json()["bytes"]))
+
+    def list_dir(self, sid: str, path: str = "/") -> list[EntryInfo]:
+        return self._do(_Call("GET", f"/sandboxes/{sid}/dirs", params={"path": path},
+                              parse=lambda r: [entry_info(d) for d in r.json()]))
+
+    def remove(self, sid: str, path: str) -> None:
+        return self._do(_Call("DELETE", f"/sandboxes/{sid}/files", params={"path": path}))
+
+    def make_dir(self, sid: str, path: str) -> None:
+        return self._do(_Call("POST", f"/sandboxes/{sid}/dirs", params={"path": path}))
+
+    def exists(self, sid: str, path: str) -> bool:
+        return self._do(_Call("HEAD", f"/sandboxes/{sid}/files", params={"path": path}, raw=True, parse=_exists))
+
+    # --- life cycle -----------------------------------------------------------------------------
+
+    def pause(self, sid: str) -> None:
+        return self._do(_Call("POST", f"/sandboxes/{sid}/pause"))
+
+    def resume(self, sid: str) -> None:
+        return self._do(_Call("POST", f"/sandboxes/{sid}/resume"))
+
+    def checkpoint(self, sid: str) -> CheckpointInfo:
+        return self._do(_Call("POST", f"/sandboxes/{sid}/checkpoints", parse=lambda r: checkpoint_info(r.json())))
+
+    def hibernate(self, sid: str) -> CheckpointInfo:
+        return self._do(_Call("POST", f"/sandboxes/{sid}/hibernate", parse=lambda r: checkpoint_info(r.json())))
+
+    def prefetch(self, sid: str, ttl_s: float = 60.0) -> bool:
+        return self._do(_Call("POST", f"/sandboxes/{sid}/prefetch", json={"ttl_s": ttl_s},
+                              parse=lambda r: r.json()["staged"]))
+
+    def fork(self, sid: str, n: int = 1) -> tuple[CheckpointInfo, list[SandboxInfo]]:
+        def parse(r: httpx.Response) -> tuple[CheckpointInfo, list[SandboxInfo]]:
+            d = r.json()
+            return checkpoint_info(d["checkpoint"]), [sandbox_info(s) for s in d["sandboxes"]]
+
+        check_number("n", n, 1, MAX_FORK, "children", integer=True)  # named as the SDK names it, not `count`
+        return self._do(_Call("POST", f"/sandboxes/{sid}/fork", json={"count": n}, parse=parse))
+
+    def restore(self, ck: str, id: str | None = None, timeout_s: float | None = None) -> SandboxInfo:
+        return self._do(_Call("POST", f"/checkpoints/{ck}/restore", json={"id": id, "timeout_s": timeout_s},
+                              parse=lambda r: sandbox_info(r.json())))
+
+    def checkpoints(self) -> list[CheckpointInfo]:
+        return self._do(_Call("GET", "/checkpoints", parse=lambda r: [checkpoint_info(d) for d in r.json()]))
+
+    def get_checkpoint(self, ck: str) -> CheckpointInfo:
+        return self._do(_Call("GET", f"/checkpoints/{ck}", parse=lambda r: checkpoint_info(r.json())))
+
+    def delete_checkpoint(self, ck: str) -> None:
+        return self._do(_Call("DELETE", f"/checkpoints/{ck}"))
+
+    # --- the service ----------------------------------------------------------------------------
+
+    def health(self) -> dict[str, Any]:
+        return self._do(_Call("GET", "/health", parse=lambda r: r.json()))
+
+    def metrics(self) -> str:
+        return self._do(_Call("GET", "/metrics", parse=lambda r: r.text))
+
+
+class AsyncHTTPBackend(HTTPBackend):
+    """`HTTPBackend`'s calls as coroutines, over one `httpx.AsyncClient` (use it from one event loop):
+    `await backend.create(spec)`, `async for stream, text in backend.stream_command(cid)`."""
+
+    def _client(self, **kw: Any) -> Any:
+        return httpx.AsyncClient(**kw)
+
+    async def _do(self, call: _Call) -> Any:  # type: ignore[override]
+        if call.content is not None and not isinstance(call.content, bytes):
+            call = dataclasses.replace(call, content=_aiter(call.content))  # AsyncClient streams async iterables
+        try:
+            r = await self._http.send(self._request(call))
+        except httpx.TransportError as e:
+            raise self._unreachable(e) from e
+        return self._answer(call, r)
+
+    async def stream_command(self, cid: str) -> AsyncIterator[tuple[str, str]]:  # type: ignore[override]
+        events = _Events()
+        try:
+            async with self._http.stream("GET", f"/commands/{cid}/events", timeout=_STREAM_TIMEOUT) as r:
+                if r.status_code >= 400:
+                    raise error_of(r.status_code, await r.aread(), r.headers)
+                async for line in r.aiter_lines():
+                    if piece := events.feed(line):
+                        yield piece
+                    elif events.ended:
+                        return
+        except httpx.TransportError as e:
+            raise self._unreachable(e) from e
+        raise UnavailableError(f"sandbox service at {self.api_url}: the output stream of {cid} broke off")
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    def close(self) -> None:  # pragma: no cover - the sync name makes no sense here
+        raise TypeError("use `await backend.aclose()`")
+
+    async def __aenter__(self) -> AsyncHTTPBackend:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+
+async def _aiter(chunks: Iterable[bytes]) -> AsyncIterator[bytes]:
+    for chunk in chunks:
+        yield chunk
+
+
+_clients: dict[tuple[str, str | None], HTTPBackend] = {}
+_clients_lock = threading.Lock()
+
+
+def connect(api_url: str, api_key: str | None = None) -> HTTPBackend:
+    """The process-wide `HTTPBackend` for (`api_url`, key), made on first use (connections are reused)."""
+    key = api_key if api_key is not None else os.environ.get("K3SYS_API_KEY")
+    with _clients_lock:
+        client = _clients.get((api_url, key))
+        if client is None:
+            client = _clients[(api_url, key)] = HTTPBackend(api_url, key)
+        return client

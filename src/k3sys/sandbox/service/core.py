@@ -1,0 +1,178 @@
+"""The sandbox service's state: its configuration, the runtime, admission limits, metrics, and the
+worker threads every runtime call of a request runs in (`Service.call`)."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any, TypeVar
+
+import anyio
+import anyio.to_thread
+
+from k3sys.sandbox.errors import InvalidArgumentError, SandboxError, UnavailableError
+from k3sys.sandbox.runtime.runtime import Runtime
+from k3sys.sandbox.runtime.state import State
+from k3sys.sandbox.service import metrics as _metrics
+from k3sys.sandbox.service.limits import Admission
+from k3sys.sandbox.spec import ON_TIMEOUT, SandboxSpec
+from k3sys.sandbox.types import CheckpointInfo, SandboxInfo
+
+T = TypeVar("T")
+ON_SHUTDOWN = ("hibernate", "keep", "kill")
+_HOLDING = ("running", "paused")  # states whose sandboxes hold memory at shutdown
+
+
+def _host_memory_mb() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // (1 << 20)
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    """How a service runs. Sizes in MiB or bytes as named, times in seconds.
+
+    `api_key` None serves without auth (loopback addresses only); `max_memory_mb` defaults to the
+    host's RAM, so memory limits are never over-committed; `on_timeout` is what happens to a sandbox
+    past its `timeout_s` unless its spec says; `on_shutdown` what stopping the service does to the
+    sandboxes that hold memory ("hibernate": released now, resumed on demand; "keep": left running
+    for the next start to adopt; "kill").
+    """
+
+    data_dir: Path
+    api_key: str | None
+    max_sandboxes: int = 64
+    max_memory_mb: int = dataclasses.field(default_factory=_host_memory_mb)
+    max_body_bytes: int = 256 << 20
+    max_command_timeout_s: float = 3600.0
+    on_timeout: str = "hibernate"
+    on_shutdown: str = "hibernate"
+    op_threads: int = 32
+    io_threads: int = 256
+
+    def __post_init__(self) -> None:
+        for name in ("max_sandboxes", "max_memory_mb", "max_body_bytes", "op_threads", "io_threads"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise InvalidArgumentError(f"{name}: expected a positive integer, got {v!r}")
+        if not self.max_command_timeout_s > 0:
+            raise InvalidArgumentError(f"max_command_timeout_s: expected > 0 s, got {self.max_command_timeout_s!r}")
+        if self.on_timeout not in ON_TIMEOUT:
+            raise InvalidArgumentError(f"on_timeout: expected one of {ON_TIMEOUT}, got {self.on_timeout!r}")
+        if self.on_shutdown not in ON_SHUTDOWN:
+            raise InvalidArgumentError(f"on_shutdown: expected one of {ON_SHUTDOWN}, got {self.on_shutdown!r}")
+
+
+class Service:
+    """The runtime, its limits and metrics; every runtime call of a request goes through `call`."""
+
+    def __init__(self, config: ServiceConfig) -> None:
+        self.config = config
+        self.runtime: Runtime | None = None
+        self.admission: Admission | None = None
+        self.draining = False
+        self.ops = anyio.CapacityLimiter(config.op_threads)
+        self.io = anyio.CapacityLimiter(config.io_threads)
+        self.latency = _metrics.Histogram("k3sys_sandbox_operation_seconds", "Sandbox operations served, by op.")
+        self.errors = _metrics.Counter("k3sys_sandbox_operation_errors_total", "Failed operations, by op and type.")
+        self.requests = _metrics.Counter("k3sys_http_requests_total", "HTTP requests, by method, route, status.")
+
+    @property
+    def rt(self) -> Runtime:
+        if self.runtime is None or self.draining:
+            raise UnavailableError("the sandbox service is shutting down")
+        return self.runtime
+
+    def start(self) -> None:
+        if self.runtime is None:
+            self.runtime = Runtime(self.config.data_dir, on_timeout=self.config.on_timeout)
+        self.admission = Admission(self.runtime, self.config.max_sandboxes, self.config.max_memory_mb)
+
+    def stop(self) -> None:
+        """Apply `on_shutdown` to the sandboxes holding memory, then let go of the runtime directory."""
+        self.draining = True
+        rt = self.runtime
+        if rt is None:
+            return
+        held = [i.id for i in rt.list() if i.state in _HOLDING]
+        act = {"hibernate": rt.hibernate, "kill": rt.kill, "keep": None}[self.config.on_shutdown]
+        if act is not None and held:
+            # A few at a time: each hibernation is a CRIU dump plus a store commit.
+            with ThreadPoolExecutor(max_workers=4) as pool:
+                for f in [pool.submit(act, sid) for sid in held]:
+                    with contextlib.suppress(SandboxError):
+                        f.result()  # a failed hibernation leaves the sandbox running, adopted next start
+        rt.close()
+
+    async def call(self, op: str, fn: Callable[..., T], *args: Any, io: bool = False) -> T:
+        """Run `fn(*args)` in a worker thread, timed as `op` in the metrics."""
+        t0 = time.perf_counter()
+        try:
+            result = await anyio.to_thread.run_sync(partial(fn, *args), limiter=self.io if io else self.ops)
+        except Exception as e:
+            self.errors.inc(op=op, type=getattr(e, "code", "internal"))
+            raise
+        self.latency.observe(time.perf_counter() - t0, op=op)
+        return result
+
+    def cap_timeout(self, timeout: float | None) -> float:
+        """A command's timeout within the service's cap (None: the cap)."""
+        cap = self.config.max_command_timeout_s
+        if timeout is not None and timeout > cap:
+            raise InvalidArgumentError(f"timeout: at most {cap:g} s on this service, got {timeout!r}")
+        return cap if timeout is None else timeout
+
+    # --- operations that admit new sandboxes (run in worker threads) -----------------------------
+
+    def create(self, spec: SandboxSpec, id: str | None) -> SandboxInfo:
+        with self.admission.admit(1, spec.memory_mb):
+            return self.rt.create(spec, id)
+
+    def restore(self, ck: str, id: str | None, timeout_s: float | None) -> SandboxInfo:
+        spec = self.rt.store.get(ck).meta.get("spec", {})
+        with self.admission.admit(1, int(spec.get("memory_mb", 0))):
+            return self.rt.restore(ck, id, timeout_s)
+
+    def fork(self, sid: str, n: int) -> tuple[CheckpointInfo, list[SandboxInfo]]:
+        with self.admission.admit(n, self.rt.info(sid).spec.memory_mb):
+            return self.rt.fork(sid, n)
+
+    def resume(self, sid: str) -> SandboxInfo:
+        info = self.rt.info(sid)
+        room = self.admission.admit(1, info.spec.memory_mb) if info.state == "hibernated" else contextlib.nullcontext()
+        with room:
+            self.rt.resume(sid)
+        return self.rt.info(sid)
+
+    def pause(self, sid: str) -> SandboxInfo:
+        self.rt.pause(sid)
+        return self.rt.info(sid)
+
+    # --- metrics ---------------------------------------------------------------------------------
+
+    def metrics_text(self) -> str:
+        rt = self.rt
+        infos = rt.list()
+        by_state = {s.value: 0 for s in State if s is not State.KILLED}
+        for i in infos:
+            by_state[i.state] = by_state.get(i.state, 0) + 1
+        stats = rt.store.stats()
+        _, mb = self.admission.usage()
+        L, G = _metrics.labels, _metrics.Gauge
+        gauges = [
+            G("k3sys_sandboxes", "Sandboxes by state.", {L(state=s): n for s, n in by_state.items()}),
+            G("k3sys_sandbox_memory_reserved_bytes", "Memory limits of sandboxes holding memory.", {(): mb << 20}),
+            G("k3sys_limit_sandboxes", "Most sandboxes holding memory at once.", {(): self.config.max_sandboxes}),
+            G("k3sys_limit_memory_bytes", "Most memory (sum of limits) of sandboxes at once.",
+              {(): self.config.max_memory_mb << 20}),
+            G("k3sys_checkpoints", "Checkpoints in the store.", {(): stats["manifests"]}),
+            G("k3sys_store_bytes", "Checkpoint store size: on disk, logical (sum of checkpoints), unique chunk data.",
+              {L(kind=k): stats[f"bytes_{k}"] for k in ("on_disk", "logical", "unique")}),
+        ]
+        return _metrics.render([*gauges, self.latency, self.errors, self.requests])

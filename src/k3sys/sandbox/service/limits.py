@@ -1,0 +1,115 @@
+"""The sandbox service's limits: admission of new sandboxes (count, memory) and the request body size.
+
+Admission counts every sandbox that holds memory (all but hibernated and lost ones) at its
+`memory_mb` limit, which the cgroup enforces, plus reservations of operations still in flight, so
+two concurrent creates cannot both take the last slot. While an operation is in flight its new
+sandbox may be counted twice (registered and reserved): the service errs towards refusing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+from collections.abc import Awaitable, Callable, Iterator, MutableMapping
+from typing import Any
+
+from k3sys.sandbox._wire import ERROR_HEADER, error_body, status_of
+from k3sys.sandbox.errors import CapacityError, TooLargeError
+from k3sys.sandbox.runtime.runtime import Runtime
+
+_IDLE = ("hibernated", "lost")  # states that hold no memory
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+ASGIApp = Callable[[Scope, Callable[[], Awaitable[Message]], Callable[[Message], Awaitable[None]]], Awaitable[None]]
+
+
+class Admission:
+    """Refuses (CapacityError) a new sandbox that would pass `max_sandboxes` or `max_memory_mb` (MiB)."""
+
+    def __init__(self, runtime: Runtime, max_sandboxes: int, max_memory_mb: int) -> None:
+        self.runtime = runtime
+        self.max_sandboxes = max_sandboxes
+        self.max_memory_mb = max_memory_mb
+        self._mu = threading.Lock()
+        self._pending = [0, 0]  # sandboxes, MiB reserved by operations in flight
+
+    def usage(self) -> tuple[int, int]:
+        """(sandboxes, MiB) held now, reservations included."""
+        held = [i for i in self.runtime.list() if i.state not in _IDLE]
+        return len(held) + self._pending[0], sum(i.spec.memory_mb for i in held) + self._pending[1]
+
+    @contextlib.contextmanager
+    def admit(self, n: int, memory_mb: int) -> Iterator[None]:
+        """Reserve room for `n` sandboxes of `memory_mb` MiB each for the length of the block."""
+        with self._mu:
+            count, mb = self.usage()
+            if count + n > self.max_sandboxes:
+                raise CapacityError(f"the service holds {count} of at most {self.max_sandboxes} sandboxes; "
+                                    f"{n} more do not fit (kill or hibernate some)")
+            if mb + n * memory_mb > self.max_memory_mb:
+                raise CapacityError(f"the service has {mb} of {self.max_memory_mb} MiB of sandbox memory in use; "
+                                    f"{n} x {memory_mb} MiB more do not fit (kill or hibernate some)")
+            self._pending[0] += n
+            self._pending[1] += n * memory_mb
+        try:
+            yield
+        finally:
+            with self._mu:
+                self._pending[0] -= n
+                self._pending[1] -= n * memory_mb
+
+
+async def send_error(send: Callable[[Message], Awaitable[None]], exc: BaseException) -> None:
+    """Answer with the service's error body, outside any framework (for ASGI middleware)."""
+    body = json.dumps(error_body(exc)).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+               (ERROR_HEADER.encode(), error_body(exc)["error"]["type"].encode())]
+    await send({"type": "http.response.start", "status": status_of(exc), "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+class BodyLimit:
+    """ASGI middleware: 413 for a request body over `limit` bytes, by its Content-Length up front or,
+    for a chunked body, as soon as the bytes received pass the limit (the app then sees a disconnect)."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    def _too_large(self, n: int | str) -> TooLargeError:
+        return TooLargeError(f"request body: {n} bytes is over this service's limit of {self.limit} bytes")
+
+    async def __call__(self, scope: Scope, receive: Callable[[], Awaitable[Message]],
+                       send: Callable[[Message], Awaitable[None]]) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.limit:
+            return await send_error(send, self._too_large(int(length)))
+        seen = 0
+        refused = False
+
+        async def limited_receive() -> Message:
+            nonlocal seen, refused
+            if refused:
+                return {"type": "http.disconnect"}
+            msg = await receive()
+            if msg["type"] == "http.request":
+                seen += len(msg.get("body", b""))
+                if seen > self.limit:
+                    refused = True
+                    await send_error(send, self._too_large(f"more than {self.limit}"))
+                    return {"type": "http.disconnect"}
+            return msg
+
+        async def guarded_send(msg: Message) -> None:
+            if not refused:  # we answered already
+                await send(msg)
+
+        try:
+            await self.app(scope, limited_receive, guarded_send)
+        except Exception:
+            if not refused:
+                raise  # else: the app only noticed the disconnect we made up; the 413 is out

@@ -1,0 +1,512 @@
+"""The sandbox service: the embedded runtime behind an HTTP API (FastAPI on uvicorn).
+
+    k3sys sandbox serve --host 127.0.0.1 --port 8765 --data-dir DIR
+
+Resources (all but /health need `Authorization: Bearer <key>`; see `_auth.py` for the key):
+
+    POST   /sandboxes                         create                   -> 201 SandboxInfo
+    GET    /sandboxes                         list                     -> [SandboxInfo]
+    GET    /sandboxes/{id}                    info                     -> SandboxInfo
+    DELETE /sandboxes/{id}                    kill                     -> 204
+    GET    /sandboxes/{id}/memory             memory charged now       -> {"bytes": n}
+    POST   /sandboxes/{id}/pause|resume       freeze / thaw or restore -> SandboxInfo
+    POST   /sandboxes/{id}/hibernate          checkpoint + stop        -> CheckpointInfo
+    POST   /sandboxes/{id}/prefetch {"ttl_s"} stage a hibernated one's images for a resume -> {"staged"}
+    POST   /sandboxes/{id}/checkpoints        checkpoint               -> 201 CheckpointInfo
+    POST   /sandboxes/{id}/fork  {"count": n} n copies                 -> 201 {"checkpoint", "sandboxes"}
+    POST   /sandboxes/{id}/commands           run (or start, with "background": true)
+    GET    /commands/{cid}                    running?, output so far
+    GET    /commands/{cid}/events             output as server-sent events (stdout, stderr, end)
+    POST   /commands/{cid}/wait               exit code and output     -> CommandResult
+    DELETE /commands/{cid}                    kill the command         -> 204
+    GET|PUT|DELETE|HEAD /sandboxes/{id}/files?path=   raw bytes, streamed both ways; HEAD: exists
+    GET|POST /sandboxes/{id}/dirs?path=       list / make a directory
+    GET    /checkpoints, /checkpoints/{ck}    stored checkpoints
+    POST   /checkpoints/{ck}/restore          a new sandbox from it    -> 201 SandboxInfo
+    DELETE /checkpoints/{ck}                                           -> 204
+    GET    /health, /metrics (Prometheus text), /openapi.json
+
+Errors: one body shape and status table, in `_wire.py`. Every runtime call that can block runs in a
+worker thread (two pools: life-cycle operations, and commands/files, so long commands never starve a
+pause or kill); the runtime serialises operations per sandbox, so one slow checkpoint holds up only
+its own sandbox. Reads of the runtime's tables (list, info, command output) answer on the event loop:
+they never wait for a sandbox's lock. Limits (`ServiceConfig`): sandboxes and memory (429),
+body size (413), command timeouts (422 above the cap), shutting down (503). A sandbox past its
+`timeout_s` is hibernated (or killed) by the runtime's reaper. Stopping the service hibernates the
+sandboxes that hold memory (`on_shutdown`); the next start finds them and every checkpoint again.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import contextlib
+import dataclasses
+import json
+import os
+import tempfile
+import typing
+from collections.abc import AsyncIterator, Callable
+from typing import Annotated, Any, Literal
+from urllib.parse import quote
+
+import anyio
+import anyio.to_thread
+from fastapi import APIRouter, Depends, FastAPI, Query, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.security import HTTPBearer
+from pydantic import BaseModel, ConfigDict, Field, create_model
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from k3sys.sandbox._wire import ERROR_HEADER, ERROR_MESSAGE_HEADER, error_body, error_type_for_status, status_of
+from k3sys.sandbox.errors import InvalidArgumentError, SandboxError
+from k3sys.sandbox.runtime.runtime import Runtime
+from k3sys.sandbox.service import metrics as _metrics
+from k3sys.sandbox.service.auth import check_bind, check_key
+from k3sys.sandbox.service.core import Service, ServiceConfig
+from k3sys.sandbox.service.limits import BodyLimit
+from k3sys.sandbox.spec import MAX_FORK, CommandResult, OutputPieces, SandboxSpec
+from k3sys.sandbox.types import CheckpointInfo, EntryInfo, SandboxInfo
+
+__all__ = ["ServiceConfig", "create_app", "serve"]
+KEEP_ALIVE_S = 75  # seconds an idle connection stays open (clients must drop theirs sooner)
+
+
+# --- request bodies ----------------------------------------------------------------------------------
+
+_STRICT = ConfigDict(extra="forbid", strict=True)
+# The create body is SandboxSpec's fields (defaults from there) plus an optional id.
+CreateSandbox = create_model(
+    "CreateSandbox", __config__=_STRICT, id=(str | None, None),
+    **{f.name: (typing.get_type_hints(SandboxSpec)[f.name], f.default) for f in dataclasses.fields(SandboxSpec)})
+
+
+class RunCommand(BaseModel):
+    model_config = _STRICT
+    cmd: str
+    timeout: float | None = Field(60.0, description="seconds; null: the service's cap")
+    cwd: str | None = None
+    env: dict[str, str] | None = None
+    stdin_base64: str | None = None
+    background: bool = False
+
+
+class Wait(BaseModel):
+    model_config = _STRICT
+    timeout: float | None = Field(None, description="seconds; null: the service's cap")
+
+
+class Fork(BaseModel):
+    model_config = _STRICT
+    count: int = Field(1, ge=1, le=MAX_FORK, description="children to make")
+
+
+class Prefetch(BaseModel):
+    model_config = _STRICT
+    ttl_s: float = Field(60.0, description="seconds the staged images are kept unless a resume uses them")
+
+
+class Prefetched(BaseModel):
+    staged: bool
+
+
+class Restore(BaseModel):
+    model_config = _STRICT
+    id: str | None = None
+    timeout_s: float | None = None
+
+
+class CommandStarted(BaseModel):
+    id: str
+
+
+class CommandStatus(BaseModel):
+    id: str
+    running: bool
+    stdout: str
+    stderr: str
+
+
+class Forked(BaseModel):
+    checkpoint: CheckpointInfo
+    sandboxes: list[SandboxInfo]
+
+
+class Written(BaseModel):
+    path: str
+    bytes: int
+
+
+class Memory(BaseModel):
+    bytes: int
+
+
+class Cpu(BaseModel):
+    seconds: float
+
+
+# --- routes ------------------------------------------------------------------------------------------
+
+
+def _service(request: Request) -> Service:
+    return request.app.state.service
+
+
+async def _authorize(request: Request, _: Annotated[Any, Depends(HTTPBearer(auto_error=False))]) -> None:
+    # HTTPBearer only documents the scheme in the OpenAPI spec; the check is ours (constant time).
+    check_key(request.app.state.service.config.api_key, request.headers.get("authorization"))
+
+
+Svc = Annotated[Service, Depends(_service)]
+PathQ = Annotated[str, Query(description="a path inside the sandbox")]
+router = APIRouter(dependencies=[Depends(_authorize)])
+
+
+@router.post("/sandboxes", status_code=201, response_model=SandboxInfo, tags=["sandboxes"])
+async def create_sandbox(svc: Svc, body: CreateSandbox | None = None) -> Any:  # type: ignore[valid-type]
+    fields = (body or CreateSandbox()).model_dump()
+    sid = fields.pop("id")
+    spec = SandboxSpec(**fields)
+    return await svc.call("create", svc.create, spec, sid)
+
+
+@router.get("/sandboxes", response_model=list[SandboxInfo], tags=["sandboxes"])
+async def list_sandboxes(svc: Svc) -> Any:
+    return svc.rt.list()
+
+
+@router.get("/sandboxes/{sid}", response_model=SandboxInfo, tags=["sandboxes"])
+async def get_sandbox(svc: Svc, sid: str) -> Any:
+    return svc.rt.info(sid)
+
+
+@router.delete("/sandboxes/{sid}", status_code=204, tags=["sandboxes"])
+async def kill_sandbox(svc: Svc, sid: str) -> Response:
+    await svc.call("kill", svc.rt.kill, sid)
+    return Response(status_code=204)
+
+
+@router.get("/sandboxes/{sid}/memory", response_model=Memory, tags=["sandboxes"])
+async def sandbox_memory(svc: Svc, sid: str) -> Any:
+    svc.rt.info(sid)
+    return {"bytes": await svc.call("memory", svc.rt.memory_bytes, sid, io=True)}
+
+
+@router.get("/sandboxes/{sid}/cpu", response_model=Cpu, tags=["sandboxes"])
+async def sandbox_cpu(svc: Svc, sid: str) -> Any:
+    """CPU seconds charged to the sandbox's cgroup (restarts at 0 when a hibernated sandbox resumes)."""
+    svc.rt.info(sid)
+    return {"seconds": await svc.call("cpu", svc.rt.cpu_seconds, sid, io=True)}
+
+
+@router.post("/sandboxes/{sid}/pause", response_model=SandboxInfo, tags=["life cycle"])
+async def pause(svc: Svc, sid: str) -> Any:
+    return await svc.call("pause", svc.pause, sid)
+
+
+@router.post("/sandboxes/{sid}/resume", response_model=SandboxInfo, tags=["life cycle"])
+async def resume(svc: Svc, sid: str) -> Any:
+    return await svc.call("resume", svc.resume, sid)
+
+
+@router.post("/sandboxes/{sid}/hibernate", response_model=CheckpointInfo, tags=["life cycle"])
+async def hibernate(svc: Svc, sid: str) -> Any:
+    return await svc.call("hibernate", svc.rt.hibernate, sid)
+
+
+@router.post("/sandboxes/{sid}/prefetch", response_model=Prefetched, tags=["life cycle"])
+async def prefetch(svc: Svc, sid: str, body: Prefetch | None = None) -> Any:
+    """Stage a hibernated sandbox's images for a likely resume (a hint; see `Runtime.prefetch`)."""
+    return {"staged": await svc.call("prefetch", svc.rt.prefetch, sid, (body or Prefetch()).ttl_s)}
+
+
+@router.post("/sandboxes/{sid}/checkpoints", status_code=201, response_model=CheckpointInfo, tags=["life cycle"])
+async def checkpoint(svc: Svc, sid: str) -> Any:
+    return await svc.call("checkpoint", svc.rt.checkpoint, sid)
+
+
+@router.post("/sandboxes/{sid}/fork", status_code=201, response_model=Forked, tags=["life cycle"])
+async def fork(svc: Svc, sid: str, body: Fork | None = None) -> Any:
+    ck, kids = await svc.call("fork", svc.fork, sid, (body or Fork()).count)
+    return {"checkpoint": ck, "sandboxes": kids}
+
+
+@router.post("/sandboxes/{sid}/commands", tags=["commands"], status_code=200,
+             responses={200: {"model": CommandResult}, 201: {"model": CommandStarted}})
+async def run_command(svc: Svc, sid: str, body: RunCommand) -> Any:
+    try:
+        stdin = base64.b64decode(body.stdin_base64, validate=True) if body.stdin_base64 is not None else None
+    except binascii.Error:
+        raise InvalidArgumentError(f"stdin_base64: not base64: {body.stdin_base64[:40]!r}") from None
+    rt = svc.rt
+    if body.background:
+        cid = await svc.call("exec", rt.start_command, sid, body.cmd, body.cwd, body.env, stdin, io=True)
+        return JSONResponse({"id": cid}, status_code=201)
+    timeout = svc.cap_timeout(body.timeout)
+    return dataclasses.asdict(await svc.call("exec", rt.run, sid, body.cmd, timeout, body.cwd, body.env, stdin,
+                                             io=True))
+
+
+@router.get("/commands/{cid}", response_model=CommandStatus, tags=["commands"])
+async def command_status(svc: Svc, cid: str) -> Any:
+    running = svc.rt.command_running(cid)
+    out, err = svc.rt.command_output(cid)
+    return {"id": cid, "running": running, "stdout": out, "stderr": err}
+
+
+@router.get("/commands/{cid}/events", tags=["commands"],
+            responses={200: {"content": {"text/event-stream": {}},
+                             "description": "events `stdout` and `stderr` (data: a JSON string), then `end`; "
+                                            "`error` (data: an error body) if the command vanishes"}})
+async def command_events(svc: Svc, cid: str, poll: Annotated[float, Query(gt=0, le=1)] = 0.02) -> StreamingResponse:
+    rt = svc.rt
+    rt.read_command_output(cid, (1 << 62, 1 << 62))  # unknown id -> 404 now, not inside the stream
+
+    async def events() -> AsyncIterator[str]:
+        pieces = OutputPieces()
+        try:
+            while True:
+                # Never blocks: output is buffered by the runtime's reader threads.
+                out, err, done = rt.read_command_output(cid, pieces.offsets)
+                for name, text in pieces.feed(out, err, final=done):
+                    yield f"event: {name}\ndata: {json.dumps(text)}\n\n"
+                if done:
+                    yield "event: end\ndata: {}\n\n"
+                    return
+                await anyio.sleep(poll)
+        except SandboxError as e:
+            yield f"event: error\ndata: {json.dumps(error_body(e))}\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream", headers={"cache-control": "no-cache"})
+
+
+@router.post("/commands/{cid}/wait", response_model=CommandResult, tags=["commands"])
+async def wait_command(svc: Svc, cid: str, body: Wait | None = None) -> Any:
+    return await svc.call("wait", svc.rt.wait_command, cid, svc.cap_timeout((body or Wait()).timeout), io=True)
+
+
+@router.delete("/commands/{cid}", status_code=204, tags=["commands"])
+async def kill_command(svc: Svc, cid: str) -> Response:
+    await svc.call("kill_command", svc.rt.kill_command, cid, io=True)
+    return Response(status_code=204)
+
+
+@router.get("/sandboxes/{sid}/files", tags=["files"], response_class=StreamingResponse,
+            responses={200: {"content": {"application/octet-stream": {}}}})
+async def read_file(svc: Svc, sid: str, path: PathQ) -> StreamingResponse:
+    f = await svc.call("read_file", svc.rt.open_file, sid, path, io=True)
+    size = os.fstat(f.fileno()).st_size
+
+    async def chunks() -> AsyncIterator[bytes]:
+        # The file as long as it was when opened: a file that grows meanwhile (a log being written)
+        # must not send more than the declared content-length.
+        left = size
+        try:
+            while left and (chunk := await anyio.to_thread.run_sync(f.read, min(left, 1 << 20), limiter=svc.io)):
+                left -= len(chunk)
+                yield chunk
+        finally:
+            f.close()
+
+    return StreamingResponse(chunks(), media_type="application/octet-stream",
+                             headers={"content-length": str(size)})
+
+
+@router.put("/sandboxes/{sid}/files", response_model=Written, tags=["files"],
+            openapi_extra={"requestBody": {"content": {"application/octet-stream": {}}, "required": True}})
+async def write_file(svc: Svc, sid: str, path: PathQ, request: Request) -> Any:
+    # Spooled to the host first (memory up to 1 MiB, then disk; the body limit applies as it arrives),
+    # so the sandbox's lock is held for a local copy, never for a slow client's upload.
+    in_memory, written = 1 << 20, 0
+    with tempfile.SpooledTemporaryFile(max_size=in_memory) as spool:
+        async for chunk in request.stream():
+            written += len(chunk)
+            if written <= in_memory:
+                spool.write(chunk)
+            else:  # the spool is (or is about to be) a disk file: off the event loop
+                await anyio.to_thread.run_sync(spool.write, chunk, limiter=svc.io)
+        spool.seek(0)
+        n = await svc.call("write_file", svc.rt.write_file, sid, path, spool, io=True)
+    return {"path": path, "bytes": n}
+
+
+@router.delete("/sandboxes/{sid}/files", status_code=204, tags=["files"])
+async def remove_file(svc: Svc, sid: str, path: PathQ) -> Response:
+    await svc.call("remove", svc.rt.remove, sid, path, io=True)
+    return Response(status_code=204)
+
+
+@router.head("/sandboxes/{sid}/files", tags=["files"], responses={404: {"description": "no such entry"}})
+async def file_exists(svc: Svc, sid: str, path: PathQ) -> Response:
+    found = await svc.call("exists", svc.rt.exists, sid, path, io=True)
+    return Response(status_code=200 if found else 404, headers={} if found else {ERROR_HEADER: "file_not_found"})
+
+
+@router.get("/sandboxes/{sid}/dirs", response_model=list[EntryInfo], tags=["files"])
+async def list_dir(svc: Svc, sid: str, path: PathQ = "/") -> Any:
+    return await svc.call("list_dir", svc.rt.list_dir, sid, path, io=True)
+
+
+@router.post("/sandboxes/{sid}/dirs", status_code=201, tags=["files"])
+async def make_dir(svc: Svc, sid: str, path: PathQ) -> Response:
+    await svc.call("make_dir", svc.rt.make_dir, sid, path, io=True)
+    return Response(status_code=201)
+
+
+@router.get("/checkpoints", response_model=list[CheckpointInfo], tags=["checkpoints"])
+async def list_checkpoints(svc: Svc) -> Any:
+    return await svc.call("list_checkpoints", svc.rt.checkpoints, io=True)
+
+
+@router.get("/checkpoints/{ck}", response_model=CheckpointInfo, tags=["checkpoints"])
+async def get_checkpoint(svc: Svc, ck: str) -> Any:
+    return await svc.call("get_checkpoint", svc.rt.get_checkpoint, ck, io=True)
+
+
+@router.post("/checkpoints/{ck}/restore", status_code=201, response_model=SandboxInfo, tags=["checkpoints"])
+async def restore(svc: Svc, ck: str, body: Restore | None = None) -> Any:
+    body = body or Restore()
+    return await svc.call("restore", svc.restore, ck, body.id, body.timeout_s)
+
+
+@router.delete("/checkpoints/{ck}", status_code=204, tags=["checkpoints"])
+async def delete_checkpoint(svc: Svc, ck: str) -> Response:
+    await svc.call("delete_checkpoint", svc.rt.delete_checkpoint, ck)
+    return Response(status_code=204)
+
+
+@router.get("/metrics", tags=["service"], response_class=Response,
+            responses={200: {"content": {_metrics.CONTENT_TYPE: {}}}})
+async def metrics(svc: Svc) -> Response:
+    text = await svc.call("metrics", svc.metrics_text, io=True)
+    return Response(text, media_type=_metrics.CONTENT_TYPE)
+
+
+@router.get("/openapi.json", include_in_schema=False)
+async def openapi(request: Request) -> JSONResponse:
+    return JSONResponse(request.app.openapi())
+
+
+class Health(BaseModel):
+    status: Literal["ok", "draining"]
+    version: str
+
+
+async def health(request: Request) -> JSONResponse:
+    """Liveness, without auth: 200 while serving, 503 while shutting down."""
+    from k3sys import __version__
+
+    draining = request.app.state.service.draining
+    return JSONResponse({"status": "draining" if draining else "ok", "version": __version__},
+                        status_code=503 if draining else 200)
+
+
+# --- the application ----------------------------------------------------------------------------------
+
+
+class _CountRequests:
+    """ASGI middleware: count requests by method, route template and status."""
+
+    def __init__(self, app: Any, counter: _metrics.Counter) -> None:
+        self.app = app
+        self.counter = counter
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = 500
+
+        async def watch(msg: dict) -> None:
+            nonlocal status
+            if msg["type"] == "http.response.start":
+                status = msg["status"]
+            await send(msg)
+
+        try:
+            await self.app(scope, receive, watch)
+        finally:
+            route = scope.get("route")  # set by the router on the shared scope once it matched
+            self.counter.inc(method=scope["method"], route=getattr(route, "path", "unmatched"), status=str(status))
+
+
+def _where(loc: tuple) -> str:
+    """`body.memory_mb`-style names: the field alone for body fields, `query.path` for the rest."""
+    named = [str(p) for p in loc[1:] if isinstance(p, str)]
+    return ".".join(named) if named and loc[0] == "body" else ".".join(str(p) for p in loc)
+
+
+def _error_response(request: Request, exc: BaseException, status: int | None = None,
+                    code: str | None = None) -> JSONResponse:
+    body = error_body(exc)
+    if code is not None:
+        body["error"]["type"] = code
+    status = status or status_of(exc)
+    headers = {ERROR_HEADER: body["error"]["type"]}
+    if request.method == "HEAD":  # the body will not be sent: the message travels in a header
+        headers[ERROR_MESSAGE_HEADER] = quote(body["error"]["message"][:2000])
+    if status == 401:
+        headers["www-authenticate"] = 'Bearer realm="k3sys"'  # RFC 6750
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def create_app(config: ServiceConfig, runtime: Runtime | None = None) -> FastAPI:
+    """The service's ASGI application over `runtime` (default: opened on `config.data_dir` at startup);
+    `on_shutdown` runs, and the runtime closes, at shutdown."""
+    from k3sys import __version__
+
+    service = Service(config)
+    service.runtime = runtime
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await anyio.to_thread.run_sync(service.start)
+        try:
+            yield
+        finally:
+            await anyio.to_thread.run_sync(service.stop)
+
+    app = FastAPI(title="k3sys sandbox service", version=__version__, lifespan=lifespan,
+                  docs_url=None, redoc_url=None, openapi_url=None,
+                  description="Agent sandboxes (runc + CRIU) with a managed life cycle. Errors: "
+                              '`{"error": {"type": ..., "message": ...}}`.')
+    app.state.service = service
+    app.include_router(router)
+    app.add_api_route("/health", health, methods=["GET"], tags=["service"], response_model=Health)
+
+    @app.exception_handler(SandboxError)
+    async def _sandbox_error(request: Request, exc: SandboxError) -> JSONResponse:
+        return _error_response(request, exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        msgs = [f"{_where(e['loc'])}: {e['msg']}" + (f" (got {e['input']!r})" if e["type"] != "json_invalid" else "")
+                for e in exc.errors()]
+        return _error_response(request, InvalidArgumentError("; ".join(msgs)))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return _error_response(request, SandboxError(str(exc.detail)), exc.status_code,
+                               error_type_for_status(exc.status_code))
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception) -> JSONResponse:
+        return _error_response(request, exc)
+
+    app.add_middleware(_CountRequests, counter=service.requests)
+    app.add_middleware(BodyLimit, limit=config.max_body_bytes)
+    return app
+
+
+def serve(config: ServiceConfig, host: str = "127.0.0.1", port: int = 8765, log_level: str = "warning") -> None:
+    """Serve until SIGINT/SIGTERM (then `on_shutdown` runs). Refuses a non-loopback `host` without a key."""
+    import uvicorn
+
+    check_bind(host, config.api_key)
+    # Opened here, not at startup, so a directory in use fails with our error, not uvicorn's.
+    runtime = Runtime(config.data_dir, on_timeout=config.on_timeout)
+    # Streams (command events) would hold a graceful shutdown open forever: cut them after 10 s.
+    # Idle connections stay open well past the client's own expiry (httpx: 5 s), so a client never
+    # sends a request on a connection the server is closing at that instant.
+    uvicorn.run(create_app(config, runtime), host=host, port=port, log_level=log_level, access_log=False,
+                timeout_graceful_shutdown=10, timeout_keep_alive=KEEP_ALIVE_S, lifespan="on")

@@ -1,0 +1,57 @@
+"""What the sandbox API hands back, shared by the SDK, the service and the runtime: `SandboxInfo`,
+`CheckpointInfo`, `EntryInfo`. Plain dataclasses that import nothing heavy, so a remote-only client
+(`k3sys.sandbox.sdk.client`) loads neither the runtime nor the store (no numpy, no blake3)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from k3sys.sandbox.spec import SandboxSpec
+
+if TYPE_CHECKING:
+    from k3sys.sandbox.runtime.store import Manifest
+
+
+@dataclass(frozen=True)
+class SandboxInfo:
+    """A sandbox as callers see it; `created` in unix seconds, `memory_bytes` charged now."""
+
+    id: str
+    state: str
+    spec: SandboxSpec
+    created: float
+    head: str | None
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """A stored checkpoint; `created` in unix seconds, sizes in bytes (`bytes_new`: what this
+    checkpoint added to the store), `timings` seconds per phase when this runtime took it."""
+
+    id: str
+    parent: str | None
+    created: float
+    bytes_total: int
+    bytes_new: int
+    sandbox_id: str
+    template: str
+    timings: dict[str, float] = field(default_factory=dict, compare=False)
+
+    @classmethod
+    def from_manifest(cls, m: Manifest, timings: dict[str, float] | None = None) -> CheckpointInfo:
+        return cls(m.id, m.parent, m.created, m.bytes_total, m.bytes_new, m.meta.get("sandbox", ""),
+                   m.meta.get("spec", {}).get("template", ""), timings or {})
+
+
+@dataclass(frozen=True)
+class EntryInfo:
+    """One entry of `files.list`: `size` in bytes, `mtime` in seconds since the epoch."""
+
+    name: str
+    path: str
+    type: str  # "file", "dir", "symlink" or "other"
+    size: int
+    mode: int
+    mtime: float
