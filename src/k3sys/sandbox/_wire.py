@@ -4,13 +4,8 @@ Every failure has one body shape, `{"error": {"type": <SandboxError.code>, "mess
 command timeout adds `stdout` and `stderr`); its type is repeated in the `k3sys-error-type` header,
 and for HEAD requests (answered without a body) the message in `k3sys-error-message`, URL-quoted.
 `status_of` (server: exception -> status) and `error_of` (client: status + body -> the exception the
-embedded SDK raises) are the only places that choose or read a status code:
-
-    404 not_found, checkpoint_not_found, file_not_found      409 invalid_state, checkpoint_exists
-    422 invalid_argument, unknown_template, path_escape,      413 too_large
-        store_input                                           408 command_timeout
-    401 unauthorized                                          429 capacity
-    503 unavailable, runtime_locked                           500 everything else
+embedded SDK raises) are the only places that read a status code; each error class carries its own
+(`SandboxError.http_status`, the table in errors.py).
 """
 
 from __future__ import annotations
@@ -22,18 +17,11 @@ from urllib.parse import unquote
 
 from k3sys.sandbox.errors import (
     AuthError,
-    CapacityError,
-    CheckpointExistsError,
     CommandTimeoutError,
     InvalidArgumentError,
-    InvalidStateError,
-    NotFoundError,
-    RuntimeLockedError,
     SandboxError,
-    SandboxFileNotFoundError,
-    StoreInputError,
-    TooLargeError,
     UnavailableError,
+    error_classes,
     error_from_code,
 )
 from k3sys.sandbox.spec import CommandResult, SandboxSpec
@@ -42,35 +30,17 @@ from k3sys.sandbox.types import CheckpointInfo, EntryInfo, SandboxInfo
 ERROR_HEADER = "k3sys-error-type"
 ERROR_MESSAGE_HEADER = "k3sys-error-message"
 
-# Most specific class first is not needed: `status_of` walks the exception's MRO.
-_STATUS: dict[type[SandboxError], int] = {
-    NotFoundError: 404,
-    SandboxFileNotFoundError: 404,
-    InvalidStateError: 409,
-    CheckpointExistsError: 409,
-    InvalidArgumentError: 422,
-    StoreInputError: 422,
-    TooLargeError: 413,
-    CommandTimeoutError: 408,
-    AuthError: 401,
-    CapacityError: 429,
-    UnavailableError: 503,
-    RuntimeLockedError: 503,
-}
-# What a status means when the body is not ours (a proxy's page, a bodiless HEAD answer).
+# What a status means when the body is not ours (a proxy's page, a bodiless HEAD answer): the most
+# general class that answers with it, and four statuses only proxies and frameworks send.
 _BY_STATUS: dict[int, type[SandboxError]] = {
-    404: NotFoundError, 409: InvalidStateError, 422: InvalidArgumentError, 400: InvalidArgumentError,
-    413: TooLargeError, 408: CommandTimeoutError, 401: AuthError, 403: AuthError, 429: CapacityError,
-    502: UnavailableError, 503: UnavailableError, 504: UnavailableError,
+    **{c.http_status: c for c in reversed(error_classes()) if c.http_status != 500},
+    400: InvalidArgumentError, 403: AuthError, 502: UnavailableError, 504: UnavailableError,
 }
 
 
 def status_of(exc: BaseException) -> int:
-    """The HTTP status for an exception (500 for anything not in the table, including non-sandbox errors)."""
-    for cls in type(exc).__mro__:
-        if cls in _STATUS:
-            return _STATUS[cls]
-    return 500
+    """The HTTP status for an exception (its class's `http_status`; 500 for anything not a sandbox error)."""
+    return exc.http_status if isinstance(exc, SandboxError) else 500
 
 
 def error_body(exc: BaseException) -> dict[str, Any]:

@@ -37,23 +37,15 @@ from rich.console import Console
 from rich.table import Table
 
 from k3sys.sandbox.errors import (
-    AuthError,
-    CapacityError,
     CommandTimeoutError,
-    InvalidArgumentError,
-    InvalidStateError,
-    NotFoundError,
     RuntimeLockedError,
     SandboxError,
-    SandboxFileNotFoundError,
-    UnavailableError,
+    error_classes,
 )
 from k3sys.sandbox.sdk.api import Backend, Checkpoint, Sandbox
 
-EXIT_CODES: dict[type[SandboxError], int] = {
-    InvalidArgumentError: 2, NotFoundError: 3, SandboxFileNotFoundError: 3, InvalidStateError: 4,
-    AuthError: 5, CapacityError: 6, UnavailableError: 7, RuntimeLockedError: 7,
-}
+# The classes with an exit code of their own (each error class carries it: `SandboxError.exit_code`).
+EXIT_CODES: dict[type[SandboxError], int] = {c: c.exit_code for c in error_classes() if c.exit_code != 1}
 EXEC_TIMEOUT, EXEC_FAILED = 124, 125
 
 app = typer.Typer(no_args_is_help=True, add_completion=False,
@@ -71,10 +63,7 @@ DataDir = Annotated[Path | None, typer.Option("--data-dir", envvar="K3SYS_HOME",
 
 def exit_code(e: SandboxError) -> int:
     """The documented exit code of an error (see the module docstring)."""
-    for cls in type(e).__mro__:
-        if cls in EXIT_CODES:
-            return EXIT_CODES[cls]
-    return 1
+    return e.exit_code
 
 
 @contextlib.contextmanager

@@ -21,8 +21,17 @@
         ├── StoreInputError               bad id, tree, destination or entry path (also a ValueError)
         └── CorruptStoreError             missing or damaged chunk, pack or manifest
 
-Each class has a stable `code`, so a remote client rebuilds the same exception from an error body
-(`error_from_code`).
+Each class carries what every layer needs to know about it, in one place: a stable `code` (the error
+body's `type`, so a remote client rebuilds the same exception: `error_from_code`), the `http_status`
+the service answers with, and the `exit_code` of the `k3sys sandbox` CLI. Subclasses inherit them
+(a `CheckpointNotFoundError` is a 404 and exits 3 as a `NotFoundError`); `StoreInputError` is
+a 422 like `InvalidArgumentError` but exits 1, as it always has:
+
+    http_status  404 not found (sandbox, command, checkpoint, file)   409 invalid_state, checkpoint_exists
+                 422 invalid_argument and its subclasses, store_input  413 too_large   408 command_timeout
+                 401 unauthorized   429 capacity   503 unavailable, runtime_locked   500 everything else
+    exit_code    2 bad argument   3 not found   4 wrong state   5 key refused   6 at a limit
+                 7 unavailable or busy   1 everything else
 """
 
 from __future__ import annotations
@@ -32,24 +41,32 @@ class SandboxError(Exception):
     """Base class of every error raised by `k3sys.sandbox`."""
 
     code = "sandbox_error"
+    http_status: int = 500  # what the service answers with (the tree in the module docstring)
+    exit_code: int = 1  # what `k3sys sandbox` exits with
 
 
 class NotFoundError(SandboxError, LookupError):
     """No sandbox or command with the given id."""
 
     code = "not_found"
+    http_status = 404
+    exit_code = 3
 
 
 class InvalidStateError(SandboxError):
     """The operation is not allowed in the sandbox's current state (e.g. `run` while paused)."""
 
     code = "invalid_state"
+    http_status = 409
+    exit_code = 4
 
 
 class InvalidArgumentError(SandboxError, ValueError):
     """A bad argument; the message names the argument and the offending value."""
 
     code = "invalid_argument"
+    http_status = 422
+    exit_code = 2
 
 
 class UnknownTemplateError(InvalidArgumentError):
@@ -75,12 +92,15 @@ class SandboxFileNotFoundError(SandboxError, FileNotFoundError):
     """No such file or directory inside the sandbox."""
 
     code = "file_not_found"
+    http_status = 404
+    exit_code = 3
 
 
 class CommandTimeoutError(SandboxError, TimeoutError):
     """A command ran past its timeout and was killed; `stdout`/`stderr` hold what it wrote."""
 
     code = "command_timeout"
+    http_status = 408
 
     def __init__(self, message: str, stdout: str = "", stderr: str = "") -> None:
         super().__init__(message)
@@ -92,30 +112,39 @@ class TooLargeError(InvalidArgumentError):
     """A request body over the service's size limit."""
 
     code = "too_large"
+    http_status = 413
 
 
 class AuthError(SandboxError):
     """The sandbox service refused the request's API key (missing or wrong)."""
 
     code = "unauthorized"
+    http_status = 401
+    exit_code = 5
 
 
 class CapacityError(SandboxError):
     """The sandbox service is at one of its limits (sandboxes, memory); retry after others finish."""
 
     code = "capacity"
+    http_status = 429
+    exit_code = 6
 
 
 class UnavailableError(SandboxError):
     """The sandbox service is shutting down or cannot be reached."""
 
     code = "unavailable"
+    http_status = 503
+    exit_code = 7
 
 
 class RuntimeLockedError(SandboxError):
     """Another live process holds this runtime directory."""
 
     code = "runtime_locked"
+    http_status = 503
+    exit_code = 7
 
 
 class DriverError(SandboxError):
@@ -140,6 +169,7 @@ class CheckpointExistsError(StoreError):
     """A checkpoint with the given id already exists."""
 
     code = "checkpoint_exists"
+    http_status = 409
 
 
 class StoreInputError(StoreError, ValueError):
@@ -147,6 +177,8 @@ class StoreInputError(StoreError, ValueError):
     or an entry path that would leave its tree."""
 
     code = "store_input"
+    http_status = 422
+    exit_code = 1
 
 
 class CorruptStoreError(StoreError):
@@ -161,8 +193,16 @@ def error_from_code(code: str, message: str) -> SandboxError:
     return cls(message)
 
 
+def error_classes() -> list[type[SandboxError]]:
+    """Every class of the tree, each parent before its children (the module docstring's order)."""
+    return _subclasses(SandboxError)
+
+
 def _subclasses(cls: type[SandboxError]) -> list[type[SandboxError]]:
-    return [cls] + [s for c in cls.__subclasses__() for s in _subclasses(c)]
+    seen: dict[type[SandboxError], None] = {cls: None}  # a class with two parents in the tree appears once
+    for c in cls.__subclasses__():
+        seen |= dict.fromkeys(_subclasses(c))
+    return list(seen)
 
 
-_BY_CODE: dict[str, type[SandboxError]] = {c.code: c for c in _subclasses(SandboxError)}
+_BY_CODE: dict[str, type[SandboxError]] = {c.code: c for c in error_classes()}
