@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.timeout(180), pytest.mark.embedded]
 
 def test_rollout_demo_part(rt, debian, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr("k3sys.sandbox.sdk.api._default", rt)  # the demo's sandboxes on the test's runtime
+    monkeypatch.setattr("k3sys.sandbox.sdk.connection._default", rt)  # the demo's sandboxes on the test's runtime
     for name, value in (("EPISODES", 1), ("TURNS", 2), ("NEW_TOKENS", 4)):
         monkeypatch.setattr(rollout_demo, name, value)
     with Progress(console=Console(file=io.StringIO())) as progress:

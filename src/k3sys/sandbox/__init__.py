@@ -1,12 +1,18 @@
 """Agent sandboxes with a managed life cycle (AgentENV-style): create, exec, files, pause, resume,
-incremental checkpoint, fork, hibernate, restore. Imports no torch.
+incremental checkpoint, fork, hibernate, restore. Imports no torch. Three rooms:
 
-- `Sandbox`, `Checkpoint` (api.py): the SDK facade; `Runtime` (runtime.py): the embedded runtime
-  behind it, over a driver (drivers/runc.py: runc + CRIU + overlayfs).
-- `HTTPBackend`, `AsyncHTTPBackend` (client.py): the same SDK against a sandbox service
-  (`k3sys.sandbox.service.server`, `k3sys sandbox serve`); `AsyncSandbox` (aio.py): the SDK for asyncio.
-- `k3sys.sandbox.runtime.store`: the content-addressed chunk store behind incremental checkpoints.
-- `k3sys.sandbox.errors`: the exception tree (`SandboxError` and subclasses).
+- `sdk/`: `Sandbox`, `Checkpoint` (api.py), `AsyncSandbox`, `AsyncCheckpoint` (aio.py), the HTTP
+  backends `HTTPBackend` and `AsyncHTTPBackend` (client.py) and `ConnectionConfig` (connection.py).
+- `service/`: the HTTP service (`k3sys sandbox serve`): server.py (routes), core.py (the runtime's
+  worker threads, limits, metrics), auth.py, limits.py, metrics.py.
+- `runtime/`: `Runtime`, the embedded runtime (runtime.py and its parts: commands, files,
+  checkpoints, recovery), over a driver (drivers/: runc + CRIU + overlayfs, cgroups) and the
+  content-addressed checkpoint store (store/).
+
+Shared by all three: errors.py (the exception tree, each class with its HTTP status and CLI exit
+code), spec.py (`SandboxSpec`, `CommandResult`), types.py (`SandboxInfo`, `CheckpointInfo`,
+`EntryInfo`), _wire.py (the service's JSON and error bodies). `Runtime` is imported on first use,
+so `import k3sys.sandbox` for a remote client loads neither the runtime nor the store.
 """
 
 from k3sys.sandbox.errors import (
@@ -31,13 +37,15 @@ from k3sys.sandbox.errors import (
     UnknownTemplateError,
     WrongFileTypeError,
 )
-from k3sys.sandbox.sdk.aio import AsyncCommandHandle, AsyncSandbox
+from k3sys.sandbox.sdk.aio import AsyncCheckpoint, AsyncCommandHandle, AsyncSandbox
 from k3sys.sandbox.sdk.api import Backend, Checkpoint, CommandHandle, Sandbox, default_runtime
 from k3sys.sandbox.sdk.client import AsyncHTTPBackend, HTTPBackend
+from k3sys.sandbox.sdk.connection import ConnectionConfig
 from k3sys.sandbox.spec import CommandResult, SandboxSpec
 from k3sys.sandbox.types import CheckpointInfo, EntryInfo, SandboxInfo
 
 __all__ = [
+    "AsyncCheckpoint",
     "AsyncCommandHandle",
     "AsyncHTTPBackend",
     "AsyncSandbox",
@@ -51,6 +59,7 @@ __all__ = [
     "CommandHandle",
     "CommandResult",
     "CommandTimeoutError",
+    "ConnectionConfig",
     "CorruptStoreError",
     "DriverError",
     "EntryInfo",

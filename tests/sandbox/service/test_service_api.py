@@ -19,10 +19,10 @@ from service_process import SRC, ServiceProcess, free_port
 
 import k3sys.sandbox.errors as errors_mod
 from k3sys.sandbox import (
+    AsyncCheckpoint,
     AsyncSandbox,
     AuthError,
     CapacityError,
-    Checkpoint,
     CommandTimeoutError,
     HTTPBackend,
     InvalidArgumentError,
@@ -426,7 +426,7 @@ def test_async_sandbox(rt):
             assert await s.state() == "paused"
             await s.resume()
             ck = await s.checkpoint()
-            assert isinstance(ck, Checkpoint) and ck in Checkpoint.list(runtime=ck.runtime)
+            assert isinstance(ck, AsyncCheckpoint) and ck in await AsyncCheckpoint.list(runtime=ck.runtime)
             kids = await s.fork(2)
             assert [await k.files.read_text("/root/f") for k in kids] == ["v1", "v1"]
             async with await AsyncSandbox.restore(ck) as r:
@@ -437,6 +437,8 @@ def test_async_sandbox(rt):
             assert await s.memory_bytes() == 0
             await s.resume()
             assert (await s.commands.run("cat /root/f")).stdout == "v1"
+            await ck.delete()  # a coroutine: the event loop is never blocked on the store
+            assert ck not in await AsyncCheckpoint.list(runtime=ck.runtime)
         finally:
             for s in sbxs:
                 await s.kill()

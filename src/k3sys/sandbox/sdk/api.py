@@ -10,20 +10,25 @@
 Every call goes through a `Backend`: the embedded `Runtime` by default (one per process, on the
 runtime directory `K3SYS_HOME` or ~/.local/share/k3sys), a sandbox service when `api_url=` (or
 `K3SYS_API_URL`) is given (`k3sys.sandbox.sdk.client.HTTPBackend`, key from `api_key=` or `K3SYS_API_KEY`),
-or any object with the same methods passed as `runtime=`. The facade itself holds nothing but the
-backend and an id, so every call reads the same whichever backend serves it.
+or any object with the same methods passed as `runtime=` (connection.py resolves these). The facade
+itself holds nothing but the backend and an id, so every call reads the same whichever backend serves it.
+
+The facade is written once for both SDKs: `AsyncSandbox` (aio.py) is `_Facade` over a backend whose
+methods return awaitables. Each method hands the backend's answer to `_then`, which applies the
+wrapping step at once here (`_now`) and after an `await` there (`_later`); so in `AsyncSandbox`,
+`AsyncCheckpoint` and `AsyncCommandHandle` every method below returns an awaitable of what it
+returns here.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
-import threading
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO, Protocol
+from typing import Any, BinaryIO, ClassVar, Protocol, TypeVar, Unpack
 
 from k3sys.sandbox.errors import NotFoundError
+from k3sys.sandbox.sdk.connection import ConnectionConfig, ConnectionOpts, default_runtime
 from k3sys.sandbox.spec import CommandResult, SandboxSpec
 from k3sys.sandbox.types import CheckpointInfo, EntryInfo, SandboxInfo
 
@@ -64,41 +69,37 @@ class Backend(Protocol):
     def delete_checkpoint(self, ck: str) -> None: ...
 
 
-_default: Backend | None = None
-_default_lock = threading.Lock()
+T = TypeVar("T")
+R = TypeVar("R")
+__all__ = ["Backend", "Checkpoint", "CommandHandle", "Commands", "Files", "Sandbox", "default_runtime"]
 
 
-def default_runtime() -> Backend:
-    """The process-wide backend: a client of the service at `K3SYS_API_URL` when that is set, else
-    the embedded runtime, opened on first use."""
-    global _default
-    if os.environ.get("K3SYS_API_URL"):
-        return _backend(api_url=os.environ["K3SYS_API_URL"])
-    with _default_lock:
-        if _default is None:
-            from k3sys.sandbox.runtime.runtime import Runtime  # the runtime (and its store) only when embedded
-
-            _default = Runtime()
-        return _default
+def _now(value: T, then: Callable[[T], R]) -> R:
+    """The blocking facades' step: the backend has answered already."""
+    return then(value)
 
 
-def _backend(runtime: Backend | None = None, api_url: str | None = None, api_key: str | None = None) -> Backend:
-    if runtime is not None:
-        return runtime
-    if api_url is not None:
-        from k3sys.sandbox.sdk.client import connect  # httpx only for remote use
+async def _later(value: Awaitable[T], then: Callable[[T], R]) -> R:
+    """The asyncio facades' step: the backend gave an awaitable."""
+    return then(await value)
 
-        return connect(api_url, api_key)
-    return default_runtime()
+
+class _Blocking:
+    """How the blocking facades reach their backend (aio.py's `_Awaiting` is the asyncio twin)."""
+
+    _then = staticmethod(_now)
+
+    @staticmethod
+    def _connect(conn: ConnectionOpts) -> Backend:
+        return ConnectionConfig(**conn).backend()
 
 
 @dataclass(frozen=True)
-class Checkpoint:
-    """A stored snapshot of a sandbox: restore it any number of times with `Sandbox.restore`.
+class _CheckpointBase:
+    """What `Checkpoint` and `AsyncCheckpoint` share: the fields, `get`, `list`, `delete`."""
 
-    `created` in unix seconds; `bytes_total` the checkpoint's logical size, `bytes_new` what it
-    added to the store (the rest was already there); `timings` seconds per phase, when known.
-    """
+    _then: ClassVar[Callable[..., Any]]
+    _connect: ClassVar[Callable[[ConnectionOpts], Any]]
 
     id: str
     parent: str | None
@@ -108,35 +109,40 @@ class Checkpoint:
     sandbox_id: str = ""
     template: str = ""
     timings: dict[str, float] = field(default_factory=dict, compare=False, repr=False)
-    runtime: Backend | None = field(default=None, compare=False, repr=False)
+    runtime: Any = field(default=None, compare=False, repr=False)
 
     @classmethod
-    def _of(cls, info: CheckpointInfo, runtime: Backend) -> Checkpoint:
+    def _of(cls, info: CheckpointInfo, runtime: Any) -> Any:
         return cls(info.id, info.parent, info.created, info.bytes_total, info.bytes_new, info.sandbox_id,
                    info.template, dict(info.timings), runtime)
 
     @classmethod
-    def get(cls, id: str, runtime: Backend | None = None, *, api_url: str | None = None,
-            api_key: str | None = None) -> Checkpoint:
-        rt = _backend(runtime, api_url, api_key)
-        return cls._of(rt.get_checkpoint(id), rt)
+    def get(cls, id: str, **conn: Unpack[ConnectionOpts]) -> Any:
+        rt = cls._connect(conn)
+        return cls._then(rt.get_checkpoint(id), lambda info: cls._of(info, rt))
 
     @classmethod
-    def list(cls, runtime: Backend | None = None, *, api_url: str | None = None,
-             api_key: str | None = None) -> list[Checkpoint]:
+    def list(cls, **conn: Unpack[ConnectionOpts]) -> Any:
         """Every stored checkpoint, oldest first."""
-        rt = _backend(runtime, api_url, api_key)
-        return [cls._of(i, rt) for i in rt.checkpoints()]
+        rt = cls._connect(conn)
+        return cls._then(rt.checkpoints(), lambda infos: [cls._of(i, rt) for i in infos])
 
     def delete(self) -> None:
         """Remove this checkpoint from the store (chunks other checkpoints share stay)."""
-        _backend(self.runtime).delete_checkpoint(self.id)
+        return self._connect({"runtime": self.runtime}).delete_checkpoint(self.id)
 
 
-class CommandHandle:
-    """A command started with `background=True`."""
+@dataclass(frozen=True)
+class Checkpoint(_Blocking, _CheckpointBase):
+    """A stored snapshot of a sandbox: restore it any number of times with `Sandbox.restore`.
 
-    def __init__(self, runtime: Backend, cid: str) -> None:
+    `created` in unix seconds; `bytes_total` the checkpoint's logical size, `bytes_new` what it
+    added to the store (the rest was already there); `timings` seconds per phase, when known.
+    """
+
+
+class _CommandHandleBase:
+    def __init__(self, runtime: Any, cid: str) -> None:
         self._rt = runtime
         self.id = cid
 
@@ -146,11 +152,7 @@ class CommandHandle:
 
     def kill(self) -> None:
         """SIGKILL the command and what it started."""
-        self._rt.kill_command(self.id)
-
-    @property
-    def running(self) -> bool:
-        return self._rt.command_running(self.id)
+        return self._rt.kill_command(self.id)
 
     def output(self) -> tuple[str, str]:
         """(stdout, stderr) written so far."""
@@ -162,13 +164,21 @@ class CommandHandle:
         return self._rt.stream_command(self.id)
 
     def __repr__(self) -> str:
-        return f"CommandHandle({self.id!r})"
+        return f"{type(self).__name__}({self.id!r})"
+
+
+class CommandHandle(_CommandHandleBase):
+    """A command started with `background=True`."""
+
+    @property
+    def running(self) -> bool:
+        return self._rt.command_running(self.id)
 
 
 class Commands:
     """`sbx.commands`: run shell commands in the sandbox."""
 
-    def __init__(self, sandbox: Sandbox) -> None:
+    def __init__(self, sandbox: _Facade) -> None:
         self._sbx = sandbox
 
     def run(self, cmd: str, timeout: float | None = 60, cwd: str | None = None, env: dict[str, str] | None = None,
@@ -180,23 +190,24 @@ class Commands:
         error: check `exit_code` (128+N when a signal N ended it).
         """
         data = stdin.encode() if isinstance(stdin, str) else stdin
-        rt, sid = self._sbx._rt, self._sbx.id
+        sbx = self._sbx
+        rt = sbx._rt
         if background:
-            return CommandHandle(rt, rt.start_command(sid, cmd, cwd, env, data))
-        return rt.run(sid, cmd, timeout, cwd, env, data)
+            return sbx._then(rt.start_command(sbx.id, cmd, cwd, env, data), lambda cid: sbx._handle(rt, cid))
+        return rt.run(sbx.id, cmd, timeout, cwd, env, data)
 
 
 class Files:
     """`sbx.files`: the sandbox's file system. Paths are the sandbox's own; none can leave its root."""
 
-    def __init__(self, sandbox: Sandbox) -> None:
+    def __init__(self, sandbox: _Facade) -> None:
         self._sbx = sandbox
 
     def read(self, path: str) -> bytes:
         return self._sbx._rt.read_file(self._sbx.id, path)
 
     def read_text(self, path: str) -> str:
-        return self.read(path).decode()
+        return self._sbx._then(self.read(path), bytes.decode)
 
     def write(self, path: str, data: bytes | str | BinaryIO) -> int:
         """Create or replace a file (missing parent directories are created); returns bytes written.
@@ -208,19 +219,24 @@ class Files:
 
     def remove(self, path: str) -> None:
         """Remove a file, symlink or directory tree."""
-        self._sbx._rt.remove(self._sbx.id, path)
+        return self._sbx._rt.remove(self._sbx.id, path)
 
     def make_dir(self, path: str) -> None:
-        self._sbx._rt.make_dir(self._sbx.id, path)
+        return self._sbx._rt.make_dir(self._sbx.id, path)
 
     def exists(self, path: str) -> bool:
         return self._sbx._rt.exists(self._sbx.id, path)
 
 
-class Sandbox:
-    """A handle on one sandbox. Construct with `create`, `restore`, `get`, `list` or `fork`."""
+class _Facade:
+    """What `Sandbox` and `AsyncSandbox` share: constructors, life cycle, `.commands`, `.files`."""
 
-    def __init__(self, runtime: Backend, id: str) -> None:
+    _then: ClassVar[Callable[..., Any]]
+    _connect: ClassVar[Callable[[ConnectionOpts], Any]]
+    _checkpoint: ClassVar[type[_CheckpointBase]]
+    _handle: ClassVar[type[_CommandHandleBase]]
+
+    def __init__(self, runtime: Any, id: str) -> None:
         self._rt = runtime
         self.id = id
         self.commands = Commands(self)
@@ -229,38 +245,90 @@ class Sandbox:
     @classmethod
     def create(cls, template: str = "busybox", cpu: float = 1.0, memory_mb: int = 512, pids: int = 256,
                network: bool = False, timeout_s: float | None = None, on_timeout: str | None = None, *,
-               id: str | None = None, runtime: Backend | None = None, api_url: str | None = None,
-               api_key: str | None = None) -> Sandbox:
+               id: str | None = None, **conn: Unpack[ConnectionOpts]) -> Any:
         """Start a sandbox (see `SandboxSpec` for the arguments; `id` optional, chosen by the caller).
 
-        `api_url`/`api_key`: a sandbox service to create it on (default `K3SYS_API_URL`, else embedded).
+        `conn`: where (`runtime=`, or `api_url=`/`api_key=`; see `ConnectionConfig`).
         """
-        rt = _backend(runtime, api_url, api_key)
+        rt = cls._connect(conn)
         spec = SandboxSpec(template, cpu, memory_mb, pids, network, timeout_s, on_timeout)
-        return cls(rt, rt.create(spec, id).id)
+        return cls._then(rt.create(spec, id), lambda info: cls(rt, info.id))
 
     @classmethod
-    def restore(cls, checkpoint: Checkpoint | str, *, id: str | None = None, timeout_s: float | None = None,
-                runtime: Backend | None = None, api_url: str | None = None, api_key: str | None = None) -> Sandbox:
-        """A new running sandbox from a checkpoint (its processes, memory and files)."""
-        ck = checkpoint.id if isinstance(checkpoint, Checkpoint) else checkpoint
-        if runtime is None and api_url is None and isinstance(checkpoint, Checkpoint):
-            runtime = checkpoint.runtime
-        rt = _backend(runtime, api_url, api_key)
-        return cls(rt, rt.restore(ck, id, timeout_s).id)
+    def restore(cls, checkpoint: _CheckpointBase | str, *, id: str | None = None, timeout_s: float | None = None,
+                **conn: Unpack[ConnectionOpts]) -> Any:
+        """A new running sandbox from a checkpoint (its processes, memory and files); on the
+        checkpoint's own backend unless `conn` names one."""
+        ck = checkpoint.id if isinstance(checkpoint, _CheckpointBase) else checkpoint
+        if conn.get("runtime") is None and conn.get("api_url") is None and isinstance(checkpoint, _CheckpointBase):
+            conn = {**conn, "runtime": checkpoint.runtime}
+        rt = cls._connect(conn)
+        return cls._then(rt.restore(ck, id, timeout_s), lambda info: cls(rt, info.id))
 
     @classmethod
-    def get(cls, id: str, runtime: Backend | None = None, *, api_url: str | None = None,
-            api_key: str | None = None) -> Sandbox:
-        rt = _backend(runtime, api_url, api_key)
-        return cls(rt, rt.info(id).id)
+    def get(cls, id: str, **conn: Unpack[ConnectionOpts]) -> Any:
+        rt = cls._connect(conn)
+        return cls._then(rt.info(id), lambda info: cls(rt, info.id))
 
     @classmethod
-    def list(cls, runtime: Backend | None = None, *, api_url: str | None = None,
-             api_key: str | None = None) -> list[Sandbox]:
+    def list(cls, **conn: Unpack[ConnectionOpts]) -> Any:
         """Every sandbox of the runtime (including hibernated and lost ones), oldest first."""
-        rt = _backend(runtime, api_url, api_key)
-        return [cls(rt, i.id) for i in rt.list()]
+        rt = cls._connect(conn)
+        return cls._then(rt.list(), lambda infos: [cls(rt, i.id) for i in infos])
+
+    def memory_bytes(self) -> int:
+        """Memory charged to the sandbox's processes now, in bytes."""
+        return self._rt.memory_bytes(self.id)
+
+    def cpu_seconds(self) -> float:
+        """CPU seconds charged to the sandbox's cgroup so far (restarts at 0 after a hibernation)."""
+        return self._rt.cpu_seconds(self.id)
+
+    def pause(self) -> None:
+        """Freeze every process (no CPU; memory kept). Commands and files are refused until `resume`."""
+        return self._rt.pause(self.id)
+
+    def resume(self) -> None:
+        """Thaw a paused sandbox, or bring a hibernated one back (same id, same processes)."""
+        return self._rt.resume(self.id)
+
+    def checkpoint(self) -> Any:
+        """Snapshot processes, memory and files into the store; the sandbox keeps running."""
+        return self._then(self._rt.checkpoint(self.id), lambda info: self._checkpoint._of(info, self._rt))
+
+    def fork(self, n: int = 1) -> Any:
+        """`n` new running sandboxes, each with this one's processes, memory and files as of now."""
+        return self._then(self._rt.fork(self.id, n), lambda r: [type(self)(self._rt, k.id) for k in r[1]])
+
+    def hibernate(self) -> Any:
+        """Checkpoint, then stop: memory and CPU released, state "hibernated"; `resume` restores it."""
+        return self._then(self._rt.hibernate(self.id), lambda info: self._checkpoint._of(info, self._rt))
+
+    def prefetch(self, ttl_s: float = 60.0) -> bool:
+        """Hint that a hibernated sandbox will resume soon: its images are staged in memory now, so
+        the `resume` skips reading the store. Returns whether they are staged (False unless
+        hibernated); they are dropped after `ttl_s` seconds unless a resume used them."""
+        return self._rt.prefetch(self.id, ttl_s)
+
+    def kill(self) -> None:
+        """Stop the sandbox and release everything it held (its checkpoints stay in the store)."""
+        return self._rt.kill(self.id)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, type(self)) and other.id == self.id and other._rt is self._rt
+
+    def __hash__(self) -> int:
+        return hash(self.id)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.id!r})"
+
+
+class Sandbox(_Blocking, _Facade):
+    """A handle on one sandbox. Construct with `create`, `restore`, `get`, `list` or `fork`."""
+
+    _checkpoint = Checkpoint
+    _handle = CommandHandle
 
     @property
     def info(self) -> SandboxInfo:
@@ -275,57 +343,9 @@ class Sandbox:
     def spec(self) -> SandboxSpec:
         return self.info.spec
 
-    def memory_bytes(self) -> int:
-        """Memory charged to the sandbox's processes now, in bytes."""
-        return self._rt.memory_bytes(self.id)
-
-    def cpu_seconds(self) -> float:
-        """CPU seconds charged to the sandbox's cgroup so far (restarts at 0 after a hibernation)."""
-        return self._rt.cpu_seconds(self.id)
-
-    def pause(self) -> None:
-        """Freeze every process (no CPU; memory kept). Commands and files are refused until `resume`."""
-        self._rt.pause(self.id)
-
-    def resume(self) -> None:
-        """Thaw a paused sandbox, or bring a hibernated one back (same id, same processes)."""
-        self._rt.resume(self.id)
-
-    def checkpoint(self) -> Checkpoint:
-        """Snapshot processes, memory and files into the store; the sandbox keeps running."""
-        return Checkpoint._of(self._rt.checkpoint(self.id), self._rt)
-
-    def fork(self, n: int = 1) -> list[Sandbox]:
-        """`n` new running sandboxes, each with this one's processes, memory and files as of now."""
-        _, kids = self._rt.fork(self.id, n)
-        return [Sandbox(self._rt, k.id) for k in kids]
-
-    def hibernate(self) -> Checkpoint:
-        """Checkpoint, then stop: memory and CPU released, state "hibernated"; `resume` restores it."""
-        return Checkpoint._of(self._rt.hibernate(self.id), self._rt)
-
-    def prefetch(self, ttl_s: float = 60.0) -> bool:
-        """Hint that a hibernated sandbox will resume soon: its images are staged in memory now, so
-        the `resume` skips reading the store. Returns whether they are staged (False unless
-        hibernated); they are dropped after `ttl_s` seconds unless a resume used them."""
-        return self._rt.prefetch(self.id, ttl_s)
-
-    def kill(self) -> None:
-        """Stop the sandbox and release everything it held (its checkpoints stay in the store)."""
-        self._rt.kill(self.id)
-
     def __enter__(self) -> Sandbox:
         return self
 
     def __exit__(self, *exc: object) -> None:
         with contextlib.suppress(NotFoundError):
             self.kill()
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Sandbox) and other.id == self.id and other._rt is self._rt
-
-    def __hash__(self) -> int:
-        return hash(self.id)
-
-    def __repr__(self) -> str:
-        return f"Sandbox({self.id!r})"

@@ -5,18 +5,22 @@
 gives a sandbox whose every call goes over HTTP and raises what the embedded runtime raises (the
 status mapping is `_wire.error_of`). `AsyncHTTPBackend` makes the same calls as coroutines.
 
-Each method only describes its request (`_Call`); `_do` performs it. The sync client's `_do` sends
-it with `httpx.Client`, the async one's awaits `httpx.AsyncClient`, so both share every route.
-Connections are pooled and reused; `connect` keeps one client per (url, key) per process.
+The two are siblings (httpx's shape), neither a subclass of the other: `_Routes` describes each
+request once (`_Call`) and hands it to `_do`, which `HTTPBackend` performs with `httpx.Client` and
+`AsyncHTTPBackend` as a coroutine over `httpx.AsyncClient`. Each has only its own kind of method
+(`close` / `aclose`, `with` / `async with`). Connections are pooled and reused; `connect` keeps one
+blocking client per (url, key) per process, `aconnect` one async client per (url, key) per event loop.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import dataclasses
 import json
 import os
 import threading
+import weakref
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
@@ -31,6 +35,7 @@ from k3sys.sandbox._wire import (
     sandbox_info,
 )
 from k3sys.sandbox.errors import InvalidArgumentError, SandboxFileNotFoundError, UnavailableError
+from k3sys.sandbox.sdk.connection import AsyncBackend
 from k3sys.sandbox.spec import MAX_FORK, CommandResult, SandboxSpec, check_number
 from k3sys.sandbox.types import CheckpointInfo, EntryInfo, SandboxInfo
 
@@ -81,8 +86,10 @@ class _Events:
     """Reads /commands/{cid}/events line by line: `feed` returns `(stream, text)` for an output event,
     raises the error an `error` event carries, and sets `ended` at the `end` event."""
 
-    def __init__(self) -> None:
+    def __init__(self, api_url: str, cid: str) -> None:
         self.event, self.data, self.ended = "message", [], False
+        self.where = f"sandbox service at {api_url}: the output stream of {cid}"
+        self.request = ("GET", f"/commands/{cid}/events")
 
     def feed(self, line: str) -> tuple[str, str] | None:
         if line.startswith("event:"):
@@ -99,15 +106,19 @@ class _Events:
             self.ended = event == "end"
         return None
 
+    def broke_off(self) -> UnavailableError:
+        return UnavailableError(f"{self.where} broke off")
+
 
 _STREAM_TIMEOUT = httpx.Timeout(None, connect=10.0)  # a quiet command may send nothing for long
 
 
-class HTTPBackend:
-    """A `Backend` (see `k3sys.sandbox.sdk.api`) served by a sandbox service at `api_url`.
+class _Routes:
+    """The sandbox service's routes, each described once; `_do` (the sibling's) performs the request,
+    so each returns its answer in `HTTPBackend` and a coroutine of it in `AsyncHTTPBackend`.
 
     `api_key` defaults to `K3SYS_API_KEY`; `timeout` (seconds, or an httpx.Timeout) bounds every call
-    but commands, which wait their own timeout plus a margin. Thread-safe; `close()` when done.
+    but commands, which wait their own timeout plus a margin.
     """
 
     def __init__(self, api_url: str, api_key: str | None = None,
@@ -124,9 +135,12 @@ class HTTPBackend:
                                                       max_keepalive_connections=max_connections, keepalive_expiry=5.0))
 
     def _client(self, **kw: Any) -> Any:
-        return httpx.Client(**kw)
+        raise NotImplementedError
 
-    def _request(self, call: _Call) -> Any:
+    def _do(self, call: _Call) -> Any:
+        raise NotImplementedError
+
+    def _request(self, call: _Call) -> httpx.Request:
         return self._http.build_request(call.method, call.path, params=call.params, json=call.json,
                                         content=call.content, headers=call.headers, timeout=call.timeout)
 
@@ -137,22 +151,6 @@ class HTTPBackend:
 
     def _unreachable(self, e: httpx.TransportError) -> UnavailableError:
         return UnavailableError(f"sandbox service at {self.api_url}: {type(e).__name__}: {e}")
-
-    def _do(self, call: _Call) -> Any:
-        try:
-            r = self._http.send(self._request(call))
-        except httpx.TransportError as e:
-            raise self._unreachable(e) from e
-        return self._answer(call, r)
-
-    def close(self) -> None:
-        self._http.close()
-
-    def __enter__(self) -> HTTPBackend:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.api_url!r})"
@@ -208,22 +206,6 @@ class HTTPBackend:
 
     def kill_command(self, cid: str) -> None:
         return self._do(_Call("DELETE", f"/commands/{cid}"))
-
-    def stream_command(self, cid: str) -> Iterator[tuple[str, str]]:
-        """`("stdout" | "stderr", text)` as the command writes it, until it ends (server-sent events)."""
-        events = _Events()
-        try:
-            with self._http.stream("GET", f"/commands/{cid}/events", timeout=_STREAM_TIMEOUT) as r:
-                if r.status_code >= 400:
-                    raise error_of(r.status_code, r.read(), r.headers)
-                for line in r.iter_lines():
-                    if piece := events.feed(line):
-                        yield piece
-                    elif events.ended:
-                        return
-        except httpx.TransportError as e:
-            raise self._unreachable(e) from e
-        raise UnavailableError(f"sandbox service at {self.api_url}: the output stream of {cid} broke off")
 
     # --- files ----------------------------------------------------------------------------------
 
@@ -300,14 +282,54 @@ class HTTPBackend:
         return self._do(_Call("GET", "/metrics", parse=lambda r: r.text))
 
 
-class AsyncHTTPBackend(HTTPBackend):
+class HTTPBackend(_Routes):
+    """A `Backend` (see `k3sys.sandbox.sdk.api`) served by a sandbox service at `api_url` (see
+    `_Routes` for the arguments). Thread-safe; `close()` when done."""
+
+    def _client(self, **kw: Any) -> httpx.Client:
+        return httpx.Client(**kw)
+
+    def _do(self, call: _Call) -> Any:
+        try:
+            r = self._http.send(self._request(call))
+        except httpx.TransportError as e:
+            raise self._unreachable(e) from e
+        return self._answer(call, r)
+
+    def stream_command(self, cid: str) -> Iterator[tuple[str, str]]:
+        """`("stdout" | "stderr", text)` as the command writes it, until it ends (server-sent events)."""
+        events = _Events(self.api_url, cid)
+        try:
+            with self._http.stream(*events.request, timeout=_STREAM_TIMEOUT) as r:
+                if r.status_code >= 400:
+                    raise error_of(r.status_code, r.read(), r.headers)
+                for line in r.iter_lines():
+                    if piece := events.feed(line):
+                        yield piece
+                    elif events.ended:
+                        return
+        except httpx.TransportError as e:
+            raise self._unreachable(e) from e
+        raise events.broke_off()
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> HTTPBackend:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncHTTPBackend(_Routes, AsyncBackend):
     """`HTTPBackend`'s calls as coroutines, over one `httpx.AsyncClient` (use it from one event loop):
     `await backend.create(spec)`, `async for stream, text in backend.stream_command(cid)`."""
 
-    def _client(self, **kw: Any) -> Any:
+    def _client(self, **kw: Any) -> httpx.AsyncClient:
         return httpx.AsyncClient(**kw)
 
-    async def _do(self, call: _Call) -> Any:  # type: ignore[override]
+    async def _do(self, call: _Call) -> Any:
         if call.content is not None and not isinstance(call.content, bytes):
             call = dataclasses.replace(call, content=_aiter(call.content))  # AsyncClient streams async iterables
         try:
@@ -316,10 +338,11 @@ class AsyncHTTPBackend(HTTPBackend):
             raise self._unreachable(e) from e
         return self._answer(call, r)
 
-    async def stream_command(self, cid: str) -> AsyncIterator[tuple[str, str]]:  # type: ignore[override]
-        events = _Events()
+    async def stream_command(self, cid: str) -> AsyncIterator[tuple[str, str]]:
+        """See `HTTPBackend.stream_command`."""
+        events = _Events(self.api_url, cid)
         try:
-            async with self._http.stream("GET", f"/commands/{cid}/events", timeout=_STREAM_TIMEOUT) as r:
+            async with self._http.stream(*events.request, timeout=_STREAM_TIMEOUT) as r:
                 if r.status_code >= 400:
                     raise error_of(r.status_code, await r.aread(), r.headers)
                 async for line in r.aiter_lines():
@@ -329,13 +352,15 @@ class AsyncHTTPBackend(HTTPBackend):
                         return
         except httpx.TransportError as e:
             raise self._unreachable(e) from e
-        raise UnavailableError(f"sandbox service at {self.api_url}: the output stream of {cid} broke off")
+        raise events.broke_off()
+
+    @property
+    def sync(self) -> HTTPBackend:
+        """The blocking client of the same service (for a `Sandbox` made from an async handle)."""
+        return connect(self.api_url, self.api_key)
 
     async def aclose(self) -> None:
         await self._http.aclose()
-
-    def close(self) -> None:  # pragma: no cover - the sync name makes no sense here
-        raise TypeError("use `await backend.aclose()`")
 
     async def __aenter__(self) -> AsyncHTTPBackend:
         return self
@@ -361,3 +386,17 @@ def connect(api_url: str, api_key: str | None = None) -> HTTPBackend:
         if client is None:
             client = _clients[(api_url, key)] = HTTPBackend(api_url, key)
         return client
+
+
+_async_clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[tuple[str, str | None], AsyncHTTPBackend]]
+_async_clients = weakref.WeakKeyDictionary()
+
+
+def aconnect(api_url: str, api_key: str | None = None) -> AsyncHTTPBackend:
+    """The `AsyncHTTPBackend` for (`api_url`, key) on the running event loop, made on first use (an
+    AsyncClient must stay on the loop that made it)."""
+    key = api_key if api_key is not None else os.environ.get("K3SYS_API_KEY")
+    clients = _async_clients.setdefault(asyncio.get_running_loop(), {})
+    if (api_url, key) not in clients:
+        clients[(api_url, key)] = AsyncHTTPBackend(api_url, key)
+    return clients[(api_url, key)]
