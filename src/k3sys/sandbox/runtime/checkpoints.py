@@ -1,0 +1,334 @@
+"""Checkpoints of sandboxes: snapshot (CRIU images on tmpfs + the sealed file system), commit to
+the store, hibernate, restore, fork, prefetch for a coming resume, and the collection of sealed
+layers no sandbox stands on.
+
+A snapshot freezes the sandbox, dumps it and (checkpoint, fork) thaws it at once; the store packs the
+memory images while CRIU writes them (`Store.follow`). Every operation rolls the record back on
+failure, so the caller sees the sandbox in its previous state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from k3sys.sandbox.errors import (
+    InvalidStateError,
+    SandboxError,
+)
+from k3sys.sandbox.runtime.state import LIVE, Record, State
+from k3sys.sandbox.runtime.store import Follower, Manifest
+from k3sys.sandbox.runtime.table import Table, _new_id, _rmtree
+from k3sys.sandbox.runtime.templates import template_rootfs
+from k3sys.sandbox.spec import MAX_FORK, SandboxSpec, check_number
+from k3sys.sandbox.types import CheckpointInfo, SandboxInfo
+
+
+@dataclass(frozen=True)
+class _Snapshot:
+    """A sandbox's state captured in staging: checkpoint id, image and sealed-fs directories, timings
+    (seconds per phase), and the store follower already packing the images."""
+
+    ck: str
+    images: Path
+    fs: Path
+    t: dict[str, float]
+    follower: Follower
+
+
+@dataclass(frozen=True)
+class _Staged:
+    """Images of checkpoint `ck` checked out to `path` by `prefetch`, kept until `expires` (monotonic s)."""
+
+    ck: str
+    path: Path
+    expires: float
+
+
+class Checkpoints(Table):
+    """`Runtime`'s checkpoint operations (see the module docstring)."""
+
+    _staged: dict[str, _Staged]
+
+    def _snapshot(self, rec: Record, transitional: State, *, thaw: bool) -> _Snapshot:
+        """Freeze-consistent images + sealed fs of a live sandbox into staging; marks the record
+        `transitional` with `prev` and `pending` set. The store packs the memory images while CRIU
+        writes them (`Store.follow`); `_commit` finishes that, and a caller that does not commit
+        must `abort` the follower."""
+        ck = _new_id("ck")
+        images, fs = self._staging(ck)
+        self._set(rec, transitional, prev=rec.state, pending=ck)
+        follower = self.store.follow(images)
+        try:
+            t = self.driver.snapshot(rec.id, self._dirs(rec.id), images, fs, self._layer_dir(rec.layer),
+                                     thaw=thaw, network=rec.spec.network)
+        except BaseException:
+            follower.abort()
+            _rmtree(images)
+            _rmtree(fs)
+            self._set(rec, rec.prev, prev=None, pending=None)
+            raise
+        return _Snapshot(ck, images, fs, t, follower)
+
+    def _commit(self, rec: Record, snap: _Snapshot, fs: Path | None = None) -> Manifest:
+        """Commit `snap` (its sealed fs from `fs` if it moved) as the sandbox's next checkpoint."""
+        meta = {"sandbox": rec.id, "spec": rec.spec.to_json()}
+        return self.store.commit({"images": snap.images, "fs": fs or snap.fs}, parent=rec.head, meta=meta,
+                                 id=snap.ck, follower=snap.follower)
+
+    def checkpoint(self, sid: str) -> CheckpointInfo:
+        """Snapshot a running or paused sandbox into the store; the sandbox carries on as it was."""
+        with self._locked(sid) as rec:
+            self._require(rec, "checkpoint", *LIVE)
+            info, images, fs = self._checkpoint_locked(rec)
+            self._cleaner.submit(_rmtree, images)
+            _rmtree(fs)
+            return info
+
+    def _checkpoint_locked(self, rec: Record) -> tuple[CheckpointInfo, Path, Path]:
+        t0 = time.perf_counter()
+        snap = self._snapshot(rec, State.CHECKPOINTING, thaw=True)
+        t = snap.t
+        try:
+            # The sandbox runs again already; a failed commit only loses this checkpoint.
+            self._set(rec, rec.prev, prev=None)
+            t1 = time.perf_counter()
+            m = self._commit(rec, snap)
+            t["store"] = time.perf_counter() - t1
+        except BaseException:
+            snap.follower.abort()
+            _rmtree(snap.images)
+            _rmtree(snap.fs)
+            self._set(rec, rec.state, pending=None)
+            raise
+        self._set(rec, rec.state, head=snap.ck, pending=None)
+        t["total"] = time.perf_counter() - t0
+        self._timings[rec.id] = t
+        return CheckpointInfo.from_manifest(m, t), snap.images, snap.fs
+
+    def hibernate(self, sid: str) -> CheckpointInfo:
+        """Checkpoint, then stop every process: memory and CPU are released; `resume` brings it back."""
+        with self._locked(sid) as rec:
+            self._require(rec, "hibernate", *LIVE)
+            t0 = time.perf_counter()
+            # Frozen, not killed, until the checkpoint is durable: a failure can still roll back.
+            snap = self._snapshot(rec, State.HIBERNATING, thaw=False)
+            ck, images, fs, t = snap.ck, snap.images, snap.fs, snap.t
+            try:
+                t1 = time.perf_counter()
+                m = self._commit(rec, snap)
+                t["store"] = time.perf_counter() - t1
+            except BaseException:
+                _rmtree(images)
+                _rmtree(fs)
+                if rec.prev is State.RUNNING:
+                    self.driver.resume(sid)
+                self._set(rec, rec.prev, prev=None, pending=None)
+                raise
+            self._cleaner.submit(_rmtree, images)
+            t1 = time.perf_counter()
+            self.driver.destroy(sid, self._dirs(sid))
+            self._wipe_upper(rec)
+            # The sealed fs is exactly what `resume` will stack the new upper on: keep it as a layer.
+            os.rename(fs, self._layer_dir(ck))
+            t["stop"] = time.perf_counter() - t1
+            self._set(rec, State.HIBERNATED, head=ck, layer=None, prev=None, pending=None)
+            self._gc_layers()
+            t["total"] = time.perf_counter() - t0
+            self._timings[sid] = t
+            return CheckpointInfo.from_manifest(m, t)
+
+    def _wipe_upper(self, rec: Record) -> None:
+        dirs = self._dirs(rec.id)
+        for d in (dirs.upper, dirs.work, dirs.bundle, dirs.logs):
+            _rmtree(d)
+
+    def _ensure_layer(self, ck: str) -> Path:
+        """The sealed fs of checkpoint `ck` as a layer directory, checked out of the store if needed."""
+        layer = self._layer_dir(ck)
+        if not layer.exists():
+            tmp = self.root / "tmp" / f"{ck}-fs-{secrets.token_hex(4)}"
+            self.store.checkout(ck, {"fs": tmp})
+            try:
+                os.rename(tmp, layer)
+            except OSError:  # another thread checked it out first
+                _rmtree(tmp)
+        return layer
+
+    def _restore_into(self, rec: Record, ck: str, images: Path | None = None) -> dict[str, float]:
+        """Start `rec`'s processes from checkpoint `ck` (images from `prefetch` or the store unless given)."""
+        t: dict[str, float] = {}
+        t0 = time.perf_counter()
+        self._ensure_layer(ck)
+        own = images is None
+        if own:
+            staged = self._unstage(rec.id, keep=True)
+            if staged is not None and staged.ck == ck:
+                images = staged.path
+            else:
+                if staged is not None:
+                    _rmtree(staged.path)
+                images, _ = self._staging(f"{ck}-{rec.id}")
+                self.store.checkout(ck, {"images": images})
+        t["store"] = time.perf_counter() - t0
+        try:
+            lowers = [self._layer_dir(ck), template_rootfs(rec.spec.template)]
+            t.update(self.driver.restore(rec.id, self._dirs(rec.id), rec.spec, lowers, images))
+        finally:
+            if own:
+                self._cleaner.submit(_rmtree, images)
+        t["total"] = time.perf_counter() - t0
+        self._timings[rec.id] = t
+        return t
+
+    def restore(self, ck: str, id: str | None = None, timeout_s: float | None = None) -> SandboxInfo:
+        """A new running sandbox from checkpoint `ck` (its processes, memory and files)."""
+        m = self.store.get(ck)
+        spec = SandboxSpec.from_json(m.meta.get("spec", {}))
+        if timeout_s is not None:
+            spec = SandboxSpec(**{**spec.to_json(), "timeout_s": timeout_s})
+        return self._spawn(spec, ck, id)
+
+    def _spawn(self, spec: SandboxSpec, ck: str, id: str | None = None, images: Path | None = None) -> SandboxInfo:
+        sid = self._claim_id(id)
+        now = time.time()
+        rec = Record(sid, spec, State.CREATING, now, deadline=now + spec.timeout_s if spec.timeout_s else None,
+                     head=ck, layer=ck)
+        self._register(rec)
+        with self._locked(sid):
+            self._save(rec)
+            try:
+                self._restore_into(rec, ck, images)
+            except BaseException:
+                self._discard(rec)
+                raise
+            self._set(rec, State.RUNNING)
+            return self._info(rec)
+
+    def fork(self, sid: str, n: int = 1) -> tuple[CheckpointInfo, list[SandboxInfo]]:
+        """`n` new running sandboxes, each a copy of this one now (processes, memory, files).
+
+        One checkpoint serves all of them: its images stay on tmpfs and its sealed fs becomes their
+        shared lower layer, so the store is written once (in parallel with the restores) and never read.
+        """
+        check_number("n", n, 1, MAX_FORK, "children", integer=True)
+        with self._locked(sid) as rec:
+            self._require(rec, "fork", *LIVE)
+            t0 = time.perf_counter()
+            snap = self._snapshot(rec, State.CHECKPOINTING, thaw=True)
+            ck, images, fs, t = snap.ck, snap.images, snap.fs, snap.t
+            kids: list[SandboxInfo] = []
+            m: Manifest | None = None
+            try:
+                # `pending` stays set until the end: it keeps the new layer from being collected.
+                self._set(rec, rec.prev, prev=None)
+                os.rename(fs, self._layer_dir(ck))
+                private = [self._private_images(images, i) for i in range(n)]  # before any child starts
+                t1 = time.perf_counter()
+                with ThreadPoolExecutor(max_workers=min(n, 8) + 1) as pool:
+                    commit = pool.submit(self._commit, rec, snap, self._layer_dir(ck))
+                    spawns = [pool.submit(self._spawn, rec.spec, ck, None, d) for d in private]
+                    failures = []
+                    for f in spawns:
+                        try:
+                            kids.append(f.result())
+                        except Exception as e:
+                            failures.append(e)
+                    t["restore+store"] = time.perf_counter() - t1  # children restored while the store commits
+                    m = commit.result()
+                if failures:
+                    raise failures[0]
+            except BaseException:
+                snap.follower.abort()  # in case the commit never ran
+                for kid in kids:
+                    with contextlib.suppress(SandboxError):
+                        self.kill(kid.id)
+                if m is not None:  # a fork that failed leaves no checkpoint behind
+                    with contextlib.suppress(SandboxError):
+                        self.store.delete(ck)
+                self._set(rec, rec.state, pending=None)
+                self._gc_layers()
+                raise
+            finally:
+                for d in images.parent.glob(f"{images.name}*"):
+                    self._cleaner.submit(_rmtree, d)
+                _rmtree(fs)  # only there if the rename did not happen
+            self._set(rec, rec.state, head=ck, pending=None)
+            t["total"] = time.perf_counter() - t0
+            self._timings[sid] = t
+            return CheckpointInfo.from_manifest(m, t), kids
+
+    @staticmethod
+    def _private_images(images: Path, i: int) -> Path:
+        """A hard-linked copy of the image directory: each concurrent CRIU restore writes its own
+        stats file into the directory it restores from."""
+        out = images.with_name(f"{images.name}.{i}")
+        out.mkdir()
+        for f in images.iterdir():
+            os.link(f, out / f.name)
+        return out
+
+    def checkpoints(self) -> list[CheckpointInfo]:
+        """Every checkpoint in the store, oldest first."""
+        return [CheckpointInfo.from_manifest(m) for m in self.store.list()]
+
+    def get_checkpoint(self, ck: str) -> CheckpointInfo:
+        return CheckpointInfo.from_manifest(self.store.get(ck))
+
+    def delete_checkpoint(self, ck: str) -> None:
+        """Remove a checkpoint from the store; refused while a hibernated (or resuming) sandbox needs it."""
+        with self._mu:
+            users = [r for r in self._records.values()
+                     if r.head == ck and r.state in (State.HIBERNATED, State.RESUMING)]
+        if users:
+            raise InvalidStateError(f"checkpoint {ck} holds {users[0].state} sandbox {users[0].id}; "
+                                    "kill or resume it first")
+        self.store.delete(ck)
+        self._gc_layers()
+
+    def prefetch(self, sid: str, ttl_s: float = 60.0) -> bool:
+        """Stage a hibernated sandbox's images on tmpfs ahead of a likely `resume` (e.g. while the
+        policy model thinks), so that the resume restores without reading the store. A hint: it
+        returns whether images are staged (False, doing nothing, unless the sandbox is hibernated).
+        The staged copy holds as much memory as the sandbox's memory image until `resume` uses it,
+        the sandbox is killed, or `ttl_s` seconds pass (a later call renews it)."""
+        check_number("ttl_s", ttl_s, 0.1, 3600, "s")
+        with self._locked(sid) as rec:
+            if rec.state is not State.HIBERNATED:
+                return False
+            expires = time.monotonic() + ttl_s
+            with self._mu:
+                staged = self._staged.get(sid)
+                if staged is not None and staged.ck == rec.head:
+                    self._staged[sid] = _Staged(staged.ck, staged.path, expires)
+                    return True
+            self._unstage(sid)
+            self._ensure_layer(rec.head)
+            path, _ = self._staging(f"{rec.head}-{sid}-prefetched")
+            self.store.checkout(rec.head, {"images": path})
+            with self._mu:
+                self._staged[sid] = _Staged(rec.head, path, expires)
+            return True
+
+    def _unstage(self, sid: str, keep: bool = False) -> _Staged | None:
+        """Forget the images `prefetch` staged for `sid`; delete them unless `keep` (then the caller owns them)."""
+        with self._mu:
+            staged = self._staged.pop(sid, None)
+        if staged is not None and not keep:
+            self._cleaner.submit(_rmtree, staged.path)
+        return staged
+
+    def _gc_layers(self) -> None:
+        """Remove sealed layers no sandbox stands on (or will resume onto)."""
+        with self._mu:
+            used = {r.layer for r in self._records.values()} | {
+                r.head for r in self._records.values() if r.state in (State.HIBERNATED, State.RESUMING)}
+            used |= {r.pending for r in self._records.values()}
+        for d in (self.root / "layers").iterdir():
+            if d.name not in used:
+                _rmtree(d)

@@ -1,0 +1,124 @@
+"""Startup recovery and the reaper.
+
+Recovery: a runtime opening a directory another runtime left (crashed) adopts its sandboxes:
+orphan runc/CRIU helpers are killed, a sandbox caught mid-checkpoint is thawed and rolled back,
+one whose processes died is reported `lost` (never dropped), and staging directories are wiped.
+
+The reaper (a thread, every 0.5 s) drops prefetched images past their time to live and applies
+each expired sandbox's `on_timeout` (kill, or hibernate).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+
+from k3sys.sandbox.errors import (
+    CheckpointNotFoundError,
+    SandboxError,
+)
+from k3sys.sandbox.runtime.state import LIVE, Record, State
+from k3sys.sandbox.runtime.table import Table, _rmtree
+
+_log = logging.getLogger(__name__)
+
+
+class Recovery(Table):
+    """`Runtime`'s startup recovery and reaper (see the module docstring)."""
+
+    _closed: threading.Event
+
+    def _recover(self) -> None:
+        self.driver.cleanup_stale()
+        self.store.gc()  # temp files and unreferenced packs of commits a crash interrupted
+        for d in (self.root / "tmp").iterdir():
+            _rmtree(d)
+        _rmtree(self.scratch)
+        for path in sorted((self.root / "sandboxes").glob("*/record.json")):
+            rec = Record.load(path)
+            self._register(rec)
+            self._settle(rec)
+        for d in (self.root / "sandboxes").iterdir():  # created but never recorded
+            if not (d / "record.json").exists():
+                with contextlib.suppress(SandboxError):
+                    self.driver.destroy(d.name, self._dirs(d.name))
+                _rmtree(d)
+        self._gc_layers()
+
+    def _settle(self, rec: Record) -> None:
+        """Bring one adopted record in line with what is really there (see the module docstring)."""
+        status = self.driver.status(rec.id)
+        alive = status in ("running", "paused")
+        committed = rec.pending if rec.pending and self._has_checkpoint(rec.pending) else None
+        s = rec.state
+        if s is State.HIBERNATING and committed:
+            # The checkpoint is durable: finish the hibernation.
+            with contextlib.suppress(SandboxError):
+                self.driver.destroy(rec.id, self._dirs(rec.id))
+            self._wipe_upper(rec)
+            self._set(rec, State.HIBERNATED, head=committed, layer=None, prev=None, pending=None)
+        elif s in (State.CHECKPOINTING, State.HIBERNATING, *LIVE) and alive:
+            target = rec.prev if s in (State.CHECKPOINTING, State.HIBERNATING) else s
+            if target is State.RUNNING and status == "paused":
+                self.driver.resume(rec.id)
+            elif target is State.PAUSED and status == "running":
+                self.driver.pause(rec.id)
+            self._set(rec, target, head=committed or rec.head, prev=None, pending=None)
+        elif s is State.RESUMING and alive:
+            self._set(rec, State.RUNNING, layer=rec.head, prev=None)
+        elif s is State.RESUMING:
+            with contextlib.suppress(SandboxError):
+                self.driver.destroy(rec.id, self._dirs(rec.id))
+            self._wipe_upper(rec)
+            self._set(rec, State.HIBERNATED, prev=None)
+        elif s in (State.HIBERNATED, State.LOST):
+            pass
+        else:  # creating, or its processes are gone
+            with contextlib.suppress(SandboxError):
+                self.driver.destroy(rec.id, self._dirs(rec.id))
+            why = ("the runtime died while creating it" if s is State.CREATING
+                   else f"its processes were gone when the runtime restarted (it was {s.value})")
+            self._set(rec, State.LOST, reason=why, prev=None, pending=None)
+
+    def _has_checkpoint(self, ck: str) -> bool:
+        try:
+            self.store.get(ck)
+            return True
+        except CheckpointNotFoundError:
+            return False
+
+    def _reap_expired(self) -> None:
+        while not self._closed.wait(0.5):
+            now, mono = time.time(), time.monotonic()
+            with self._mu:
+                stale = [sid for sid, st in self._staged.items() if st.expires <= mono]
+            for sid in stale:
+                self._unstage(sid)
+            with self._mu:
+                expired = [r.id for r in self._records.values() if r.deadline is not None and r.deadline <= now]
+            for sid in expired:
+                try:
+                    self._expire(sid)
+                except Exception as e:  # noqa: BLE001 - the reaper must outlive any one sandbox's failure
+                    _log.warning("timeout of sandbox %s not applied: %s: %s", sid, type(e).__name__, e)
+
+    def _expire(self, sid: str) -> None:
+        """Apply the sandbox's `on_timeout` (its spec's, else the runtime's) if it is still past its deadline."""
+        with self._locked(sid) as rec:
+            if rec.deadline is None or rec.deadline > time.time():
+                return  # renewed or handled while we waited for the lock
+            if (rec.spec.on_timeout or self.on_timeout) == "kill":
+                self._discard(rec)
+                return
+            if rec.state not in LIVE:  # hibernated or lost already: nothing runs to stop
+                self._set(rec, rec.state, deadline=None)
+                return
+            try:
+                self.hibernate(sid)
+            except Exception:  # noqa: BLE001 - e.g. a full disk under the store
+                self._discard(rec)  # its time is up either way: never hold resources past it
+                return
+            why = f"hibernated when its timeout_s={rec.spec.timeout_s:g} ran out"
+            self._set(rec, rec.state, deadline=None, reason=why)
