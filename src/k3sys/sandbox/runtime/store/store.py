@@ -30,7 +30,6 @@ import contextlib
 import dataclasses
 import fcntl
 import json
-import mmap
 import os
 import re
 import secrets
@@ -42,13 +41,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from blake3 import blake3
 
 from k3sys.sandbox.errors import CheckpointExistsError, CheckpointNotFoundError, CorruptStoreError, StoreInputError
 from k3sys.sandbox.runtime.store import chunker, tree
-from k3sys.sandbox.runtime.store.index import ChunkIndex, Row
+from k3sys.sandbox.runtime.store.follower import Follower, _Packing
+from k3sys.sandbox.runtime.store.index import ChunkIndex
 from k3sys.sandbox.runtime.store.manifest import Entry, Manifest, decode, encode
-from k3sys.sandbox.runtime.store.pack import PAGE, PackWriter, fsync_dir, read_index, write_all
+from k3sys.sandbox.runtime.store.pack import PackWriter, fsync_dir, read_index, write_all
+from k3sys.sandbox.runtime.store.upkeep import Upkeep
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 # Test hook: name a point in `commit` at which the process dies, as a crash would kill it.
@@ -65,7 +65,7 @@ def _check_name(kind: str, value: str) -> None:
         raise StoreInputError(f"{kind} {value!r} is not a valid name (letters, digits, '._-', at most 128)")
 
 
-class Store:
+class Store(Upkeep):
     """A checkpoint store rooted at `root` (created if missing). See the module docstring."""
 
     def __init__(self, root: Path | str) -> None:
@@ -214,108 +214,6 @@ class Store:
                     del self._refs[d]
                     dead |= self._index.holders(d)
             self._collect(dead)
-
-    def gc(self) -> dict[str, int]:
-        """Remove what interrupted commits and deletes left: temp files and unreferenced packs."""
-        with self._flock(exclusive=True), self._mu:
-            self._refresh()
-            temps = os.listdir(self._tdir)
-            for name in temps:
-                os.unlink(os.path.join(self._tdir, name))
-            self._settle()
-            before = len(self._index.packs)
-            freed = self._collect(set(self._index.packs))
-            return {"temp_files": len(temps), "packs": before - len(self._index.packs), "bytes": freed}
-
-    def verify(self) -> list[str]:
-        """Re-hash every stored chunk and check every manifest; return the problems ([] if healthy).
-
-        Holds the store's lock exclusively, so commits and checkouts wait until it is done.
-        """
-        with self._flock(exclusive=True):
-            with self._mu:
-                self._refresh()
-                self._settle()
-            # From here on the exclusive lock keeps every commit, delete and gc (any process) out.
-            index, refs = self._index, self._refs
-            problems = [f"{name}: {why}" for name, why in sorted(self._broken.items())]
-            problems += [f"leftover temp file tmp/{n} (an interrupted commit; gc() removes it)"
-                         for n in sorted(os.listdir(self._tdir))]
-            for m in sorted(self._manifests.values(), key=lambda m: m.id):
-                for name, entries in m.trees.items():
-                    for e in entries:
-                        missing = [d for d in chunker.split(e.chunks) if d not in index]
-                        if missing:
-                            problems.append(f"checkpoint {m.id!r} tree {name!r} file {e.path!r}: {len(missing)} "
-                                            f"chunk(s) missing, first {missing[0].hex()}")
-            # A pack whose chunks all have an older copy elsewhere (two commits wrote them at once) is
-            # only wasted space, reclaimed by the next gc(); one that no checkpoint references is debris.
-            for p in sorted(index.packs.values(), key=lambda p: p.name):
-                label = f"pack {p.name}"
-                if not any(d in refs for d, _, _ in p.rows):
-                    problems.append(f"{label} holds no chunk any checkpoint references (left by an interrupted "
-                                    "commit or delete; gc() removes it)")
-                try:
-                    with open(p.path, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mm:
-                        bad = [(d, off) for d, off, n in p.rows if blake3(memoryview(mm)[off : off + n]).digest() != d]
-                except OSError as e:
-                    problems.append(f"{label}: cannot read ({e.strerror})")
-                    continue
-                problems += [f"{label} offset {off}: chunk {d.hex()} does not match its data" for d, off in bad]
-            return problems
-
-    def compact(self, min_live: float = 0.5) -> dict[str, int]:
-        """Rewrite the still-referenced chunks of packs less than `min_live` full into one new pack.
-
-        Deleting old checkpoints of a long chain leaves packs mostly dead but kept alive by a few
-        pages; this bounds that waste. Holds the lock exclusively. Returns counts and bytes freed.
-        """
-        with self._flock(exclusive=True), self._mu:
-            self._refresh()
-            self._settle()
-            victims: dict[int, list[Row]] = {}
-            for no, p in self._index.packs.items():
-                live = [r for r in self._index.indexed_rows(no) if r[0] in self._refs]
-                if live and sum(n for _, _, n in live) < min_live * p.data_end:
-                    victims[no] = live
-            if not victims:
-                return {"packs": 0, "bytes": 0}
-            name, writer = self._new_pack()
-            try:
-                for no, live in victims.items():
-                    with open(self._index.packs[no].path, "rb") as f, \
-                            mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mm:
-                        for d, off, n in live:
-                            writer.add([d], mm[off : off + n], PAGE if n == PAGE else n)
-                    writer.flush()  # one old pack's worth at a time: memory stays bounded
-                writer.finish()
-            finally:
-                writer.abort()
-            self._index.add(name, writer.rows, writer.offset, os.path.getsize(writer.final_path))
-            # The old copies sort first and stay indexed until their packs go; then the new ones take over.
-            before = sum(self._index.packs[no].size for no in victims)
-            for no in victims:
-                os.unlink(self._index.remove(no).path)
-            fsync_dir(self._pdir)
-            return {"packs": len(victims), "bytes": before - os.path.getsize(writer.final_path)}
-
-    def stats(self) -> dict[str, int]:
-        """Sizes in bytes and counts: on disk (packs + manifests), logical, unique chunk data."""
-        with self._mu:
-            self._refresh()
-            self._settle()
-            manifest_bytes = sum(os.path.getsize(os.path.join(self._mdir, f"{i}.mf")) for i in self._manifests)
-            packs = self._index.packs
-            return {
-                "bytes_on_disk": sum(p.size for p in packs.values()) + manifest_bytes,
-                "bytes_logical": sum(m.bytes_total for m in self._manifests.values()),
-                "bytes_unique": sum(n for no in packs for d, _, n in self._index.indexed_rows(no) if d in self._refs),
-                "chunks": len(self._refs),
-                "packs": len(packs),
-                "manifests": len(self._manifests),
-            }
-
-    # ---------------------------------------------------------------- commit and checkout internals
 
     def _packing(self) -> _Packing:
         name, writer = self._new_pack()
@@ -483,142 +381,3 @@ class Store:
                 self._broken[f"{id}.mf"] = str(e)
                 continue
             self._add_manifest(m)
-
-    def _collect(self, candidates: set[int]) -> int:
-        """Delete those of the packs numbered `candidates` that hold the indexed copy of no referenced
-        chunk; return the bytes freed."""
-        dead = [no for no in candidates if not any(d in self._refs for d, _, _ in self._index.indexed_rows(no))]
-        freed = 0
-        for no in dead:
-            p = self._index.remove(no)
-            os.unlink(p.path)
-            freed += p.size
-        if dead:
-            fsync_dir(self._pdir)
-        return freed
-
-
-@dataclasses.dataclass(eq=False)
-class _Packing:
-    """What one commit writes into: its new pack, its read buffers, the digests it packed so far,
-    and the files a `Follower` already chunked (path -> (bytes, digests))."""
-
-    name: str
-    writer: PackWriter
-    ring: chunker.BufferRing
-    fresh: set[bytes] = dataclasses.field(default_factory=set)
-    done: dict[str, tuple[int, list[bytes]]] = dataclasses.field(default_factory=dict)
-
-
-class Follower:
-    """Chunks and packs the CRIU page images (`pages-*.img`) of a directory while CRIU still writes
-    them, so that the commit after the dump finds them done: hashing and writing overlap the dump
-    instead of following it.
-
-    Only for files their writer appends to, as CRIU does with page images: every byte below a
-    file's current size is then final. A thread polls the directory (every `POLL` s) and takes
-    whole pages, at least `MIN_READ` bytes at a time; `take()` (called by `Store.commit`) reads
-    what is left once the writer is done. A file the commit finds replaced (another inode) or of
-    another size is chunked again by the commit; bytes rewritten in place are not noticed, which
-    is why nothing but append-only writers may be followed. Holds the store's lock shared (as a
-    commit does) from the start, so `gc` cannot take the pack it writes. Until `take()` the thread
-    runs at `NICE`: where cores are short, the writer (CRIU dumping a frozen sandbox) comes first.
-    """
-
-    POLL = 0.001
-    MIN_READ = 1 << 20
-    NICE = 5
-
-    def __init__(self, store: Store, directory: str) -> None:
-        self._store, self._dir = store, directory
-        self._lock = contextlib.ExitStack()
-        self._lock.enter_context(store._flock(exclusive=False))
-        self._packing = store._packing()
-        self._files: dict[str, list] = {}  # path -> [(device, inode), bytes read, digests]
-        self._stop = threading.Event()
-        self._error: BaseException | None = None
-        self._tid: int | None = None
-        self._thread = threading.Thread(target=self._run, name="k3sys-store-follow", daemon=True)
-        self._thread.start()
-
-    def take(self) -> _Packing:
-        """Wait until the files are read to their end (their writer must be done) and hand over the pack."""
-        self._finish()
-        if self._error is not None:
-            raise self._error
-        self._packing.done = {path: (n, digests) for path, (ident, n, digests) in self._files.items()
-                              if _identity(path) == ident}
-        return self._packing
-
-    def abort(self) -> None:
-        """Stop and drop the pack (idempotent; a no-op on the pack once a commit published it)."""
-        self._finish()
-        self._packing.writer.abort()
-
-    def _finish(self) -> None:
-        self._stop.set()
-        if self._tid is not None:  # what is left is on the commit's path now
-            with contextlib.suppress(OSError):
-                os.setpriority(os.PRIO_PROCESS, self._tid, 0)
-        self._thread.join()
-        self._lock.close()
-
-    def _run(self) -> None:
-        with contextlib.suppress(OSError):
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.NICE)
-            self._tid = threading.get_native_id()
-        try:
-            while True:
-                last = self._stop.is_set()  # looked at before reading: the last pass sees every byte
-                with contextlib.suppress(FileNotFoundError):  # the dump has not made the directory yet
-                    for name in os.listdir(self._dir):
-                        path = os.path.join(self._dir, name)
-                        if path not in self._files and chunker.chunk_size_for(name) == PAGE:
-                            self._files[path] = [None, 0, []]
-                for path, f in self._files.items():
-                    self._read(path, f, last)
-                if last:
-                    return
-                self._stop.wait(self.POLL)
-        except BaseException as e:  # noqa: BLE001 - raised again by take()
-            self._error = e
-
-    def _read(self, path: str, f: list, last: bool) -> None:
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            return  # gone again: the commit will not find it either
-        try:
-            st = os.fstat(fd)
-            if f[0] is None:
-                f[0] = (st.st_dev, st.st_ino)
-            if f[0] == (st.st_dev, st.st_ino):
-                f[1] = self._append(path, fd, st.st_size, f[1], f[2], last)
-        finally:
-            os.close(fd)
-
-    def _append(self, path: str, fd: int, size: int, done: int, digests: list[bytes], last: bool) -> int:
-        """Pack the pages of `fd` from byte `done` on; returns how far it got."""
-        p = self._packing
-        while (n := size - done if last else (size - done) // PAGE * PAGE) >= (1 if last else self.MIN_READ):
-            buf = p.ring.take()
-            data = buf[: min(n, chunker.WINDOW)]
-            view, got = memoryview(data), 0
-            while got < data.size and (k := os.preadv(fd, [view[got:]], done + got)):
-                got += k
-            if got != data.size:
-                p.ring.give(buf)
-                raise StoreInputError(f"{path!r} shrank while being written")
-            digests += self._store._pack_window(p, data, PAGE)
-            p.writer.then(p.ring.give, buf)
-            done += data.size
-        return done
-
-
-def _identity(path: str) -> tuple[int, int] | None:
-    """(device, inode) of `path`, None if it is gone."""
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        return None
-    return st.st_dev, st.st_ino
