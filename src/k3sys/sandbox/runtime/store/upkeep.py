@@ -1,6 +1,6 @@
 """The store's upkeep: `gc` (crash leftovers), `verify` (every chunk against its digest), `compact`
-(rewrite packs mostly dead), `stats` (sizes; read without the lock). The first three take the store's lock exclusive; see store.py for the
-rules they keep."""
+(rewrite packs mostly dead), `stats` (sizes, read without the lock). The first three take the
+store's lock exclusive; see store.py for the rules they keep."""
 
 from __future__ import annotations
 
