@@ -10,7 +10,7 @@ Choices that keep checkpoints small and fast, measured on this host (see docs/sa
 - the private network namespace is dumped as empty (`--empty-ns network`): it only ever holds `lo`,
   which a prestart hook brings up again after a restore (runc does not save network setup);
 - pause and resume write the freezer cgroup directly instead of spawning runc (the same kernel
-  operation, minus a Go process start).
+  operation, minus a Go process start; cgroups.py).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from pathlib import Path
 from k3sys.sandbox.errors import DriverError
 from k3sys.sandbox.runtime import layers
 from k3sys.sandbox.runtime.drivers.base import SandboxDirs
+from k3sys.sandbox.runtime.drivers.cgroups import Cgroups
 from k3sys.sandbox.runtime.system import SystemPaths, system_paths
 from k3sys.sandbox.spec import SandboxSpec
 
@@ -38,7 +39,6 @@ _MASKED = ["/proc/acpi", "/proc/scsi", "/proc/kcore", "/proc/keys", "/proc/laten
 _MASKED_BY_BIND = ["/sys/firmware"]
 _READONLY = ["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger"]
 _PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-_FREEZE_TRY = 0.1  # seconds one freeze attempt may take before it is undone and retried
 # PID 1 of every sandbox: drop the host-side stdio runc hands it (CRIU cannot dump host files), then
 # sleep forever; the shell's wait loop also reaps orphans re-parented to it.
 _INIT = "exec </dev/null >/dev/null 2>&1; trap 'exit 0' TERM; while :; do sleep 86400 & wait $!; done"
@@ -94,7 +94,7 @@ class RuncDriver:
         self.runc_root.mkdir(parents=True, exist_ok=True)
         self.empty = self.state_dir / "empty"
         self.empty.mkdir(mode=0o555, exist_ok=True)
-        self._cgroup_v1 = Path("/sys/fs/cgroup/freezer").is_dir()
+        self.cgroups = Cgroups()
         _ensure_kdat_dir()
 
     # --- runc plumbing ------------------------------------------------------------------------
@@ -222,10 +222,10 @@ class RuncDriver:
         return proc, pid
 
     def pause(self, sid: str) -> None:
-        self._set_frozen(sid, True)
+        self.cgroups.set_frozen(sid, True)
 
     def resume(self, sid: str) -> None:
-        self._set_frozen(sid, False)
+        self.cgroups.set_frozen(sid, False)
 
     def snapshot(self, sid: str, dirs: SandboxDirs, images: Path, fs: Path, layer: Path | None,
                  *, thaw: bool, network: bool) -> dict[str, float]:
@@ -235,7 +235,7 @@ class RuncDriver:
         work.mkdir(parents=True, exist_ok=True)
         images.mkdir(parents=True)
         t0 = time.perf_counter()
-        was_frozen = self._freezer_frozen(sid)
+        was_frozen = self.cgroups.frozen(sid)
         # Frozen across the dump and the seal: CRIU leaves a frozen cgroup frozen, so no process runs
         # between the memory dump and the copy of the upper, and the two agree.
         if not was_frozen:
@@ -268,10 +268,10 @@ class RuncDriver:
         # Kill through the cgroup and wait for the tasks to be gone before runc cleans up: runc's
         # `delete --force` alone kills too, but then retries removing the cgroups with growing sleeps
         # while the tasks exit (~150 ms here instead of a few).
-        self._kill_cgroup(sid)
+        self.cgroups.kill(sid)
         if (self.runc_root / sid).exists():
             self._run(["delete", "--force", sid], timeout=60)
-        self._remove_cgroups(sid)
+        self.cgroups.remove(sid)
         layers.unmount(dirs.rootfs)
 
     def kill_tree(self, pid: int) -> None:
@@ -301,127 +301,10 @@ class RuncDriver:
             return None
 
     def memory_bytes(self, sid: str) -> int:
-        path = (Path(f"/sys/fs/cgroup/memory/k3sys-{sid}/memory.usage_in_bytes") if self._cgroup_v1
-                else Path(f"/sys/fs/cgroup/k3sys-{sid}/memory.current"))
-        try:
-            return int(path.read_text())
-        except (OSError, ValueError):
-            return 0
+        return self.cgroups.memory_bytes(sid)
 
     def cpu_seconds(self, sid: str) -> float:
-        """CPU time the sandbox's current cgroup has charged (user + system); a new cgroup, after a
-        restore, starts again from 0."""
-        try:
-            if self._cgroup_v1:
-                return int(Path(f"/sys/fs/cgroup/cpuacct/k3sys-{sid}/cpuacct.usage").read_text()) / 1e9
-            stat = Path(f"/sys/fs/cgroup/k3sys-{sid}/cpu.stat").read_text().split()
-            return int(stat[stat.index("usage_usec") + 1]) / 1e6
-        except (OSError, ValueError):
-            return 0.0
-
-    # --- cgroups ------------------------------------------------------------------------------
-
-    def _freezer(self, sid: str) -> Path:
-        if self._cgroup_v1:
-            return Path(f"/sys/fs/cgroup/freezer/k3sys-{sid}/freezer.state")
-        return Path(f"/sys/fs/cgroup/k3sys-{sid}/cgroup.freeze")
-
-    def _freezer_frozen(self, sid: str) -> bool:
-        try:
-            value = self._freezer(sid).read_text().strip()
-        except OSError:
-            return False
-        return value in ("FROZEN", "FREEZING", "1")
-
-    def _set_frozen(self, sid: str, frozen: bool) -> None:
-        path = self._freezer(sid)
-        want = ("FROZEN" if frozen else "THAWED") if self._cgroup_v1 else ("1" if frozen else "0")
-        try:
-            path.write_text(want)
-            if self._cgroup_v1 and frozen:
-                self._settle_v1_freeze(sid, path)
-            elif not self._cgroup_v1:
-                events = path.with_name("cgroup.events")
-                deadline = time.monotonic() + 10
-                while f"frozen {want}" not in events.read_text():
-                    if time.monotonic() > deadline:
-                        raise DriverError(f"sandbox {sid}: freezer did not settle within 10 s")
-                    time.sleep(0.0002)
-        except FileNotFoundError:
-            raise DriverError(f"sandbox {sid}: no freezer cgroup (container not running)") from None
-
-    def _settle_v1_freeze(self, sid: str, path: Path) -> None:
-        """Wait until the v1 freezer reports FROZEN (it says FREEZING until every task stopped).
-
-        A task can block the freeze for good: one in the middle of an execve of a multi-threaded
-        program (`runc init` starting the sandbox's PID 1 or an exec'd command) waits in D state for
-        its other threads to exit, and those are frozen already. So a freeze that does not settle
-        within `_FREEZE_TRY` seconds is undone and tried again once the tasks had a moment to run;
-        only after 10 s does it fail (thawed: the sandbox runs on as before).
-        """
-        deadline = time.monotonic() + 10
-        while True:
-            attempt = time.monotonic() + _FREEZE_TRY
-            while path.read_text().strip() != "FROZEN":
-                if time.monotonic() > attempt:
-                    break
-                time.sleep(0.0002)
-                path.write_text("FROZEN")  # writing FROZEN again re-kicks tasks that were missed
-            else:
-                return
-            stuck = _task_states(path.with_name("cgroup.procs"))
-            path.write_text("THAWED")
-            if time.monotonic() > deadline:
-                raise DriverError(f"sandbox {sid}: processes did not freeze within 10 s: {stuck}")
-            time.sleep(0.002)
-            path.write_text("FROZEN")
-
-    def _cgroup_dirs(self, sid: str) -> list[Path]:
-        base = Path("/sys/fs/cgroup")
-        if self._cgroup_v1:
-            return [d / f"k3sys-{sid}" for d in base.iterdir() if (d / f"k3sys-{sid}").is_dir()]
-        return [base / f"k3sys-{sid}"] if (base / f"k3sys-{sid}").is_dir() else []
-
-    def _kill_cgroup(self, sid: str) -> None:
-        """SIGKILL every task of the sandbox (thawing it, or frozen tasks never die) and wait until
-        the cgroup is empty."""
-        dirs = self._cgroup_dirs(sid)
-        if not dirs:
-            return
-        procs = dirs[0] / "cgroup.procs"
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                pids = procs.read_text().split()
-            except FileNotFoundError:
-                return
-            if not pids:
-                return
-            for pid in pids:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(int(pid), signal.SIGKILL)
-            if self._freezer_frozen(sid):
-                with contextlib.suppress(DriverError):
-                    self._set_frozen(sid, False)
-            if time.monotonic() > deadline:
-                raise DriverError(f"sandbox {sid}: tasks {' '.join(pids[:5])} survive SIGKILL")
-            time.sleep(0.0005)
-
-    def _remove_cgroups(self, sid: str) -> None:
-        """Remove the cgroups runc left (none, unless its state was lost in a crash)."""
-        self._kill_cgroup(sid)
-        for d in self._cgroup_dirs(sid):
-            deadline = time.monotonic() + 5
-            while True:
-                try:
-                    os.rmdir(d)
-                    break
-                except FileNotFoundError:
-                    break
-                except OSError as e:
-                    if time.monotonic() > deadline:
-                        raise DriverError(f"cannot remove cgroup {d}: {e.strerror}") from e
-                    time.sleep(0.005)
+        return self.cgroups.cpu_seconds(sid)
 
     # --- crash leftovers ----------------------------------------------------------------------
 
@@ -475,20 +358,6 @@ def descendants(pid: int) -> list[int]:
         out.append(p)
         todo += children.get(p, [])
     return out
-
-
-def _task_states(procs: Path) -> str:
-    """`pid:state:wchan cmd` of every task listed in a cgroup's `cgroup.procs` (for error messages)."""
-    out = []
-    for pid in procs.read_text().split():
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-            wchan = Path(f"/proc/{pid}/wchan").read_text()
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")[:60].decode(errors="replace")
-        except OSError:
-            continue
-        out.append(f"{pid}:{state}:{wchan} {cmd.strip()}")
-    return "; ".join(out)
 
 
 def _alive(pid: int) -> bool:
