@@ -8,11 +8,11 @@ import torch
 import torch.nn.functional as F
 from rich.progress import Progress
 
+from k3sys._units import format_bytes
 from k3sys.kda.chunk import kda_chunk
 from k3sys.kda.gate import kda_gate
 from k3sys.kda.naive import kda_naive
 from k3sys.kda.state import kda_state_bytes, kv_cache_bytes
-from k3sys.model.memory import format_bytes
 
 # Speed: one sequence, 4 heads of 128, as in bench/kda.py but shorter. Memory: a Kimi Linear KDA layer
 # (32 heads x 128).

@@ -10,6 +10,7 @@ import torch
 from rich import box
 from rich.table import Table
 
+from k3sys._units import format_bytes
 from k3sys.model.cache import cache_bytes
 from k3sys.model.config import ModelConfig
 from k3sys.model.params import count_params
@@ -31,15 +32,6 @@ def format_tokens(n: int) -> str:
         if n >= 1 << shift and n % (1 << shift) == 0:
             return f"{n >> shift}{unit}"
     return str(n)
-
-
-def format_bytes(n: float) -> str:
-    """Three significant figures in binary units: '429 MiB', '3.38 GiB', '5.45 TiB'."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1000 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" or abs(n) >= 100 else f"{n:#.3g} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,8 @@
 """The rollout's HTML report: one self-contained file, plots inlined as PNG (matplotlib, no pyplot,
-so no GUI backend is touched)."""
+so no GUI backend is touched).
+
+It renders anything shaped like a `RolloutReport` (`Report` below) and never imports report.py:
+`RolloutReport.to_html` imports this module, so the dependency runs one way."""
 
 from __future__ import annotations
 
@@ -7,15 +10,27 @@ import base64
 import html
 import io
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
-from k3sys.rollout.records import STATES
+from k3sys.rollout.records import STATES, EpisodeRecord
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-    from k3sys.rollout.records import EpisodeRecord
-    from k3sys.rollout.report import RolloutReport
+
+class Report(Protocol):
+    """What the HTML report reads of a `RolloutReport`."""
+
+    pause_policy: str
+    max_live: int | None
+    episodes: list[EpisodeRecord]
+    mem_totals: list[tuple[float, int]]
+    baseline: Report | None
+
+    @property
+    def totals(self) -> dict[str, float]: ...
+
+    def summary_rows(self) -> list[tuple[str, str, str, str]]: ...
 
 COLORS = {
     "setup": "#4c72b0", "fork": "#8172b2", "act": "#2ca02c", "idle": "#b7e4a8", "pausing": "#f2b26b",
@@ -30,7 +45,7 @@ def _png(fig: Figure) -> str:
     return f'<img alt="plot" src="data:image/png;base64,{base64.b64encode(buf.getvalue()).decode()}">'
 
 
-def timeline_figure(report: RolloutReport, title: str) -> Figure:
+def timeline_figure(report: Report, title: str) -> Figure:
     """One row per sandbox, coloured by its state over time."""
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
@@ -54,7 +69,7 @@ def timeline_figure(report: RolloutReport, title: str) -> Figure:
     return fig
 
 
-def memory_figure(report: RolloutReport) -> Figure:
+def memory_figure(report: Report) -> Figure:
     """Memory held by all sandboxes over time, this run and (when there is one) its "none" baseline."""
     from matplotlib.figure import Figure
 
@@ -101,7 +116,7 @@ def _episode_html(e: EpisodeRecord) -> str:
             f"sandbox {e.sandbox_id}</summary>{table}</details>")
 
 
-def _episodes(report: RolloutReport, title: str) -> list[str]:
+def _episodes(report: Report, title: str) -> list[str]:
     rows = []
     for e in report.episodes:
         s = e.state_s()
@@ -114,7 +129,7 @@ def _episodes(report: RolloutReport, title: str) -> list[str]:
     return [f"<h2>{html.escape(title)}</h2>", table] + [_episode_html(e) for e in report.episodes]
 
 
-def write_html(report: RolloutReport, path: Path) -> Path:
+def write_html(report: Report, path: Path) -> Path:
     t = report.totals
     parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>k3sys rollout report</title>"
              f"<style>{_CSS}</style></head><body><h1>k3sys rollout report</h1>",

@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import dataclasses
-import json
 import os
 import threading
 import weakref
@@ -28,6 +27,7 @@ from typing import Any, BinaryIO
 import httpx
 
 from k3sys.sandbox._wire import (
+    EventReader,
     checkpoint_info,
     command_result,
     entry_info,
@@ -35,7 +35,7 @@ from k3sys.sandbox._wire import (
     sandbox_info,
 )
 from k3sys.sandbox.errors import InvalidArgumentError, SandboxFileNotFoundError, UnavailableError
-from k3sys.sandbox.sdk.connection import AsyncBackend
+from k3sys.sandbox.sdk.backend import AsyncBackend
 from k3sys.sandbox.spec import MAX_FORK, CommandResult, SandboxSpec, check_number
 from k3sys.sandbox.types import CheckpointInfo, EntryInfo, SandboxInfo
 
@@ -80,34 +80,6 @@ def _command_timeout(timeout: float | None) -> float | None:
 def _chunks(f: BinaryIO) -> Iterator[bytes]:
     while chunk := f.read(_CHUNK):
         yield chunk
-
-
-class _Events:
-    """Reads /commands/{cid}/events line by line: `feed` returns `(stream, text)` for an output event,
-    raises the error an `error` event carries, and sets `ended` at the `end` event."""
-
-    def __init__(self, api_url: str, cid: str) -> None:
-        self.event, self.data, self.ended = "message", [], False
-        self.where = f"sandbox service at {api_url}: the output stream of {cid}"
-        self.request = ("GET", f"/commands/{cid}/events")
-
-    def feed(self, line: str) -> tuple[str, str] | None:
-        if line.startswith("event:"):
-            self.event = line[6:].strip()
-        elif line.startswith("data:"):
-            self.data.append(line[5:].lstrip(" "))
-        elif not line and self.data:  # a blank line dispatches the event
-            event, data = self.event, "\n".join(self.data)
-            self.event, self.data = "message", []
-            if event in ("stdout", "stderr"):
-                return event, json.loads(data)
-            if event == "error":
-                raise error_of(500, data.encode())
-            self.ended = event == "end"
-        return None
-
-    def broke_off(self) -> UnavailableError:
-        return UnavailableError(f"{self.where} broke off")
 
 
 _STREAM_TIMEOUT = httpx.Timeout(None, connect=10.0)  # a quiet command may send nothing for long
@@ -298,7 +270,7 @@ class HTTPBackend(_Routes):
 
     def stream_command(self, cid: str) -> Iterator[tuple[str, str]]:
         """`("stdout" | "stderr", text)` as the command writes it, until it ends (server-sent events)."""
-        events = _Events(self.api_url, cid)
+        events = EventReader(self.api_url, cid)
         try:
             with self._http.stream(*events.request, timeout=_STREAM_TIMEOUT) as r:
                 if r.status_code >= 400:
@@ -340,7 +312,7 @@ class AsyncHTTPBackend(_Routes, AsyncBackend):
 
     async def stream_command(self, cid: str) -> AsyncIterator[tuple[str, str]]:
         """See `HTTPBackend.stream_command`."""
-        events = _Events(self.api_url, cid)
+        events = EventReader(self.api_url, cid)
         try:
             async with self._http.stream(*events.request, timeout=_STREAM_TIMEOUT) as r:
                 if r.status_code >= 400:

@@ -20,10 +20,9 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING, Any, TypedDict
+from typing import Any, TypedDict
 
-if TYPE_CHECKING:
-    from k3sys.sandbox.sdk.api import Backend
+from k3sys.sandbox.sdk.backend import AsyncBackend, Backend
 
 
 class ConnectionOpts(TypedDict, total=False):
@@ -32,14 +31,6 @@ class ConnectionOpts(TypedDict, total=False):
     runtime: Any
     api_url: str | None
     api_key: str | None
-
-
-class AsyncBackend:
-    """A backend whose every method returns an awaitable; `sync` is its blocking twin."""
-
-    @property
-    def sync(self) -> Backend:
-        raise NotImplementedError
 
 
 _POOL = ThreadPoolExecutor(max_workers=64, thread_name_prefix="k3sys-aio")  # embedded calls block

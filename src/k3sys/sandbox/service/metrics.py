@@ -9,7 +9,8 @@ from __future__ import annotations
 import bisect
 import math
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 Labels = tuple[tuple[str, str], ...]
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -105,3 +106,28 @@ def render(metrics: Sequence[Counter | Histogram | Gauge]) -> str:
 def labels(**kv: str) -> Labels:
     """A label set, as `Gauge` values are keyed."""
     return _key(kv)
+
+
+class CountRequests:
+    """ASGI middleware: count requests by method, route template and status."""
+
+    def __init__(self, app: Any, counter: Counter) -> None:
+        self.app = app
+        self.counter = counter
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = 500
+
+        async def watch(msg: dict) -> None:
+            nonlocal status
+            if msg["type"] == "http.response.start":
+                status = msg["status"]
+            await send(msg)
+
+        try:
+            await self.app(scope, receive, watch)
+        finally:
+            route = scope.get("route")  # set by the router on the shared scope once it matched
+            self.counter.inc(method=scope["method"], route=getattr(route, "path", "unmatched"), status=str(status))

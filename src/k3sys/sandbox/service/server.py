@@ -26,7 +26,8 @@ Resources (all but /health need `Authorization: Bearer <key>`; see `_auth.py` fo
     DELETE /checkpoints/{ck}                                           -> 204
     GET    /health, /metrics (Prometheus text), /openapi.json
 
-Errors: one body shape and status table, in `_wire.py`. Every runtime call that can block runs in a
+Errors: one body shape, in `_wire.py` (statuses: errors.py), answered by errors.py's handlers.
+Request and answer bodies: models.py. Every runtime call that can block runs in a
 worker thread (two pools: life-cycle operations, and commands/files, so long commands never starve a
 pause or kill); the runtime serialises operations per sandbox, so one slow checkpoint holds up only
 its own sandbox. Reads of the runtime's tables (list, info, command output) answer on the event loop:
@@ -45,105 +46,45 @@ import dataclasses
 import json
 import os
 import tempfile
-import typing
-from collections.abc import AsyncIterator, Callable
-from typing import Annotated, Any, Literal
-from urllib.parse import quote
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
 
 import anyio
 import anyio.to_thread
 from fastapi import APIRouter, Depends, FastAPI, Query, Request, Response
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.security import HTTPBearer
-from pydantic import BaseModel, ConfigDict, Field, create_model
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from k3sys.sandbox._wire import ERROR_HEADER, ERROR_MESSAGE_HEADER, error_body, error_type_for_status, status_of
+from k3sys.sandbox._wire import ERROR_HEADER, error_body
 from k3sys.sandbox.errors import InvalidArgumentError, SandboxError
 from k3sys.sandbox.runtime.runtime import Runtime
 from k3sys.sandbox.service import metrics as _metrics
 from k3sys.sandbox.service.auth import check_bind, check_key
 from k3sys.sandbox.service.core import Service, ServiceConfig
+from k3sys.sandbox.service.errors import install_error_handlers
 from k3sys.sandbox.service.limits import BodyLimit
-from k3sys.sandbox.spec import MAX_FORK, CommandResult, OutputPieces, SandboxSpec
+from k3sys.sandbox.service.metrics import CountRequests
+from k3sys.sandbox.service.models import (
+    CommandStarted,
+    CommandStatus,
+    Cpu,
+    CreateSandbox,
+    Fork,
+    Forked,
+    Health,
+    Memory,
+    Prefetch,
+    Prefetched,
+    Restore,
+    RunCommand,
+    Wait,
+    Written,
+)
+from k3sys.sandbox.spec import CommandResult, OutputPieces, SandboxSpec
 from k3sys.sandbox.types import CheckpointInfo, EntryInfo, SandboxInfo
 
 __all__ = ["ServiceConfig", "create_app", "serve"]
 KEEP_ALIVE_S = 75  # seconds an idle connection stays open (clients must drop theirs sooner)
-
-
-# --- request bodies ----------------------------------------------------------------------------------
-
-_STRICT = ConfigDict(extra="forbid", strict=True)
-# The create body is SandboxSpec's fields (defaults from there) plus an optional id.
-CreateSandbox = create_model(
-    "CreateSandbox", __config__=_STRICT, id=(str | None, None),
-    **{f.name: (typing.get_type_hints(SandboxSpec)[f.name], f.default) for f in dataclasses.fields(SandboxSpec)})
-
-
-class RunCommand(BaseModel):
-    model_config = _STRICT
-    cmd: str
-    timeout: float | None = Field(60.0, description="seconds; null: the service's cap")
-    cwd: str | None = None
-    env: dict[str, str] | None = None
-    stdin_base64: str | None = None
-    background: bool = False
-
-
-class Wait(BaseModel):
-    model_config = _STRICT
-    timeout: float | None = Field(None, description="seconds; null: the service's cap")
-
-
-class Fork(BaseModel):
-    model_config = _STRICT
-    count: int = Field(1, ge=1, le=MAX_FORK, description="children to make")
-
-
-class Prefetch(BaseModel):
-    model_config = _STRICT
-    ttl_s: float = Field(60.0, description="seconds the staged images are kept unless a resume uses them")
-
-
-class Prefetched(BaseModel):
-    staged: bool
-
-
-class Restore(BaseModel):
-    model_config = _STRICT
-    id: str | None = None
-    timeout_s: float | None = None
-
-
-class CommandStarted(BaseModel):
-    id: str
-
-
-class CommandStatus(BaseModel):
-    id: str
-    running: bool
-    stdout: str
-    stderr: str
-
-
-class Forked(BaseModel):
-    checkpoint: CheckpointInfo
-    sandboxes: list[SandboxInfo]
-
-
-class Written(BaseModel):
-    path: str
-    bytes: int
-
-
-class Memory(BaseModel):
-    bytes: int
-
-
-class Cpu(BaseModel):
-    seconds: float
 
 
 # --- routes ------------------------------------------------------------------------------------------
@@ -388,11 +329,6 @@ async def openapi(request: Request) -> JSONResponse:
     return JSONResponse(request.app.openapi())
 
 
-class Health(BaseModel):
-    status: Literal["ok", "draining"]
-    version: str
-
-
 async def health(request: Request) -> JSONResponse:
     """Liveness, without auth: 200 while serving, 503 while shutting down."""
     from k3sys import __version__
@@ -403,51 +339,6 @@ async def health(request: Request) -> JSONResponse:
 
 
 # --- the application ----------------------------------------------------------------------------------
-
-
-class _CountRequests:
-    """ASGI middleware: count requests by method, route template and status."""
-
-    def __init__(self, app: Any, counter: _metrics.Counter) -> None:
-        self.app = app
-        self.counter = counter
-
-    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        status = 500
-
-        async def watch(msg: dict) -> None:
-            nonlocal status
-            if msg["type"] == "http.response.start":
-                status = msg["status"]
-            await send(msg)
-
-        try:
-            await self.app(scope, receive, watch)
-        finally:
-            route = scope.get("route")  # set by the router on the shared scope once it matched
-            self.counter.inc(method=scope["method"], route=getattr(route, "path", "unmatched"), status=str(status))
-
-
-def _where(loc: tuple) -> str:
-    """`body.memory_mb`-style names: the field alone for body fields, `query.path` for the rest."""
-    named = [str(p) for p in loc[1:] if isinstance(p, str)]
-    return ".".join(named) if named and loc[0] == "body" else ".".join(str(p) for p in loc)
-
-
-def _error_response(request: Request, exc: BaseException, status: int | None = None,
-                    code: str | None = None) -> JSONResponse:
-    body = error_body(exc)
-    if code is not None:
-        body["error"]["type"] = code
-    status = status or status_of(exc)
-    headers = {ERROR_HEADER: body["error"]["type"]}
-    if request.method == "HEAD":  # the body will not be sent: the message travels in a header
-        headers[ERROR_MESSAGE_HEADER] = quote(body["error"]["message"][:2000])
-    if status == 401:
-        headers["www-authenticate"] = 'Bearer realm="k3sys"'  # RFC 6750
-    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def create_app(config: ServiceConfig, runtime: Runtime | None = None) -> FastAPI:
@@ -474,26 +365,8 @@ def create_app(config: ServiceConfig, runtime: Runtime | None = None) -> FastAPI
     app.include_router(router)
     app.add_api_route("/health", health, methods=["GET"], tags=["service"], response_model=Health)
 
-    @app.exception_handler(SandboxError)
-    async def _sandbox_error(request: Request, exc: SandboxError) -> JSONResponse:
-        return _error_response(request, exc)
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        msgs = [f"{_where(e['loc'])}: {e['msg']}" + (f" (got {e['input']!r})" if e["type"] != "json_invalid" else "")
-                for e in exc.errors()]
-        return _error_response(request, InvalidArgumentError("; ".join(msgs)))
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return _error_response(request, SandboxError(str(exc.detail)), exc.status_code,
-                               error_type_for_status(exc.status_code))
-
-    @app.exception_handler(Exception)
-    async def _internal(request: Request, exc: Exception) -> JSONResponse:
-        return _error_response(request, exc)
-
-    app.add_middleware(_CountRequests, counter=service.requests)
+    install_error_handlers(app)
+    app.add_middleware(CountRequests, counter=service.requests)
     app.add_middleware(BodyLimit, limit=config.max_body_bytes)
     return app
 

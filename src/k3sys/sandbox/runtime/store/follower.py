@@ -7,14 +7,18 @@ import contextlib
 import dataclasses
 import os
 import threading
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+
+import numpy as np
 
 from k3sys.sandbox.errors import StoreInputError
 from k3sys.sandbox.runtime.store import chunker
 from k3sys.sandbox.runtime.store.pack import PAGE, PackWriter
 
-if TYPE_CHECKING:
-    from k3sys.sandbox.runtime.store.store import Store
+# What a follower needs of its store (`Store._pack_window`): chunk, hash and pack one window of a
+# file into the commit's pack, returning the chunks' digests. Passed in, so this module does not
+# import store.py (which imports it).
+PackWindow = Callable[["_Packing", np.ndarray, int], list[bytes]]
 
 
 @dataclasses.dataclass(eq=False)
@@ -48,11 +52,14 @@ class Follower:
     MIN_READ = 1 << 20
     NICE = 5
 
-    def __init__(self, store: Store, directory: str) -> None:
-        self._store, self._dir = store, directory
+    def __init__(self, lock: contextlib.AbstractContextManager, packing: _Packing, pack_window: PackWindow,
+                 directory: str) -> None:
+        """`lock`: the store's lock, shared (entered here, left by `take` / `abort`); `packing`: the
+        commit's pack; `pack_window`: see `PackWindow`."""
+        self._pack_window, self._dir = pack_window, directory
         self._lock = contextlib.ExitStack()
-        self._lock.enter_context(store._flock(exclusive=False))
-        self._packing = store._packing()
+        self._lock.enter_context(lock)
+        self._packing = packing
         self._files: dict[str, list] = {}  # path -> [(device, inode), bytes read, digests]
         self._stop = threading.Event()
         self._error: BaseException | None = None
@@ -128,7 +135,7 @@ class Follower:
             if got != data.size:
                 p.ring.give(buf)
                 raise StoreInputError(f"{path!r} shrank while being written")
-            digests += self._store._pack_window(p, data, PAGE)
+            digests += self._pack_window(p, data, PAGE)
             p.writer.then(p.ring.give, buf)
             done += data.size
         return done

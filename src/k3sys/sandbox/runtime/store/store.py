@@ -109,7 +109,7 @@ class Store(Upkeep):
     def follow(self, directory: Path | str) -> Follower:
         """Start packing the CRIU page images that appear in `directory` while they are written
         (see `Follower`); hand the result to `commit(..., follower=...)` or `abort()` it."""
-        return Follower(self, os.fspath(directory))
+        return Follower(self._flock(exclusive=False), self._packing(), self._pack_window, os.fspath(directory))
 
     def _commit(self, trees: Mapping[str, Path | str], parent: str | None, meta: dict[str, Any] | None,
                 id: str | None, follower: Follower | None) -> Manifest:
