@@ -10,7 +10,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[all,dev]'  # [all]: everything (pyproject.toml says why it is an extra)
 	touch $@
 
 # System pieces (runc, CRIU, templates); each script is idempotent and caches its work.

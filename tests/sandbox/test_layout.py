@@ -120,7 +120,7 @@ print(sorted(m for m in ("torch", "triton", "matplotlib", "safetensors") if m in
 """
 
 
-@pytest.mark.parametrize("module", ["k3sys.sandbox.cli", "k3sys.sandbox.service.server",
+@pytest.mark.parametrize("module", ["k3sys.cli", "k3sys.sandbox.cli", "k3sys.sandbox.service.server",
                                     "k3sys.sandbox.runtime.runtime"])
 def test_sandbox_cli_server_and_runtime_start_without_torch(module):
     r = subprocess.run([sys.executable, "-c", _BLOCKED, module, "k3sys.sandbox"], capture_output=True, text=True,
