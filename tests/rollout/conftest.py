@@ -6,14 +6,4 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sandbox"))  # sandbox_fixtures, service_process
 
-from sandbox_fixtures import (  # noqa: E402, F401 (fixtures and a hook: pytest finds them by name here)
-    _remember_sandboxes,
-    debian,
-    leak_check,
-    private_root,
-    pytest_generate_tests,
-    rt,
-    runtime_dir,
-    sbx,
-    service,
-)
+from sandbox_fixtures import *  # noqa: E402, F403 (pytest finds the fixtures and the hook by name here)

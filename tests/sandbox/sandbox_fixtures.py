@@ -17,6 +17,9 @@ import pytest
 from k3sys.sandbox.runtime.system import system_paths
 
 MISSING = system_paths().missing()
+# What the conftests take (`from sandbox_fixtures import *`): the fixtures and the parametrising hook.
+__all__ = ["_remember_sandboxes", "debian", "leak_check", "private_root", "pytest_generate_tests", "rt",
+           "runtime_dir", "sbx", "service"]
 
 
 def leftovers(root: Path, ids: set[str] = frozenset()) -> list[str]:
