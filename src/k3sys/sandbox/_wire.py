@@ -106,7 +106,7 @@ def command_result(d: Mapping[str, Any]) -> CommandResult:
 
 class EventReader:
     """The client's side of /commands/{cid}/events (server-sent events), line by line: `feed`
-    returns `(stream, text)` for an output event, raises the error an `error` event carries, and
+    returns `[(stream, text)]` for an output event (else `[]`), raises the error an `error` event carries, and
     sets `ended` at the `end` event."""
 
     def __init__(self, api_url: str, cid: str) -> None:
@@ -114,7 +114,7 @@ class EventReader:
         self.where = f"sandbox service at {api_url}: the output stream of {cid}"
         self.request = ("GET", f"/commands/{cid}/events")
 
-    def feed(self, line: str) -> tuple[str, str] | None:
+    def feed(self, line: str) -> list[tuple[str, str]]:
         if line.startswith("event:"):
             self.event = line[6:].strip()
         elif line.startswith("data:"):
@@ -123,11 +123,11 @@ class EventReader:
             event, data = self.event, "\n".join(self.data)
             self.event, self.data = "message", []
             if event in ("stdout", "stderr"):
-                return event, json.loads(data)
+                return [(event, json.loads(data))]
             if event == "error":
                 raise error_of(500, data.encode())
             self.ended = event == "end"
-        return None
+        return []
 
     def broke_off(self) -> UnavailableError:
         return UnavailableError(f"{self.where} broke off")

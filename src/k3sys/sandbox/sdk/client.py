@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import dataclasses
 import os
 import threading
@@ -121,8 +122,13 @@ class _Routes:
             raise error_of(r.status_code, r.content, r.headers)
         return call.parse(r)
 
-    def _unreachable(self, e: httpx.TransportError) -> UnavailableError:
-        return UnavailableError(f"sandbox service at {self.api_url}: {type(e).__name__}: {e}")
+    @contextlib.contextmanager
+    def _reaching(self) -> Iterator[None]:
+        """httpx's transport errors (refused, reset, timed out) as the SDK's UnavailableError."""
+        try:
+            yield
+        except httpx.TransportError as e:
+            raise UnavailableError(f"sandbox service at {self.api_url}: {type(e).__name__}: {e}") from e
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.api_url!r})"
@@ -262,26 +268,20 @@ class HTTPBackend(_Routes):
         return httpx.Client(**kw)
 
     def _do(self, call: _Call) -> Any:
-        try:
+        with self._reaching():
             r = self._http.send(self._request(call))
-        except httpx.TransportError as e:
-            raise self._unreachable(e) from e
         return self._answer(call, r)
 
     def stream_command(self, cid: str) -> Iterator[tuple[str, str]]:
         """`("stdout" | "stderr", text)` as the command writes it, until it ends (server-sent events)."""
         events = EventReader(self.api_url, cid)
-        try:
-            with self._http.stream(*events.request, timeout=_STREAM_TIMEOUT) as r:
-                if r.status_code >= 400:
-                    raise error_of(r.status_code, r.read(), r.headers)
-                for line in r.iter_lines():
-                    if piece := events.feed(line):
-                        yield piece
-                    elif events.ended:
-                        return
-        except httpx.TransportError as e:
-            raise self._unreachable(e) from e
+        with self._reaching(), self._http.stream(*events.request, timeout=_STREAM_TIMEOUT) as r:
+            if r.status_code >= 400:
+                raise error_of(r.status_code, r.read(), r.headers)
+            for line in r.iter_lines():
+                yield from events.feed(line)
+                if events.ended:
+                    return
         raise events.broke_off()
 
     def close(self) -> None:
@@ -304,26 +304,22 @@ class AsyncHTTPBackend(_Routes, AsyncBackend):
     async def _do(self, call: _Call) -> Any:
         if call.content is not None and not isinstance(call.content, bytes):
             call = dataclasses.replace(call, content=_aiter(call.content))  # AsyncClient streams async iterables
-        try:
+        with self._reaching():
             r = await self._http.send(self._request(call))
-        except httpx.TransportError as e:
-            raise self._unreachable(e) from e
         return self._answer(call, r)
 
     async def stream_command(self, cid: str) -> AsyncIterator[tuple[str, str]]:
         """See `HTTPBackend.stream_command`."""
         events = EventReader(self.api_url, cid)
-        try:
+        with self._reaching():
             async with self._http.stream(*events.request, timeout=_STREAM_TIMEOUT) as r:
                 if r.status_code >= 400:
                     raise error_of(r.status_code, await r.aread(), r.headers)
                 async for line in r.aiter_lines():
-                    if piece := events.feed(line):
+                    for piece in events.feed(line):  # no `yield from` in an async generator
                         yield piece
-                    elif events.ended:
+                    if events.ended:
                         return
-        except httpx.TransportError as e:
-            raise self._unreachable(e) from e
         raise events.broke_off()
 
     @property
