@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from k3sys.sandbox.errors import NotFoundError
 from k3sys.sandbox.sdk.api import _CheckpointBase, _CommandHandleBase, _Facade, _later
-from k3sys.sandbox.sdk.connection import AsyncBackend, ConnectionConfig, ConnectionOpts
+from k3sys.sandbox.sdk.connection import ConnectionConfig
 from k3sys.sandbox.types import SandboxInfo
 
 
@@ -28,10 +28,7 @@ class _Awaiting:
     """How the asyncio facades reach their backend: every backend call returns an awaitable."""
 
     _then = staticmethod(_later)
-
-    @staticmethod
-    def _connect(conn: ConnectionOpts) -> AsyncBackend:
-        return ConnectionConfig(**conn).async_backend()
+    _connect = staticmethod(lambda conn: ConnectionConfig(**conn).async_backend())
 
 
 @dataclass(frozen=True)

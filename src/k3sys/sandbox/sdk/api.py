@@ -52,10 +52,7 @@ class _Blocking:
     """How the blocking facades reach their backend (aio.py's `_Awaiting` is the asyncio twin)."""
 
     _then = staticmethod(_now)
-
-    @staticmethod
-    def _connect(conn: ConnectionOpts) -> Backend:
-        return ConnectionConfig(**conn).backend()
+    _connect = staticmethod(lambda conn: ConnectionConfig(**conn).backend())
 
 
 @dataclass(frozen=True)
