@@ -12,6 +12,9 @@
     ├── CommandTimeoutError (TimeoutError)  a command ran past its timeout and was killed
     ├── RuntimeLockedError                another live process holds the runtime directory
     ├── DriverError                       runc / CRIU / the kernel refused; carries the tool's log tail
+    ├── PermissionDeniedError (PermissionError)  the sandbox itself refused (EPERM, EACCES inside it)
+    ├── AgentError                        the in-sandbox agent failed or cannot be reached
+    │   └── AgentInterruptedError         a call cut by a checkpoint / hibernate of its sandbox: retry
     ├── AuthError                         the service refused the API key (missing or wrong)
     ├── CapacityError                     the service is at a limit (sandboxes, memory); retry later
     ├── UnavailableError                  the service is shutting down or cannot be reached
@@ -29,7 +32,8 @@ a 422 like `InvalidArgumentError` but exits 1, as it always has:
 
     http_status  404 not found (sandbox, command, checkpoint, file)   409 invalid_state, checkpoint_exists
                  422 invalid_argument and its subclasses, store_input  413 too_large   408 command_timeout
-                 401 unauthorized   429 capacity   503 unavailable, runtime_locked   500 everything else
+                 401 unauthorized   403 permission_denied   429 capacity
+                 503 unavailable, runtime_locked, agent_interrupted   500 everything else
     exit_code    2 bad argument   3 not found   4 wrong state   5 key refused   6 at a limit
                  7 unavailable or busy   1 everything else
 """
@@ -151,6 +155,29 @@ class DriverError(SandboxError):
     """The isolation layer (runc, CRIU, mounts, cgroups) failed; the message has the tool's log tail."""
 
     code = "driver_error"
+
+
+class PermissionDeniedError(SandboxError, PermissionError):
+    """The sandbox refused the operation as it would refuse its own user (EPERM, EACCES inside it:
+    a device node the sandbox may not open, a file the requested user may not write)."""
+
+    code = "permission_denied"
+    http_status = 403
+
+
+class AgentError(SandboxError):
+    """The sandbox's agent (its PID 1) failed or cannot be reached; the message says which."""
+
+    code = "agent_error"
+
+
+class AgentInterruptedError(AgentError):
+    """A call to the agent was cut because its sandbox is being checkpointed, hibernated or killed;
+    nothing was lost inside the sandbox and the same call can be made again."""
+
+    code = "agent_interrupted"
+    http_status = 503
+    exit_code = 7
 
 
 class StoreError(SandboxError):

@@ -39,6 +39,11 @@ class SystemPaths:
         return self.root / "bin" / "k3sys-lo-up"
 
     @property
+    def agent(self) -> Path:
+        """k3sys-agent, every sandbox's PID 1 (scripts/install-agent.sh)."""
+        return self.root / "bin" / "k3sys-agent"
+
+    @property
     def templates(self) -> Path:
         return self.root / "templates"
 

@@ -1,0 +1,36 @@
+/* k3sys-agent: the sandbox's PID 1 (main.c), its output rings (ring.c) and file workers (files.c). */
+#ifndef K3SYS_AGENT_H
+#define K3SYS_AGENT_H
+
+#include "proto.h"
+
+#include <sys/types.h>
+
+/* One process's output: stdout and stderr records in write order, in chunks, bounded by `cap`
+ * bytes of memory; the oldest chunks are dropped to make room (`dropped` counts their bytes).
+ * Positions are byte offsets in the process's whole output since its start. */
+struct chunk {
+	struct chunk *next;
+	uint64_t pos; /* offset of data[0] */
+	uint32_t len, cap;
+	char stream; /* F_STDOUT or F_STDERR */
+	char data[];
+};
+
+struct ring {
+	struct chunk *head, *tail;
+	struct chunk **tail_link; /* the pointer that points at tail */
+	uint64_t start, end; /* offsets kept: [start, end) */
+	uint64_t dropped;
+	size_t used, cap; /* bytes of memory held by chunks, and the limit */
+};
+
+void ring_append(struct ring *r, char stream, const char *p, size_t n);
+/* The chunk holding offset `pos` (>= r->start, < r->end), or NULL. */
+struct chunk *ring_find(struct ring *r, uint64_t pos);
+void ring_free(struct ring *r);
+
+/* Run one file request (read, write, stat, list, mkdir, move, remove) on the connection `fd`. */
+int file_op(int fd, const char *op, const struct fields *req);
+
+#endif

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# k3sys-agent, the PID 1 of every sandbox (agent/*.c): one static binary, no runtime dependencies
+# inside any rootfs. Idempotent: rebuilt only when its source or build flags change (the stamp holds
+# their hash); a cached run takes a few milliseconds. Installed as $K3SYS_SYSTEM_DIR/bin/k3sys-agent
+# (default /opt/k3sys); K3SYS_AGENT_OUT=<path> builds to another path instead (tests, CI).
+#
+# C with glibc's static libc (libc6-dev, which gcc already brings; install-sandbox.sh builds its
+# hook the same way): nothing to add to the machine, and the agent needs only system calls. It
+# avoids the libc functions that would need NSS at run time (it reads /etc/passwd itself).
+set -euo pipefail
+
+PREFIX=${K3SYS_SYSTEM_DIR:-/opt/k3sys}
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+SRC=("$ROOT"/agent/*.c "$ROOT"/agent/*.h)
+CFLAGS=(-O2 -static -Wall -Wextra -Werror -D_FORTIFY_SOURCE=2)
+OUT=${K3SYS_AGENT_OUT:-$PREFIX/bin/k3sys-agent}
+STAMP=${K3SYS_AGENT_OUT:+$OUT.stamp}
+STAMP=${STAMP:-$PREFIX/stamps/agent}
+
+log() { echo "[install-agent] $*"; }
+
+if ! command -v gcc >/dev/null || [ ! -e "$(gcc -print-file-name=libc.a)" ]; then
+    log "no gcc with a static libc (Debian: gcc libc6-dev): skipping (sandboxes need the agent)"
+    exit 0
+fi
+want=$({ cat "${SRC[@]}"; echo "${CFLAGS[*]}"; gcc --version | head -n1; } | sha256sum | cut -c1-16)
+if [ -x "$OUT" ] && [ "$(cat "$STAMP" 2>/dev/null)" = "$want" ]; then
+    exit 0
+fi
+mkdir -p "$(dirname "$OUT")" "$(dirname "$STAMP")"
+# The static glibc warns about getpw*/dlopen when any object references them; we reference none.
+gcc "${CFLAGS[@]}" -o "$OUT.new" "$ROOT"/agent/*.c
+mv -f "$OUT.new" "$OUT"
+echo "$want" > "$STAMP"
+log "built $OUT ($(stat -c %s "$OUT") bytes)"

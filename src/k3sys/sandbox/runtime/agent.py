@@ -1,0 +1,484 @@
+"""Client of `k3sys-agent`, the sandbox's PID 1 (agent/ in the repository; docs/sandbox-agent.md).
+
+One request per connection: a `Q` frame (operation and `key=value` fields), data frames for
+writes, then the agent's frames up to one final `R` (result) or `X` (error). A frame is a 4-byte
+big-endian length, a type byte and the payload.
+
+`Agent` adds the gate the life cycle needs: `close_gate` (before a CRIU dump: a connection to the
+host is a resource CRIU cannot save) lets calls in flight finish for a grace period, cuts the rest
+with `AgentInterruptedError` (retryable: the sandbox lost nothing) and has the agent drop their
+sockets; new calls wait until `open_gate` (after the thaw or restore). Output streams reconnect
+by themselves from the byte offset they had reached, so a follower only sees a pause.
+
+The host never resolves a path inside the sandbox: it opens the socket's directory without
+following a symlink and checks the peer's pid (SO_PEERCRED) is the sandbox's PID 1, so a socket
+the sandbox swapped for a link to some host socket is refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import struct
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from k3sys.sandbox.errors import (
+    AgentError,
+    AgentInterruptedError,
+    CommandTimeoutError,
+    InvalidArgumentError,
+    NotFoundError,
+    PermissionDeniedError,
+    SandboxError,
+    SandboxFileNotFoundError,
+    WrongFileTypeError,
+)
+
+SOCKET = ".k3sys/agent.sock"  # relative to the sandbox's root
+FRAME_MAX = 1 << 20
+_CHUNK = 1 << 16
+_HEAD = struct.Struct(">I")
+
+# The agent's errno names -> our exception classes (anything else: AgentError).
+_ERRORS: dict[str, type[SandboxError]] = {
+    "ENOENT": SandboxFileNotFoundError, "ENOTDIR": WrongFileTypeError, "EISDIR": WrongFileTypeError,
+    "EPERM": PermissionDeniedError, "EACCES": PermissionDeniedError, "EROFS": PermissionDeniedError,
+    "EINVAL": InvalidArgumentError, "ENAMETOOLONG": InvalidArgumentError, "ELOOP": InvalidArgumentError,
+    "EEXIST": InvalidArgumentError, "ENOTEMPTY": InvalidArgumentError, "EXDEV": InvalidArgumentError,
+    "ESRCH": NotFoundError, "ETIMEDOUT": CommandTimeoutError,
+}
+
+
+@dataclass(frozen=True)
+class Exit:
+    """How a process ended: `exit` (128 + signal when killed by one), `signal` (0 if none), bytes
+    of its output the ring `dropped`, and `end`, the offset just past its last output byte."""
+
+    exit: int
+    signal: int
+    dropped: int
+    end: int
+
+
+@dataclass(frozen=True)
+class Gap:
+    """`n` bytes of output the ring dropped before the reader got to them."""
+
+    n: int
+
+
+@dataclass
+class Output:
+    """Output of a process as (stream, bytes) pieces in write order, `stream` "stdout" / "stderr",
+    keeping at most `cap` bytes (the newest); what falls out is counted in `dropped`."""
+
+    cap: int = 16 << 20
+    dropped: int = 0
+
+    def __post_init__(self) -> None:
+        self.pieces: deque[tuple[str, bytes]] = deque()
+        self.size = 0
+
+    def add(self, stream: str, data: bytes) -> None:
+        self.pieces.append((stream, data))
+        self.size += len(data)
+        while self.size > self.cap:
+            s, d = self.pieces.popleft()
+            cut = min(len(d), self.size - self.cap)
+            if cut < len(d):
+                self.pieces.appendleft((s, d[cut:]))
+            self.size -= cut
+            self.dropped += cut
+
+    def text(self, stream: str) -> bytes:
+        return b"".join(d for s, d in self.pieces if s == stream)
+
+
+def _fields(payload: bytes) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for f in payload.split(b"\0"):
+        if f:
+            k, _, v = f.decode("utf-8", "surrogateescape").partition("=")
+            out.setdefault(k, v)
+    return out
+
+
+def _encode(op: str, fields: Iterable[tuple[str, object]]) -> bytes:
+    parts = [op.encode()]
+    for k, v in fields:
+        if v is None:
+            continue
+        b = (str(int(v)) if isinstance(v, bool) else str(v)).encode("utf-8", "surrogateescape")
+        if b"\0" in b:
+            raise InvalidArgumentError(f"{k}: NUL bytes are not allowed, got {v!r}")
+        parts.append(k.encode() + b"=" + b)
+    body = b"\0".join(parts) + b"\0"
+    if len(body) + 1 > FRAME_MAX:
+        raise InvalidArgumentError(f"request too large: {len(body)} bytes (at most {FRAME_MAX - 1})")
+    return _HEAD.pack(len(body) + 1) + b"Q" + body
+
+
+def _error(f: dict[str, str]) -> SandboxError:
+    cls = _ERRORS.get(f.get("code", ""), AgentError)
+    return cls(f"sandbox agent: {f.get('msg', 'failed')} ({f.get('code', '?')})")
+
+
+class _Stream:
+    """One request's connection: send frames, read them back."""
+
+    def __init__(self, sock: socket.socket, deadline: float | None) -> None:
+        self.sock = sock
+        self.deadline = deadline  # time.monotonic() by which the whole request must be done
+        self.refused = False
+
+    def send(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def data(self, chunk: bytes) -> None:
+        for i in range(0, len(chunk), _CHUNK):
+            piece = chunk[i:i + _CHUNK]
+            self._send_data(_HEAD.pack(len(piece) + 1) + b"D" + piece)
+
+    def end(self) -> None:
+        self._send_data(_HEAD.pack(1) + b"Z")
+
+    def _send_data(self, frame: bytes) -> None:
+        # An agent that refused the request (a path it cannot write) answers and closes without
+        # reading the data: stop sending, and let the reply, read next, say why.
+        if not self.refused:
+            try:
+                self.sock.sendall(frame)
+            except (BrokenPipeError, ConnectionResetError):
+                self.refused = True
+
+    def _exact(self, n: int) -> bytes:
+        if self.deadline is not None:
+            self.sock.settimeout(max(0.001, self.deadline - time.monotonic()))
+        b = self.sock.recv(n, socket.MSG_WAITALL)
+        while len(b) < n:  # MSG_WAITALL returns short only at the end or on a signal
+            more = self.sock.recv(n - len(b), socket.MSG_WAITALL)
+            if not more:
+                raise EOFError
+            b += more
+        return b
+
+    def frame(self) -> tuple[str, bytes]:
+        (n,) = _HEAD.unpack(self._exact(4))
+        if not 1 <= n <= FRAME_MAX:
+            raise AgentError(f"sandbox agent: bad frame length {n}")
+        body = self._exact(n)
+        return chr(body[0]), body[1:]
+
+    def frames(self) -> Iterator[tuple[str, bytes]]:
+        """Frames up to the final one; an X frame raises, an R frame's fields are the last yield."""
+        while True:
+            t, payload = self.frame()
+            if t == "X":
+                raise _error(_fields(payload))
+            yield t, payload
+            if t == "R":
+                return
+
+    def result(self) -> dict[str, str]:
+        last = b""
+        for t, payload in self.frames():
+            last = payload if t == "R" else last
+        return _fields(last)
+
+
+class Agent:
+    """The agent of one sandbox, reached at `root/.k3sys/agent.sock`; `pid()` gives the host pid the
+    socket's peer must have (None: not checked, for an agent run by hand)."""
+
+    def __init__(self, root: Path, pid: Callable[[], int | None] = lambda: None, timeout: float = 30.0) -> None:
+        self.root = root
+        self._pid = pid
+        self.timeout = timeout
+        self._cv = threading.Condition()
+        self._open = True
+        self._live: set[socket.socket] = set()
+
+    # --- connections and the gate -------------------------------------------------------------
+
+    def _connect(self) -> socket.socket:
+        d = os.open(self.root, os.O_PATH | os.O_DIRECTORY)
+        try:
+            sub, name = os.path.split(SOCKET)
+            # No symlink followed inside the sandbox: the directory by O_NOFOLLOW, the socket
+            # itself by the peer check below (a link to another socket has another peer).
+            sd = os.open(sub, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=d)
+        except OSError as e:
+            raise AgentError(f"sandbox agent: no socket directory under {self.root}: {e.strerror}") from None
+        finally:
+            os.close(d)
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            s.connect(f"/proc/self/fd/{sd}/{name}")
+            want = self._pid()
+            if want is not None:
+                peer = struct.unpack("3i", s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
+                if peer != want:
+                    raise AgentError(f"sandbox agent: the socket's peer is pid {peer}, "
+                                     f"not the sandbox's PID 1 ({want})")
+        except OSError as e:
+            s.close()
+            raise AgentError(f"sandbox agent unreachable ({e.strerror or e}): it may have died; "
+                             "`runc exec` still reaches the sandbox") from None
+        except BaseException:
+            s.close()
+            raise
+        finally:
+            os.close(sd)
+        return s
+
+    @contextlib.contextmanager
+    def _call(self, timeout: float | None = None) -> Iterator[_Stream]:
+        """A connection for one request, registered so `close_gate` can cut it; waits while the gate
+        is closed (a checkpoint in progress)."""
+        with self._cv:
+            if not self._cv.wait_for(lambda: self._open, timeout=60):
+                raise AgentInterruptedError("sandbox agent: the sandbox stayed closed to calls for 60 s")
+        s = self._connect()
+        s.settimeout(timeout)
+        with self._cv:
+            self._live.add(s)
+        try:
+            yield _Stream(s, None if timeout is None else time.monotonic() + timeout)
+        except SandboxError:
+            raise
+        except (EOFError, OSError) as e:
+            with self._cv:
+                cut = not self._open
+            if cut:
+                raise AgentInterruptedError("sandbox agent: call cut by a checkpoint of the sandbox; retry") from None
+            if isinstance(e, TimeoutError):
+                raise CommandTimeoutError(f"sandbox agent: no answer within {timeout} s") from None
+            raise AgentError(f"sandbox agent: the connection broke ({e or 'closed'}); "
+                             "the agent may have died") from None
+        finally:
+            with self._cv:
+                self._live.discard(s)
+                self._cv.notify_all()
+            s.close()
+
+    def _request(self, op: str, fields: Iterable[tuple[str, object]] = (),
+                 timeout: float | None = None) -> dict[str, str]:
+        with self._call(timeout or self.timeout) as st:
+            st.send(_encode(op, fields))
+            return st.result()
+
+    def close_gate(self, grace: float = 0.5) -> None:
+        """Hold new calls, give those in flight `grace` seconds, cut the rest, and have the agent drop
+        every connection whose client is gone (so nothing of the host's remains for a dump)."""
+        with self._cv:
+            self._open = False
+            self._cv.wait_for(lambda: not self._live, timeout=grace)
+            for s in self._live:
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+            self._cv.wait_for(lambda: not self._live, timeout=5)
+        s = self._connect()
+        try:
+            s.settimeout(5)
+            st = _Stream(s, time.monotonic() + 5)
+            st.send(_encode("quiesce", ()))
+            st.result()
+            # The agent closes its end first, then we ours: no half-open socket left inside.
+            s.recv(1)
+        finally:
+            s.close()
+
+    def open_gate(self) -> None:
+        with self._cv:
+            self._open = True
+            self._cv.notify_all()
+
+    # --- processes ----------------------------------------------------------------------------
+
+    @staticmethod
+    def _start_fields(cmd: str | list[str], env: dict[str, str] | None, cwd: str | None, user: str | None,
+                      stdin: bool, pty: tuple[int, int] | None, ring: int | None) -> list[tuple[str, object]]:
+        f: list[tuple[str, object]] = [("cmd", cmd)] if isinstance(cmd, str) else [("arg", a) for a in cmd]
+        f += [("env", f"{k}={v}") for k, v in (env or {}).items()]
+        f += [("cwd", cwd), ("user", user), ("stdin", stdin), ("ring", ring)]
+        if pty:
+            f.append(("pty", f"{pty[0]}x{pty[1]}"))
+        return f
+
+    def start(self, cmd: str | list[str], *, env: dict[str, str] | None = None, cwd: str | None = None,
+              user: str | None = None, stdin: bool = False, pty: tuple[int, int] | None = None,
+              ring: int | None = None) -> int:
+        """Start `cmd` (a shell string for `/bin/sh -c`, or an argv); its pid inside the sandbox.
+        `pty` = (rows, cols) runs it on a terminal; `ring` bounds its kept output (bytes)."""
+        return int(self._request("start", self._start_fields(cmd, env, cwd, user, stdin, pty, ring))["pid"])
+
+    def run(self, cmd: str | list[str], *, env: dict[str, str] | None = None, cwd: str | None = None,
+            user: str | None = None, timeout: float | None = None, keep: int = 16 << 20) -> tuple[Output, Exit]:
+        """Run `cmd` to its end in one round trip (start and follow): its output (at most `keep`
+        bytes, the newest) and how it ended. On `timeout` (s) its process group is killed and
+        CommandTimeoutError carries the partial output."""
+        out = Output(keep)
+        fields = [*self._start_fields(cmd, env, cwd, user, False, None, keep), ("follow", 1), ("release", 1)]
+        deadline = None if timeout is None else time.monotonic() + timeout
+        pid = 0
+        try:
+            with self._call(timeout) as st:
+                st.send(_encode("start", fields))
+                for t, payload in st.frames():
+                    if t == "I":
+                        f = _fields(payload)
+                        pid = int(f.get("pid", pid))
+                        out.dropped += int(f.get("dropped", 0))
+                    elif t in "OE":
+                        out.add("stdout" if t == "O" else "stderr", payload)
+                    elif t == "R":
+                        f = _fields(payload)
+                        return out, Exit(int(f["exit"]), int(f.get("signal", 0)), out.dropped, int(f["end"]))
+        except CommandTimeoutError:
+            if not pid:
+                raise
+            self._kill_quietly(pid)
+            raise CommandTimeoutError(f"command ran past {timeout} s and was killed",
+                                      out.text("stdout").decode(errors="replace"),
+                                      out.text("stderr").decode(errors="replace")) from None
+        except AgentInterruptedError:
+            if not pid:
+                raise
+        # Cut by a checkpoint while it ran: the process runs on inside; follow it again.
+        rest = None if deadline is None else max(0.001, deadline - time.monotonic())
+        end = self.follow(pid, out, out.size + out.dropped, timeout=rest)
+        self._kill_quietly(pid, release_only=True)
+        return out, end
+
+    def _kill_quietly(self, pid: int, release_only: bool = False) -> None:
+        with contextlib.suppress(SandboxError):
+            if not release_only:
+                self.signal(pid, 9)
+            self.release(pid)
+
+    def follow(self, pid: int, out: Output, pos: int = 0, timeout: float | None = None) -> Exit:
+        """Add `pid`'s output from offset `pos` to `out` until it ends; reconnects after a checkpoint
+        cut the stream, from where it was."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            rest = None if deadline is None else deadline - time.monotonic()
+            if rest is not None and rest <= 0:
+                raise CommandTimeoutError(f"process {pid} still running after {timeout} s")
+            try:
+                for piece in self.output(pid, pos, follow=True, timeout=rest):
+                    if isinstance(piece, Exit):
+                        return piece
+                    if isinstance(piece, Gap):
+                        out.dropped += piece.n
+                        pos += piece.n
+                    else:
+                        out.add(*piece)
+                        pos += len(piece[1])
+            except AgentInterruptedError:
+                continue
+
+    def output(self, pid: int, pos: int = 0, *, follow: bool = False,
+               timeout: float | None = None) -> Iterator[tuple[str, bytes] | Gap | Exit]:
+        """`pid`'s output from byte offset `pos` as ("stdout" | "stderr", bytes) pieces, a Gap where
+        the ring dropped bytes, then its Exit once ended. Without `follow`: what is there now (no
+        Exit while it runs). Pieces and gaps advance the offset by their length."""
+        with self._call(timeout) as st:
+            st.send(_encode("connect", [("pid", pid), ("from", pos), ("follow", follow)]))
+            for t, payload in st.frames():
+                if t in "OE":
+                    yield ("stdout" if t == "O" else "stderr"), payload
+                elif t == "I":
+                    yield Gap(int(_fields(payload).get("dropped", 0)))
+                elif t == "R":
+                    f = _fields(payload)
+                    if "exit" in f:
+                        yield Exit(int(f["exit"]), int(f.get("signal", 0)), int(f["dropped"]), int(f["end"]))
+
+    def wait(self, pid: int, timeout: float | None = None) -> Exit:
+        ms = None if timeout is None else max(1, int(timeout * 1000))
+        with self._call(None if timeout is None else timeout + 5) as st:
+            st.send(_encode("wait", [("pid", pid), ("timeout", ms)]))
+            f = st.result()
+        return Exit(int(f["exit"]), int(f.get("signal", 0)), int(f["dropped"]), int(f["end"]))
+
+    def signal(self, pid: int, sig: int, group: bool = True) -> None:
+        self._request("signal", [("pid", pid), ("sig", sig), ("group", group)])
+
+    def write_stdin(self, pid: int, data: bytes) -> None:
+        with self._call(self.timeout) as st:
+            st.send(_encode("stdin", [("pid", pid)]))
+            st.data(data)
+            st.end()
+            st.result()
+
+    def close_stdin(self, pid: int) -> None:
+        self._request("stdin", [("pid", pid), ("close", 1)])
+
+    def resize(self, pid: int, rows: int, cols: int) -> None:
+        self._request("resize", [("pid", pid), ("rows", rows), ("cols", cols)])
+
+    def release(self, pid: int) -> None:
+        """Free `pid`'s record and output once it has ended (now, if it has)."""
+        self._request("release", [("pid", pid)])
+
+    def processes(self) -> list[dict[str, str]]:
+        with self._call(self.timeout) as st:
+            st.send(_encode("ps", ()))
+            return [_fields(p) for t, p in st.frames() if t == "I"]
+
+    def ping(self) -> dict[str, str]:
+        return self._request("ping", timeout=5)
+
+    # --- files --------------------------------------------------------------------------------
+
+    def _file_fields(self, path: str, user: str | None, timeout: float | None) -> list[tuple[str, object]]:
+        if not isinstance(path, str) or not path.startswith("/"):
+            raise InvalidArgumentError(f"path: expected an absolute path in the sandbox, got {path!r}")
+        return [("path", path), ("user", user), ("timeout", int((timeout or self.timeout) * 1000))]
+
+    def read_chunks(self, path: str, *, user: str | None = None, max_bytes: int | None = None,
+                    timeout: float | None = None) -> Iterator[bytes]:
+        """The file's bytes as the agent sends them (a regular file: the size it had when opened)."""
+        with self._call((timeout or self.timeout) + 5) as st:
+            st.send(_encode("read", [*self._file_fields(path, user, timeout), ("max", max_bytes)]))
+            for t, payload in st.frames():
+                if t == "D":
+                    yield payload
+
+    def read(self, path: str, **kw: object) -> bytes:
+        return b"".join(self.read_chunks(path, **kw))  # type: ignore[arg-type]
+
+    def write(self, path: str, data: bytes | Iterable[bytes], *, user: str | None = None, mode: int | None = None,
+              timeout: float | None = None) -> int:
+        """Replace the file at `path` (atomically; a FIFO or device is written as the sandbox would);
+        returns the bytes written."""
+        with self._call((timeout or self.timeout) + 5) as st:
+            st.send(_encode("write", [*self._file_fields(path, user, timeout), ("mode", mode)]))
+            for chunk in [data] if isinstance(data, bytes | bytearray | memoryview) else data:
+                st.data(bytes(chunk))
+            st.end()
+            return int(st.result()["size"])
+
+    def stat(self, path: str, *, user: str | None = None) -> dict[str, str]:
+        return self._request("stat", self._file_fields(path, user, None))
+
+    def list(self, path: str, *, depth: int = 1, user: str | None = None) -> list[dict[str, str]]:
+        with self._call(self.timeout + 5) as st:
+            st.send(_encode("list", [*self._file_fields(path, user, None), ("depth", depth)]))
+            return [_fields(p) for t, p in st.frames() if t == "I"]
+
+    def mkdir(self, path: str, *, user: str | None = None) -> None:
+        self._request("mkdir", self._file_fields(path, user, None))
+
+    def move(self, src: str, dst: str, *, user: str | None = None) -> None:
+        self._file_fields(dst, user, None)
+        self._request("move", [*self._file_fields(src, user, None), ("to", dst)])
+
+    def remove(self, path: str, *, user: str | None = None, timeout: float | None = None) -> None:
+        self._request("remove", self._file_fields(path, user, timeout), timeout=(timeout or self.timeout) + 5)

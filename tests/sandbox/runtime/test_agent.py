@@ -1,0 +1,296 @@
+"""k3sys-agent run by hand, as a plain process in a temporary directory, spoken to through its socket
+with the runtime's client (`k3sys.sandbox.runtime.agent`). Built from agent/ by scripts/install-agent.sh;
+needs gcc with a static libc, not root (the `user` tests do)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from k3sys.sandbox.errors import (
+    AgentError,
+    CommandTimeoutError,
+    InvalidArgumentError,
+    NotFoundError,
+    PermissionDeniedError,
+    SandboxFileNotFoundError,
+    WrongFileTypeError,
+)
+from k3sys.sandbox.runtime.agent import SOCKET, Agent, Exit, Gap, Output
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+@pytest.fixture(scope="module")
+def agent_bin(tmp_path_factory) -> Path:
+    if shutil.which("gcc") is None:
+        pytest.skip("gcc is needed to build k3sys-agent")
+    out = tmp_path_factory.mktemp("agent-bin") / "k3sys-agent"
+    subprocess.run(["bash", str(REPO / "scripts/install-agent.sh")], check=True, capture_output=True,
+                   env={**os.environ, "K3SYS_AGENT_OUT": str(out)})
+    if not out.exists():
+        pytest.skip("no static libc to build k3sys-agent with")
+    return out
+
+
+@pytest.fixture
+def agent(agent_bin, tmp_path):
+    root = tmp_path / "root"
+    root.mkdir()
+    proc = subprocess.Popen([str(agent_bin), "--socket", str(root / SOCKET), "--ring", str(1 << 20)])
+    deadline = time.monotonic() + 10
+    while not (root / SOCKET).exists():
+        assert time.monotonic() < deadline and proc.poll() is None, "the agent did not start"
+        time.sleep(0.005)
+    a = Agent(root, pid=lambda: proc.pid, timeout=10)
+    a.root_dir = root  # type: ignore[attr-defined]
+    yield a
+    proc.terminate()
+    assert proc.wait(5) == 0
+
+
+def _children(pid: int) -> list[tuple[int, str]]:
+    out = []
+    for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
+        with contextlib.suppress(OSError):
+            out.append((int(c), Path(f"/proc/{c}/stat").read_text().rsplit(")", 1)[1].split()[0]))
+    return out
+
+
+# --- processes --------------------------------------------------------------------------------
+
+
+def test_run_separates_streams_and_reports_exit(agent):
+    out, end = agent.run("echo one; echo two >&2; echo three; exit 7")
+    assert out.text("stdout") == b"one\nthree\n" and out.text("stderr") == b"two\n"
+    assert [s for s, _ in out.pieces][0] == "stdout"
+    assert end == Exit(exit=7, signal=0, dropped=0, end=14)
+    out, end = agent.run(["sh", "-c", 'printf "%s|" "$0" "$1" "$X" "$PWD"', "a b", "c", ], env={"X": "x=1"}, cwd="/tmp")
+    assert out.text("stdout") == b"a b|c|x=1|/tmp|"
+
+
+def test_start_of_a_missing_program_is_a_typed_error(agent):
+    with pytest.raises(SandboxFileNotFoundError, match="ENOENT"):
+        agent.start(["/no/such/program"])
+    with pytest.raises(SandboxFileNotFoundError):
+        agent.start("true", cwd="/no/such/dir")
+    with pytest.raises(InvalidArgumentError, match="NUL"):
+        agent.start("echo a\0b")
+
+
+def test_background_output_from_start_and_from_now(agent):
+    pid = agent.start("i=0; while :; do echo $i; i=$((i+1)); sleep 0.02; done")
+    time.sleep(0.2)
+    first = b"".join(p[1] for p in agent.output(pid) if isinstance(p, tuple))
+    assert first.startswith(b"0\n1\n2\n")
+    pos = len(first)
+    time.sleep(0.1)
+    later = b"".join(p[1] for p in agent.output(pid, pos) if isinstance(p, tuple))
+    nums = [int(x) for x in (first + later).split()]
+    assert nums == list(range(len(nums))), "no gap and no repeat between the two reads"
+    assert any(p["pid"] == str(pid) and p["running"] == "1" for p in agent.processes())
+    agent.signal(pid, 15)
+    end = agent.wait(pid, timeout=5)
+    assert end.signal == 15 and end.exit == 128 + 15
+
+
+def test_signal_reaches_the_whole_group_and_orphans_are_reaped(agent):
+    pid = agent.start("sleep 100 & sleep 100 & wait")
+    time.sleep(0.2)
+    agent.signal(pid, 9)
+    agent.wait(pid, timeout=5)
+    deadline = time.monotonic() + 5
+    while _children(agent._pid()) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert _children(agent._pid()) == [], "the group's sleeps were killed and reaped, no zombies"
+
+
+def test_wait_times_out_with_a_typed_error(agent):
+    pid = agent.start(["sleep", "5"])
+    t0 = time.monotonic()
+    with pytest.raises(CommandTimeoutError):
+        agent.wait(pid, timeout=0.2)
+    assert time.monotonic() - t0 < 2
+    agent.signal(pid, 9)
+    with pytest.raises(NotFoundError):
+        agent.wait(999999, timeout=1)
+
+
+def test_run_timeout_kills_and_keeps_partial_output(agent):
+    t0 = time.monotonic()
+    with pytest.raises(CommandTimeoutError) as e:
+        agent.run("echo started; sleep 30", timeout=0.5)
+    assert time.monotonic() - t0 < 3
+    assert e.value.stdout == "started\n"
+    deadline = time.monotonic() + 5
+    while any("sleep 30" in p["cmd"] for p in agent.processes()):  # killed, reaped, released
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
+def test_ring_is_bounded_and_counts_what_it_dropped(agent):
+    # the agent's default ring here is 1 MiB; this one 64 KiB
+    pid = agent.start("head -c 3000000 /dev/zero", ring=64 << 10)
+    end = agent.wait(pid, timeout=10)
+    assert end.end == 3_000_000 and end.dropped > 3_000_000 - (128 << 10)
+    pieces = list(agent.output(pid, 0))
+    gap = [p for p in pieces if isinstance(p, Gap)]
+    kept = sum(len(p[1]) for p in pieces if isinstance(p, tuple))
+    assert len(gap) == 1 and gap[0].n == end.dropped and gap[0].n + kept == end.end
+    assert pieces[-1] == end
+
+
+def test_run_keeps_the_tail_and_counts_the_rest(agent):
+    out, end = agent.run("head -c 5000000 /dev/zero; echo tail", keep=100_000)
+    assert out.size == 100_000 and out.dropped == 5_000_005 - 100_000 == end.dropped
+    assert out.text("stdout").endswith(b"\0tail\n")
+
+
+def test_stdin_write_and_close(agent):
+    pid = agent.start("cat; echo done", stdin=True)
+    agent.write_stdin(pid, b"x" * 300_000)  # past a pipe's buffer: written by a worker, not the loop
+    agent.write_stdin(pid, b"end\n")
+    agent.close_stdin(pid)
+    assert agent.wait(pid, timeout=10).exit == 0
+    data = b"".join(p[1] for p in agent.output(pid) if isinstance(p, tuple))
+    assert data == b"x" * 300_000 + b"end\ndone\n"
+    with pytest.raises(AgentError, match="stdin is closed"):
+        agent.write_stdin(pid, b"more")
+
+
+def test_pty_size_resize_and_input(agent):
+    pid = agent.start(["sh", "-c", "stty size; read a; stty size; echo got $a"], pty=(30, 100), stdin=True)
+    time.sleep(0.2)
+    agent.resize(pid, 40, 120)
+    agent.write_stdin(pid, b"hello\n")
+    assert agent.wait(pid, timeout=5).exit == 0
+    text = b"".join(p[1] for p in agent.output(pid) if isinstance(p, tuple)).replace(b"\r", b"")
+    assert text == b"30 100\nhello\n40 120\ngot hello\n"
+    with pytest.raises(InvalidArgumentError):
+        agent.resize(agent.start(["true"]), 1, 1)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="switching users needs root")
+def test_commands_and_files_as_another_user(agent, tmp_path):
+    out, _ = agent.run("id -u; echo $HOME", user="nobody")
+    assert out.text("stdout").split()[0] == b"65534"
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    with pytest.raises(PermissionDeniedError):
+        agent.write(str(private / "f"), b"x", user="nobody")
+    with pytest.raises(PermissionDeniedError):
+        agent.list(str(private), user="nobody")
+    assert not (private / "f").exists()
+
+
+# --- files ------------------------------------------------------------------------------------
+
+
+def test_file_round_trip_stat_list_move_remove(agent, tmp_path):
+    d = tmp_path / "files"
+    data = os.urandom(3 << 20)
+    assert agent.write(f"{d}/a.bin", data) == len(data) if d.mkdir() is None else False
+    assert agent.read(f"{d}/a.bin") == data
+    os.chmod(d / "a.bin", 0o600)
+    agent.write(f"{d}/a.bin", b"new")  # replaced, keeping its mode
+    st = agent.stat(f"{d}/a.bin")
+    assert (st["type"], st["size"], st["mode"]) == ("file", "3", "600")
+    agent.mkdir(f"{d}/x/y/z")
+    agent.mkdir(f"{d}/x/y")  # already there: fine
+    os.symlink("a.bin", d / "link")
+    agent.write(f"{d}/link", b"through")  # a symlink is followed, and stays a link
+    assert (d / "link").is_symlink() and (d / "a.bin").read_bytes() == b"through"
+    names = {e["path"]: e["type"] for e in agent.list(str(d), depth=2)}
+    assert names == {f"{d}/a.bin": "file", f"{d}/link": "symlink", f"{d}/x": "dir", f"{d}/x/y": "dir"}
+    assert len(agent.list(str(d), depth=10)) == 5
+    agent.move(f"{d}/a.bin", f"{d}/x/b.bin")
+    assert (d / "x/b.bin").read_bytes() == b"through"
+    agent.remove(f"{d}/x")
+    assert sorted(os.listdir(d)) == ["link"]
+    assert [p for p in os.listdir(d.parent) if ".k3sys-" in p] == []
+
+
+def test_file_errors_are_typed(agent, tmp_path):
+    with pytest.raises(SandboxFileNotFoundError):
+        agent.read(f"{tmp_path}/missing")
+    with pytest.raises(WrongFileTypeError):
+        agent.read(str(tmp_path))
+    with pytest.raises(WrongFileTypeError):
+        agent.write(str(tmp_path), b"x")
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(WrongFileTypeError):
+        agent.mkdir(f"{tmp_path}/f/sub")
+    with pytest.raises(InvalidArgumentError, match="NUL"):
+        agent.read(f"{tmp_path}/a\0b")
+    with pytest.raises(InvalidArgumentError, match="absolute"):
+        agent.read("relative/path")
+    with pytest.raises(InvalidArgumentError):
+        agent.read("/" + "a" * 5000)
+
+
+def test_deep_tree_is_removed_without_recursion(agent, tmp_path):
+    p = tmp_path / "deep"
+    os.mkdir(p)
+    fd = os.open(p, os.O_RDONLY)
+    # 1,500 levels: deeper than a path can name (PATH_MAX) and than Python's recursion limit; not
+    # more, since each system call on such a path costs time linear in its depth on this host
+    for _ in range(1500):
+        os.mkdir("dd", dir_fd=fd)
+        sub = os.open("dd", os.O_RDONLY, dir_fd=fd)
+        os.close(fd)
+        fd = sub
+        os.close(os.open("f", os.O_CREAT | os.O_WRONLY, dir_fd=fd))
+    os.close(fd)
+    agent.remove(str(p), timeout=120)
+    assert not p.exists()
+
+
+def test_fifo_blocks_only_its_request_until_its_timeout(agent, tmp_path):
+    os.mkfifo(tmp_path / "fifo")
+    errors: list[BaseException] = []
+
+    def write() -> None:
+        try:
+            agent.write(f"{tmp_path}/fifo", b"x", timeout=1.0)
+        except BaseException as e:
+            errors.append(e)
+
+    t = threading.Thread(target=write)
+    t0 = time.monotonic()
+    t.start()
+    time.sleep(0.2)
+    assert agent.ping()["version"] == "1"  # the agent answers others meanwhile
+    assert agent.run(["true"])[1].exit == 0
+    t.join(10)
+    assert isinstance(errors[0], CommandTimeoutError) and 0.9 < time.monotonic() - t0 < 5
+    assert (tmp_path / "fifo").is_fifo(), "a FIFO is written, never replaced"
+
+
+def test_gate_cuts_streams_and_they_resume_without_loss(agent):
+    pid = agent.start("i=0; while [ $i -lt 60 ]; do echo $i; i=$((i+1)); sleep 0.01; done")
+    out = Output()
+    ended: list[Exit] = []
+    t = threading.Thread(target=lambda: ended.append(agent.follow(pid, out, timeout=20)))
+    t.start()
+    time.sleep(0.2)
+    agent.close_gate(grace=0.05)  # the follower is cut, the agent drops its socket
+    host_side = [c for c in _children(agent._pid()) if c[0] != pid]
+    assert host_side == [], "no worker left holding a connection"
+    time.sleep(0.2)  # (a dump would happen here)
+    agent.open_gate()
+    t.join(20)
+    assert ended and ended[0].exit == 0
+    assert [int(x) for x in out.text("stdout").split()] == list(range(60))
+
+
+def test_client_refuses_a_socket_with_another_peer(agent):
+    wrong = Agent(agent.root_dir, pid=lambda: 1)
+    with pytest.raises(AgentError, match="peer"):
+        wrong.ping()
