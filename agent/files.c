@@ -53,26 +53,25 @@ static void entry_fields(struct obuf *o, int dirfd, const char *name, const char
 	}
 }
 
-static int op_stat(int fd, struct obuf *o, const char *path)
+static int op_stat(struct obuf *o, const char *path, int follow)
 {
 	struct stat st;
 	size_t mark;
 
-	if (lstat(path, &st) < 0) {
+	if ((follow ? stat(path, &st) : lstat(path, &st)) < 0) {
 		ob_error(o, errno, "stat %s: %s", path, strerror(errno));
 		return -1;
 	}
 	ob_fields_begin(o, F_RESULT, &mark);
 	entry_fields(o, AT_FDCWD, path, path, &st);
 	ob_fields_end(o, mark);
-	(void)fd;
 	return 0;
 }
 
 /* Stream a file's bytes: a regular file up to the size it had when opened, anything else (a FIFO,
  * /dev/zero) until end of file or `max` bytes. A device node the sandbox may not use fails with the
  * EPERM the device cgroup gives. */
-static int op_read(int fd, struct obuf *o, const char *path, long long max)
+static int op_read(int fd, struct obuf *o, const char *path, long long offset, long long max)
 {
 	int f = open(path, O_RDONLY | O_NOCTTY | O_CLOEXEC);
 	struct stat st;
@@ -86,7 +85,14 @@ static int op_read(int fd, struct obuf *o, const char *path, long long max)
 		return -1;
 	}
 	long long left = S_ISREG(st.st_mode) ? st.st_size : max;
-	if (max >= 0 && left > max)
+	if (offset > 0 && S_ISREG(st.st_mode)) { /* a reader resuming after a checkpoint cut it */
+		if (lseek(f, offset, SEEK_SET) < 0) {
+			ob_error(o, errno, "seek %s: %s", path, strerror(errno));
+			return -1;
+		}
+		left = left > offset ? left - offset : 0;
+	}
+	if (max >= 0 && (left < 0 || left > max))
 		left = max;
 	long long total = 0;
 	while (left != 0) {
@@ -137,15 +143,93 @@ static int receive_into(int fd, int out, struct obuf *o, const char *path, long 
 	return 0;
 }
 
+/* mkdir -p: 0, or -1 with `o` holding the error. */
+static int make_dirs(struct obuf *o, const char *path)
+{
+	char p[PATH_MAX];
+	struct stat st;
+
+	if (snprintf(p, sizeof(p), "%s", path) >= (int)sizeof(p)) {
+		ob_error(o, ENAMETOOLONG, "mkdir %s: path too long", path);
+		return -1;
+	}
+	for (char *s = p + 1;; s++) {
+		if (*s == '/' || *s == 0) {
+			char c = *s;
+			*s = 0;
+			if (mkdir(p, 0755) < 0 && !(errno == EEXIST && stat(p, &st) == 0 && S_ISDIR(st.st_mode))) {
+				int err = errno == EEXIST ? ENOTDIR : errno;
+				ob_error(o, err, "mkdir %s: %s", p, strerror(err));
+				return -1;
+			}
+			*s = c;
+			if (!c)
+				break;
+		}
+	}
+	return 0;
+}
+
+static int op_mkdir(struct obuf *o, const char *path)
+{
+	if (make_dirs(o, path) < 0)
+		return -1;
+	size_t mark;
+	ob_fields_begin(o, F_RESULT, &mark);
+	ob_fields_end(o, mark);
+	return 0;
+}
+
+/* `path` with symlinks in its last component followed (as open(O_CREAT) would), into `out`. */
+static int follow_links(const char *path, char out[PATH_MAX])
+{
+	char target[PATH_MAX];
+	struct stat st;
+
+	snprintf(out, PATH_MAX, "%s", path);
+	for (int hops = 0; hops < 40; hops++) {
+		if (lstat(out, &st) < 0 || !S_ISLNK(st.st_mode))
+			return 0;
+		ssize_t n = readlink(out, target, sizeof(target) - 1);
+		if (n < 0)
+			return -1;
+		target[n] = 0;
+		if (target[0] == '/') {
+			snprintf(out, PATH_MAX, "%s", target);
+		} else {
+			char *slash = strrchr(out, '/');
+			size_t dir = slash ? (size_t)(slash - out) + 1 : 0;
+			if (dir + (size_t)n >= PATH_MAX) {
+				errno = ENAMETOOLONG;
+				return -1;
+			}
+			memcpy(out + dir, target, (size_t)n + 1);
+		}
+	}
+	errno = ELOOP;
+	return -1;
+}
+
 /* Write: a regular or missing file is replaced atomically (a temporary file in the same directory,
  * then rename), keeping the old file's mode and owner; an existing FIFO or device is opened and
  * written as the sandbox would (a FIFO blocks this request until a reader comes or the timeout). A
  * symlink is followed inside the sandbox. */
-static int op_write(int fd, struct obuf *o, const char *path, long long mode)
+static int op_write(int fd, struct obuf *o, const char *path, long long mode, int parents)
 {
 	char real[PATH_MAX], tmp[PATH_MAX + 32];
 	struct stat st;
 	long long total;
+
+	if (parents) {
+		char dir[PATH_MAX];
+		snprintf(dir, sizeof(dir), "%s", path);
+		char *slash = strrchr(dir, '/');
+		if (slash && slash != dir) {
+			*slash = 0;
+			if (make_dirs(o, dir) < 0)
+				return -1;
+		}
+	}
 	int have = stat(path, &st) == 0;
 
 	if (have && S_ISDIR(st.st_mode)) {
@@ -162,11 +246,12 @@ static int op_write(int fd, struct obuf *o, const char *path, long long mode)
 			return -1;
 		close(f);
 	} else {
-		/* A symlink is followed (inside the sandbox) so the link stays a link; a dangling one is
-		 * replaced like a missing file. */
-		struct stat lst;
-		if (!(have && lstat(path, &lst) == 0 && S_ISLNK(lst.st_mode) && realpath(path, real)))
-			snprintf(real, sizeof(real), "%s", path);
+		/* A symlink is followed (inside the sandbox), even a dangling one, so the link stays a link
+		 * and its target is written. */
+		if (follow_links(path, real) < 0) {
+			ob_error(o, errno, "write %s: %s", path, strerror(errno));
+			return -1;
+		}
 		snprintf(tmp, sizeof(tmp), "%s.k3sys-%d", real, (int)getpid());
 		mode_t m = have ? (st.st_mode & 07777) : (mode_t)(mode >= 0 ? mode : 0644);
 		int f = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, m);
@@ -191,35 +276,6 @@ static int op_write(int fd, struct obuf *o, const char *path, long long mode)
 	size_t mark;
 	ob_fields_begin(o, F_RESULT, &mark);
 	ob_field(o, "size", "%lld", total);
-	ob_fields_end(o, mark);
-	return 0;
-}
-
-static int op_mkdir(struct obuf *o, const char *path)
-{
-	char p[PATH_MAX];
-	struct stat st;
-
-	if (snprintf(p, sizeof(p), "%s", path) >= (int)sizeof(p)) {
-		ob_error(o, ENAMETOOLONG, "mkdir %s: path too long", path);
-		return -1;
-	}
-	for (char *s = p + 1;; s++) {
-		if (*s == '/' || *s == 0) {
-			char c = *s;
-			*s = 0;
-			if (mkdir(p, 0755) < 0 && !(errno == EEXIST && stat(p, &st) == 0 && S_ISDIR(st.st_mode))) {
-				int err = errno == EEXIST ? ENOTDIR : errno;
-				ob_error(o, err, "mkdir %s: %s", p, strerror(err));
-				return -1;
-			}
-			*s = c;
-			if (!c)
-				break;
-		}
-	}
-	size_t mark;
-	ob_fields_begin(o, F_RESULT, &mark);
 	ob_fields_end(o, mark);
 	return 0;
 }
@@ -414,11 +470,11 @@ int file_op(int fd, const char *op, const struct fields *req)
 		ob_error(&o, EINVAL, "%s: path must be absolute, got %s", op, path ? path : "(none)");
 		r = -1;
 	} else if (!strcmp(op, "read"))
-		r = op_read(fd, &o, path, field_num(req, "max", -1));
+		r = op_read(fd, &o, path, field_num(req, "offset", 0), field_num(req, "max", -1));
 	else if (!strcmp(op, "write"))
-		r = op_write(fd, &o, path, field_num(req, "mode", -1));
+		r = op_write(fd, &o, path, field_num(req, "mode", -1), field_num(req, "parents", 0) != 0);
 	else if (!strcmp(op, "stat"))
-		r = op_stat(fd, &o, path);
+		r = op_stat(&o, path, field_num(req, "follow", 0) != 0);
 	else if (!strcmp(op, "list"))
 		r = op_list(fd, &o, path, field_num(req, "depth", 1));
 	else if (!strcmp(op, "mkdir"))

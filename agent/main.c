@@ -49,7 +49,7 @@ struct watch {
 struct proc {
 	struct proc *next;
 	pid_t pid;
-	char *cmd;
+	char *cmd, *tag; /* tag: the client's name for this start ("" if none) */
 	int out_fd, err_fd, in_fd; /* -1 when closed; with a PTY, out_fd = in_fd's master */
 	int pty, exited, status, release;
 	time_t exit_time;
@@ -75,6 +75,7 @@ struct conn {
 	int output;
 	long long deadline;
 	pid_t worker;
+	pid_t release_when_sent; /* a released process freed once its end is out (not if the client left) */
 	unsigned events;
 };
 
@@ -109,6 +110,8 @@ static struct proc *find_proc(pid_t pid)
 
 /* --- connections -------------------------------------------------------------------------- */
 
+static void proc_free(struct proc *p);
+
 static void conn_close(struct conn *c)
 {
 	for (struct conn **l = &conns; *l; l = &(*l)->next)
@@ -130,8 +133,9 @@ static void conn_want(struct conn *c, unsigned events)
 	}
 }
 
-/* Send what is queued without blocking; a finished request closes once all of it is out. */
-static void conn_flush(struct conn *c)
+/* Send what is queued without blocking; a finished request closes once all of it is out. Returns
+ * 0 when the connection is gone (closed here), 1 otherwise. */
+static int conn_flush(struct conn *c)
 {
 	while (c->out.off < c->out.len) {
 		ssize_t w = send(c->fd, c->out.buf + c->out.off, c->out.len - c->out.off, MSG_NOSIGNAL | MSG_DONTWAIT);
@@ -141,20 +145,23 @@ static void conn_flush(struct conn *c)
 			break;
 		if (w < 0) {
 			conn_close(c);
-			return;
+			return 0;
 		}
 		c->out.off += (size_t)w;
 	}
 	if (c->out.off == c->out.len) {
 		c->out.off = c->out.len = 0;
 		if (c->state == C_CLOSING) {
+			struct proc *p = c->release_when_sent ? find_proc(c->release_when_sent) : NULL;
+			if (p)
+				proc_free(p);
 			conn_close(c);
-			return;
+			return 0;
 		}
 	}
-	if (c->state == C_WORKER)
-		return;
-	conn_want(c, c->out.len ? EPOLLIN | EPOLLOUT | EPOLLRDHUP : EPOLLIN | EPOLLRDHUP);
+	if (c->state != C_WORKER)
+		conn_want(c, c->out.len ? EPOLLIN | EPOLLOUT | EPOLLRDHUP : EPOLLIN | EPOLLRDHUP);
+	return 1;
 }
 
 static void finish(struct conn *c)
@@ -178,8 +185,6 @@ static void end_fields(struct obuf *o, struct proc *p)
 	ob_field(o, "end", "%llu", (unsigned long long)p->ring.end);
 }
 
-static void proc_free(struct proc *p);
-
 static int followed(pid_t pid)
 {
 	for (struct conn *c = conns; c; c = c->next)
@@ -199,30 +204,35 @@ static void pump(struct conn *c)
 		reply_error(c, ESRCH, "the process is gone (released)");
 		return;
 	}
-	while (c->output && c->out.len - c->out.off < OUT_HIGH) {
-		if (c->pos < p->ring.start) {
-			ob_fields_begin(&c->out, F_INFO, &mark);
-			ob_field(&c->out, "dropped", "%llu", (unsigned long long)(p->ring.start - c->pos));
-			ob_field(&c->out, "pos", "%llu", (unsigned long long)p->ring.start);
-			ob_fields_end(&c->out, mark);
-			c->pos = p->ring.start;
+	/* Up to OUT_HIGH queued at a time; while the socket takes it all at once, go on (nothing else
+	 * would wake this connection: EPOLLOUT is watched only while something is queued). */
+	do {
+		while (c->output && c->out.len - c->out.off < OUT_HIGH) {
+			if (c->pos < p->ring.start) {
+				ob_fields_begin(&c->out, F_INFO, &mark);
+				ob_field(&c->out, "dropped", "%llu", (unsigned long long)(p->ring.start - c->pos));
+				ob_field(&c->out, "pos", "%llu", (unsigned long long)p->ring.start);
+				ob_fields_end(&c->out, mark);
+				c->pos = p->ring.start;
+			}
+			struct chunk *k = ring_find(&p->ring, c->pos);
+			if (!k)
+				break;
+			size_t off = (size_t)(c->pos - k->pos), n = k->len - off;
+			ob_frame(&c->out, k->stream, k->data + off, n);
+			c->pos += n;
 		}
-		struct chunk *k = ring_find(&p->ring, c->pos);
-		if (!k)
-			break;
-		size_t off = (size_t)(c->pos - k->pos), n = k->len - off;
-		ob_frame(&c->out, k->stream, k->data + off, n);
-		c->pos += n;
-	}
-	if (p->exited && (!c->output || c->pos >= p->ring.end)) {
-		ob_fields_begin(&c->out, F_RESULT, &mark);
-		end_fields(&c->out, p);
-		ob_fields_end(&c->out, mark);
-		c->state = C_CLOSING;
-		if (p->release)
-			proc_free(p);
-	}
-	conn_flush(c);
+		if (p->exited && (!c->output || c->pos >= p->ring.end)) {
+			ob_fields_begin(&c->out, F_RESULT, &mark);
+			end_fields(&c->out, p);
+			ob_fields_end(&c->out, mark);
+			c->state = C_CLOSING;
+			if (p->release)
+				c->release_when_sent = p->pid;
+		}
+		if (!conn_flush(c))
+			return;
+	} while (c->state == C_STREAM && c->output && c->out.len == 0 && c->pos < p->ring.end);
 }
 
 static void pump_followers(pid_t pid)
@@ -259,6 +269,7 @@ static void proc_free(struct proc *p)
 	proc_close_fd(p, &p->in_fd);
 	ring_free(&p->ring);
 	free(p->cmd);
+	free(p->tag);
 	free(p);
 }
 
@@ -419,10 +430,16 @@ static void op_start(struct conn *c)
 	}
 	pid_t pid = fork();
 	if (pid == 0) {
-		/* stdio first (the pipes and PTY are >= 3 in the agent), then a session of its own, so a
-		 * signal to the group reaches what it starts and a PTY becomes its terminal */
+		/* stdio first (the pipes and PTY are >= 3 in the agent), then a process group of its own,
+		 * so a signal to the group reaches what it starts. Only a PTY process gets a session (its
+		 * terminal needs one): a session whose leader died is one CRIU must fake with a helper task,
+		 * and with one the restore of the agent's bound socket fails (setns EINVAL); a process group
+		 * in the agent's session is what `cmd &` orphans are left in. */
 		int nul = open("/dev/null", O_RDWR);
-		setsid();
+		if (slave >= 0)
+			setsid();
+		else
+			setpgid(0, 0);
 		dup2(slave >= 0 ? slave : in[0] >= 0 ? in[0] : nul, 0);
 		dup2(slave >= 0 ? slave : out[1], 1);
 		dup2(slave >= 0 ? slave : errp[1], 2);
@@ -461,6 +478,8 @@ static void op_start(struct conn *c)
 	p->pid = pid;
 	const char *cmd = field_get(&c->f, "cmd", NULL);
 	p->cmd = strdup(cmd ? cmd : field_get(&c->f, "arg", NULL));
+	const char *tag = field_get(&c->f, "tag", NULL);
+	p->tag = strdup(tag ? tag : "");
 	p->pty = pty != NULL;
 	p->out_fd = pty ? master : out[0];
 	p->err_fd = pty ? -1 : errp[0];
@@ -548,6 +567,7 @@ static void op_list(struct conn *c)
 		ob_fields_begin(&c->out, F_INFO, &mark);
 		ob_field(&c->out, "pid", "%d", p->pid);
 		ob_field(&c->out, "cmd", "%s", p->cmd);
+		ob_field(&c->out, "tag", "%s", p->tag);
 		ob_field(&c->out, "running", "%d", !p->exited);
 		ob_field(&c->out, "pty", "%d", p->pty);
 		if (p->exited)
@@ -775,14 +795,7 @@ static void conn_event(struct conn *c, unsigned ev)
 		return;
 	}
 	if (ev & EPOLLOUT) {
-		conn_flush(c);
-		/* conn_flush may have freed c: look it up before touching it again */
-		struct conn *k = conns;
-		while (k && k != c)
-			k = k->next;
-		if (!k)
-			return;
-		if (c->state == C_STREAM)
+		if (conn_flush(c) && c->state == C_STREAM)
 			pump(c);
 		return;
 	}

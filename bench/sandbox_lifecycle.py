@@ -1,12 +1,14 @@
 """Sandbox life-cycle latencies (runc + CRIU + our store) beside the Kimi K3 report and AgentENV.
 
-Medians over `--repeats` runs of: create, exec round trip, pause, resume, checkpoint of a sandbox
-holding 64 MiB of dirtied memory, a second checkpoint after dirtying 1 MiB (time and bytes_new /
-bytes_total), fork of 1 and of 8 (wall), hibernate, resume from hibernation (plain, and after a
-`prefetch` hint staged the images), restore; the memory of 20 paused vs 20 hibernated sandboxes;
-where the time goes (runc vs CRIU vs store); for checkpoints, how long the sandbox stood frozen
-(blackout) beside when the call returned (durable in the store); and the floor of
-resume-from-hibernation (restores with the images already on tmpfs, CRIU's own time).
+Medians over `--repeats` runs of: create, exec round trip (through the sandbox's agent, and through
+`runc exec` for comparison), start of a background command, file write / read of 64 KiB and 64 MiB,
+the first output read after a resume, pause, resume, checkpoint of a sandbox holding 64 MiB of
+dirtied memory, a second checkpoint after dirtying 1 MiB (time and bytes_new / bytes_total), fork
+of 1 and of 8 (wall), hibernate, resume from hibernation (plain, and after a `prefetch` hint staged
+the images), restore; the memory of 20 paused vs 20 hibernated sandboxes; where the time goes (runc
+vs CRIU vs store; `agent`: closing the agent's connections before a dump); for checkpoints, how
+long the sandbox stood frozen (blackout) beside when the call returned (durable in the store); and
+the floor of resume-from-hibernation (restores with the images already on tmpfs, CRIU's own time).
 
     python bench/sandbox_lifecycle.py [--repeats 10]
 
@@ -135,6 +137,8 @@ def run(repeats: int, root: Path, console: Console) -> Recorder:
             console.log("create done")
 
             with Sandbox.create(runtime=rt) as s:
+                agent_rows(rt, s, repeats, rec)
+                console.log("agent rows done")
                 for _ in range(repeats):
                     rec.add("exec", timed(lambda: s.commands.run("true"))[0])
                     rec.add("pause", timed(s.pause)[0])
@@ -190,6 +194,35 @@ def run(repeats: int, root: Path, console: Console) -> Recorder:
             for ck in rt.checkpoints():
                 rt.delete_checkpoint(ck.id)
     return rec
+
+
+def agent_rows(rt: Runtime, s: Sandbox, repeats: int, rec: Recorder) -> None:
+    """What goes through the sandbox's agent (its PID 1), beside `runc exec` (the fallback) in the same
+    run: exec round trip, start of a background command, file write / read of 64 KiB and 64 MiB, and
+    the first read of a background command's output after a resume from hibernation."""
+    def runc_exec() -> None:
+        proc, _ = rt.driver.exec(s.id, ["/bin/true"], "/", {}, False)
+        proc.communicate()
+
+    for _ in range(repeats):
+        rec.add("exec_runc", timed(runc_exec)[0])
+        ms, h = timed(lambda: s.commands.run("sleep 1000", background=True))
+        rec.add("start_background", ms)
+        h.kill()
+    for size, tag in ((64 << 10, "64k"), (64 * MIB, "64m")):
+        data = os.urandom(size)
+        for _ in range(max(3, repeats // 2) if size > MIB else repeats):
+            rec.add(f"write_{tag}", timed(lambda data=data: s.files.write("/root/blob", data))[0])
+            ms, got = timed(lambda: s.files.read("/root/blob"))
+            assert got == data
+            rec.add(f"read_{tag}", ms)
+    s.files.write("/root/blob", b"")
+    h = s.commands.run("while :; do echo tick; sleep 0.1; done", background=True)
+    for _ in range(max(3, repeats // 2)):
+        s.hibernate()
+        s.resume()
+        rec.add("reconnect_after_resume", timed(lambda: rt.read_command_output(h.id))[0])
+    h.kill()
 
 
 def hibernate_resume(rt: Runtime, s: Sandbox, rec: Recorder, tag: str) -> object:
@@ -258,7 +291,14 @@ def report(rec: Recorder, console: Console) -> dict:
     mem = rec.extra.get("memory", {})
     rows = [
         ("create (busybox)", "create", None, "", "", ""),
-        ("exec round trip", "exec", None, "", "", ""),
+        ("exec round trip (agent)", "exec", 2, "", "", ""),
+        ("exec round trip (runc exec, the fallback)", "exec_runc", None, "", "", ""),
+        ("start a background command", "start_background", None, "", "", ""),
+        ("file write 64 KiB", "write_64k", None, "", "", ""),
+        ("    64 MiB", "write_64m", None, "", "", ""),
+        ("file read 64 KiB", "read_64k", None, "", "", ""),
+        ("    64 MiB", "read_64m", None, "", "", ""),
+        ("first output read after a resume", "reconnect_after_resume", None, "", "", ""),
         ("pause", "pause", TARGETS["pause"], "", AGENTENV["pause"], E2B["pause"]),
         ("resume from pause", "resume", TARGETS["resume"], "", AGENTENV["resume_hibernated"], ""),
         ("checkpoint, 64 MiB dirty: durable", "checkpoint_64mib", TARGETS["checkpoint_64mib"],

@@ -77,12 +77,14 @@ class SandboxSpec:
 class CommandResult:
     """A finished command: its output (decoded as UTF-8, undecodable bytes replaced) and exit code.
 
-    `exit_code` is negative (-signal) when the command was killed by a signal.
+    `exit_code` is 128 + the signal's number when the command was killed by one (as a shell says).
+    `dropped` counts output bytes not kept: output is bounded (16 MiB), and the oldest goes first.
     """
 
     stdout: str
     stderr: str
     exit_code: int
+    dropped: int = 0
 
 
 class OutputPieces:

@@ -45,11 +45,15 @@ def agent(agent_bin, tmp_path):
     root = tmp_path / "root"
     root.mkdir()
     proc = subprocess.Popen([str(agent_bin), "--socket", str(root / SOCKET), "--ring", str(1 << 20)])
-    deadline = time.monotonic() + 10
-    while not (root / SOCKET).exists():
-        assert time.monotonic() < deadline and proc.poll() is None, "the agent did not start"
-        time.sleep(0.005)
     a = Agent(root, pid=lambda: proc.pid, timeout=10)
+    deadline = time.monotonic() + 10
+    while True:  # the socket file appears at bind(), before listen(): wait for an answer
+        try:
+            a.ping()
+            break
+        except AgentError:
+            assert time.monotonic() < deadline and proc.poll() is None, "the agent did not start"
+            time.sleep(0.005)
     a.root_dir = root  # type: ignore[attr-defined]
     yield a
     proc.terminate()
@@ -280,7 +284,8 @@ def test_gate_cuts_streams_and_they_resume_without_loss(agent):
     t = threading.Thread(target=lambda: ended.append(agent.follow(pid, out, timeout=20)))
     t.start()
     time.sleep(0.2)
-    agent.close_gate(grace=0.05)  # the follower is cut, the agent drops its socket
+    assert agent.close_gate(grace=0.05)  # the follower is cut
+    agent.quiesce()  # and the agent drops its socket
     host_side = [c for c in _children(agent._pid()) if c[0] != pid]
     assert host_side == [], "no worker left holding a connection"
     time.sleep(0.2)  # (a dump would happen here)

@@ -128,7 +128,7 @@ STATUS = {
     "UnknownTemplateError": 422, "PathEscapeError": 422, "StoreInputError": 422, "TooLargeError": 413,
     "CommandTimeoutError": 408, "AuthError": 401, "CapacityError": 429, "UnavailableError": 503,
     "RuntimeLockedError": 503, "DriverError": 500, "StoreError": 500, "CorruptStoreError": 500,
-    "WrongFileTypeError": 422,
+    "WrongFileTypeError": 422, "PermissionDeniedError": 403, "AgentError": 500, "AgentInterruptedError": 503,
 }
 
 
@@ -208,8 +208,7 @@ def test_path_traversal_in_the_files_api(http, rsbx, tmp_path):
     secret = tmp_path / "host-secret"
     secret.write_text("host only")
     rsbx.commands.run("ln -s ../../../../../../ /tmp/up")
-    escapes = ["/../etc/passwd", "../../etc/hostname", "/tmp/../../..", "/tmp/up/etc/hostname",
-               f"/../../../../../../..{secret}"]
+    escapes = ["/../etc/passwd", "../../etc/hostname", "/tmp/../../..", f"/../../../../../../..{secret}"]
     for path in escapes:
         assert_error(http.get(f"/sandboxes/{sid}/files", params={"path": path}), 422, "path_escape")
         assert_error(http.put(f"/sandboxes/{sid}/files", params={"path": path}, content=b"x"), 422, "path_escape")
@@ -221,6 +220,11 @@ def test_path_traversal_in_the_files_api(http, rsbx, tmp_path):
     for bad in ("..%2F..%2Fetc", "..", "%2e%2e"):
         assert http.get(f"/sandboxes/{bad}/files", params={"path": "/etc/passwd"}).status_code in (404, 422)
     assert_error(http.get(f"/sandboxes/{sid}/files"), 422, "invalid_argument")  # no path at all
+    # A link climbing out stops at the sandbox's own root, as for the sandbox itself (its agent
+    # resolves it): the sandbox's files, never the host's.
+    r = http.get(f"/sandboxes/{sid}/files", params={"path": f"/tmp/up{secret}"})
+    assert_error(r, 404, "file_not_found")
+    assert http.get(f"/sandboxes/{sid}/files", params={"path": "/tmp/up/etc/passwd"}).content.startswith(b"root:")
     assert secret.read_text() == "host only"
     with pytest.raises(PathEscapeError):
         rsbx.files.write("/../escaped", b"x")

@@ -5,9 +5,9 @@ writes, then the agent's frames up to one final `R` (result) or `X` (error). A f
 big-endian length, a type byte and the payload.
 
 `Agent` adds the gate the life cycle needs: `close_gate` (before a CRIU dump: a connection to the
-host is a resource CRIU cannot save) lets calls in flight finish for a grace period, cuts the rest
-with `AgentInterruptedError` (retryable: the sandbox lost nothing) and has the agent drop their
-sockets; new calls wait until `open_gate` (after the thaw or restore). Output streams reconnect
+host is a resource CRIU cannot save) lets calls in flight finish for a grace period and cuts the
+rest with `AgentInterruptedError` (retryable: the sandbox lost nothing); `quiesce` has the agent
+drop their sockets; new calls wait until `open_gate` (after the thaw or restore). Output streams reconnect
 by themselves from the byte offset they had reached, so a follower only sees a pause.
 
 The host never resolves a path inside the sandbox: it opens the socket's directory without
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import socket
 import struct
 import threading
@@ -202,34 +203,43 @@ class Agent:
         self.timeout = timeout
         self._cv = threading.Condition()
         self._open = True
+        self._dead = ""  # why calls fail for good (the sandbox was killed)
+        self._peer: int | None = None  # the PID 1 checked last (cached until the gate reopens)
         self._live: set[socket.socket] = set()
 
     # --- connections and the gate -------------------------------------------------------------
 
     def _connect(self) -> socket.socket:
-        d = os.open(self.root, os.O_PATH | os.O_DIRECTORY)
+        try:
+            d = os.open(self.root, os.O_PATH | os.O_DIRECTORY)
+        except OSError as e:
+            raise AgentError(f"sandbox agent unreachable: no sandbox root at {self.root} ({e.strerror})") from None
         try:
             sub, name = os.path.split(SOCKET)
             # No symlink followed inside the sandbox: the directory by O_NOFOLLOW, the socket
             # itself by the peer check below (a link to another socket has another peer).
             sd = os.open(sub, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=d)
         except OSError as e:
-            raise AgentError(f"sandbox agent: no socket directory under {self.root}: {e.strerror}") from None
+            raise AgentError(f"sandbox agent unreachable: no socket directory under {self.root} ({e.strerror}); "
+                             "commands.run falls back to `runc exec`, other calls need the agent") from None
         finally:
             os.close(d)
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             s.connect(f"/proc/self/fd/{sd}/{name}")
-            want = self._pid()
+            peer = struct.unpack("3i", s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
+            want = self._peer
+            if want != peer:  # not the PID 1 checked last: ask again (reading runc's state costs)
+                want = self._pid()
             if want is not None:
-                peer = struct.unpack("3i", s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
                 if peer != want:
                     raise AgentError(f"sandbox agent: the socket's peer is pid {peer}, "
                                      f"not the sandbox's PID 1 ({want})")
+                self._peer = peer
         except OSError as e:
             s.close()
             raise AgentError(f"sandbox agent unreachable ({e.strerror or e}): it may have died; "
-                             "`runc exec` still reaches the sandbox") from None
+                             "commands.run falls back to `runc exec`, other calls need the agent") from None
         except BaseException:
             s.close()
             raise
@@ -242,8 +252,10 @@ class Agent:
         """A connection for one request, registered so `close_gate` can cut it; waits while the gate
         is closed (a checkpoint in progress)."""
         with self._cv:
-            if not self._cv.wait_for(lambda: self._open, timeout=60):
+            if not self._cv.wait_for(lambda: self._open or self._dead, timeout=60):
                 raise AgentInterruptedError("sandbox agent: the sandbox stayed closed to calls for 60 s")
+            if self._dead:
+                raise AgentError(f"sandbox agent: {self._dead}")
         s = self._connect()
         s.settimeout(timeout)
         with self._cv:
@@ -255,6 +267,8 @@ class Agent:
         except (EOFError, OSError) as e:
             with self._cv:
                 cut = not self._open
+            if cut and self._dead:
+                raise AgentError(f"sandbox agent: {self._dead}") from None
             if cut:
                 raise AgentInterruptedError("sandbox agent: call cut by a checkpoint of the sandbox; retry") from None
             if isinstance(e, TimeoutError):
@@ -273,16 +287,22 @@ class Agent:
             st.send(_encode(op, fields))
             return st.result()
 
-    def close_gate(self, grace: float = 0.5) -> None:
-        """Hold new calls, give those in flight `grace` seconds, cut the rest, and have the agent drop
-        every connection whose client is gone (so nothing of the host's remains for a dump)."""
+    def close_gate(self, grace: float = 0.5) -> bool:
+        """Hold new calls and give those in flight `grace` seconds; cut the rest (their callers get
+        AgentInterruptedError). Returns whether any was cut: then `quiesce` must run before a dump."""
         with self._cv:
             self._open = False
             self._cv.wait_for(lambda: not self._live, timeout=grace)
+            cut = bool(self._live)
             for s in self._live:
                 with contextlib.suppress(OSError):
                     s.shutdown(socket.SHUT_RDWR)
             self._cv.wait_for(lambda: not self._live, timeout=5)
+        return cut
+
+    def quiesce(self) -> None:
+        """Have the agent drop every connection whose client is gone (so nothing of the host's
+        remains in the sandbox for a dump). Bypasses the gate."""
         s = self._connect()
         try:
             s.settimeout(5)
@@ -291,12 +311,27 @@ class Agent:
             st.result()
             # The agent closes its end first, then we ours: no half-open socket left inside.
             s.recv(1)
+        except OSError as e:
+            raise AgentError(f"sandbox agent: quiesce failed: {e}") from None
         finally:
             s.close()
 
     def open_gate(self) -> None:
+        """Let calls through again (after a thaw or restore; a restore brings a new PID 1)."""
         with self._cv:
+            self._peer = None
+            self._dead = ""
             self._open = True
+            self._cv.notify_all()
+
+    def cut(self, reason: str) -> None:
+        """For good: fail calls waiting at the gate and those in flight with `reason`."""
+        with self._cv:
+            self._dead = reason
+            self._open = False
+            for s in self._live:
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
             self._cv.notify_all()
 
     # --- processes ----------------------------------------------------------------------------
@@ -324,7 +359,9 @@ class Agent:
         bytes, the newest) and how it ended. On `timeout` (s) its process group is killed and
         CommandTimeoutError carries the partial output."""
         out = Output(keep)
-        fields = [*self._start_fields(cmd, env, cwd, user, False, None, keep), ("follow", 1), ("release", 1)]
+        tag = secrets.token_hex(8)  # names this start, so a cut call finds its process, never starts two
+        fields = [*self._start_fields(cmd, env, cwd, user, False, None, keep), ("follow", 1), ("release", 1),
+                  ("tag", tag)]
         deadline = None if timeout is None else time.monotonic() + timeout
         pid = 0
         try:
@@ -348,9 +385,12 @@ class Agent:
                                       out.text("stdout").decode(errors="replace"),
                                       out.text("stderr").decode(errors="replace")) from None
         except AgentInterruptedError:
+            # Cut by a checkpoint; whether the start got through is in the agent's table.
+            pid = pid or next((int(p["pid"]) for p in self.processes() if p.get("tag") == tag), 0)
             if not pid:
-                raise
-        # Cut by a checkpoint while it ran: the process runs on inside; follow it again.
+                rest = None if deadline is None else max(0.001, deadline - time.monotonic())
+                return self.run(cmd, env=env, cwd=cwd, user=user, timeout=rest, keep=keep)
+        # The process runs on inside; follow it again from where the stream was cut.
         rest = None if deadline is None else max(0.001, deadline - time.monotonic())
         end = self.follow(pid, out, out.size + out.dropped, timeout=rest)
         self._kill_quietly(pid, release_only=True)
@@ -442,11 +482,13 @@ class Agent:
             raise InvalidArgumentError(f"path: expected an absolute path in the sandbox, got {path!r}")
         return [("path", path), ("user", user), ("timeout", int((timeout or self.timeout) * 1000))]
 
-    def read_chunks(self, path: str, *, user: str | None = None, max_bytes: int | None = None,
+    def read_chunks(self, path: str, *, user: str | None = None, offset: int = 0, max_bytes: int | None = None,
                     timeout: float | None = None) -> Iterator[bytes]:
-        """The file's bytes as the agent sends them (a regular file: the size it had when opened)."""
+        """The file's bytes from `offset` as the agent sends them (a regular file: up to the size it
+        had when opened; anything else until its end or `max_bytes`)."""
         with self._call((timeout or self.timeout) + 5) as st:
-            st.send(_encode("read", [*self._file_fields(path, user, timeout), ("max", max_bytes)]))
+            st.send(_encode("read", [*self._file_fields(path, user, timeout), ("offset", offset),
+                                     ("max", max_bytes)]))
             for t, payload in st.frames():
                 if t == "D":
                     yield payload
@@ -455,18 +497,20 @@ class Agent:
         return b"".join(self.read_chunks(path, **kw))  # type: ignore[arg-type]
 
     def write(self, path: str, data: bytes | Iterable[bytes], *, user: str | None = None, mode: int | None = None,
-              timeout: float | None = None) -> int:
-        """Replace the file at `path` (atomically; a FIFO or device is written as the sandbox would);
-        returns the bytes written."""
+              parents: bool = False, timeout: float | None = None) -> int:
+        """Replace the file at `path` (atomically; a FIFO or device is written as the sandbox would),
+        with `parents` creating missing directories first; returns the bytes written."""
         with self._call((timeout or self.timeout) + 5) as st:
-            st.send(_encode("write", [*self._file_fields(path, user, timeout), ("mode", mode)]))
+            st.send(_encode("write", [*self._file_fields(path, user, timeout), ("mode", mode),
+                                      ("parents", parents)]))
             for chunk in [data] if isinstance(data, bytes | bytearray | memoryview) else data:
                 st.data(bytes(chunk))
             st.end()
             return int(st.result()["size"])
 
-    def stat(self, path: str, *, user: str | None = None) -> dict[str, str]:
-        return self._request("stat", self._file_fields(path, user, None))
+    def stat(self, path: str, *, user: str | None = None, follow: bool = False) -> dict[str, str]:
+        """The entry fields of `path` (of a symlink's target with `follow`)."""
+        return self._request("stat", [*self._file_fields(path, user, None), ("follow", follow)])
 
     def list(self, path: str, *, depth: int = 1, user: str | None = None) -> list[dict[str, str]]:
         with self._call(self.timeout + 5) as st:

@@ -1,53 +1,98 @@
-"""Commands in a sandbox: `sh -c` started through the driver, their output pumped into memory by a
-thread per pipe, waited on, streamed, killed with everything they started. Commands run without the
-sandbox's lock, so a long command never blocks `pause` or `kill`."""
+"""Commands in a sandbox, started, watched and signalled by the sandbox's agent (agent.py).
+
+Every command is a child of the agent, the sandbox's PID 1, so a checkpoint, fork, hibernation or
+restore carries it along; its output lives in the agent's ring inside the sandbox. The host keeps
+only a bounded window of what a reader fetched (`_Window`): nothing grows on the host while nobody
+reads. Commands run without the sandbox's lock, so a long command never blocks `pause` or `kill`;
+a call cut by a checkpoint is made again once the sandbox runs (`_retrying`).
+"""
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import subprocess
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
 
 from k3sys.sandbox.errors import (
+    AgentError,
+    AgentInterruptedError,
     CommandTimeoutError,
     InvalidArgumentError,
     NotFoundError,
 )
+from k3sys.sandbox.runtime.agent import Agent, Exit, Gap
 from k3sys.sandbox.runtime.state import State
 from k3sys.sandbox.runtime.table import Table, _new_id
 from k3sys.sandbox.spec import CommandResult, OutputPieces
 
-
-@dataclass
-class _Command:
-    sandbox_id: str
-    proc: subprocess.Popen
-    pid: int
-    out: bytearray = field(default_factory=bytearray)
-    err: bytearray = field(default_factory=bytearray)
-    readers: list[threading.Thread] = field(default_factory=list)
+_log = logging.getLogger(__name__)
+WINDOW = 16 << 20  # bytes of a command's output the host keeps per stream, at most
 
 
 def _decode(b: bytes) -> str:
     return b.decode("utf-8", errors="replace")
 
 
-def _pump(stream: Any, buf: bytearray) -> None:
-    for chunk in iter(lambda: stream.read1(65536), b""):
-        buf += chunk
-    stream.close()
+def _checked(cmd: str, cwd: str | None, env: dict[str, str] | None) -> dict[str, str]:
+    """The arguments of a command checked (InvalidArgumentError naming the bad one); `env` copied."""
+    if not isinstance(cmd, str) or not cmd:
+        raise InvalidArgumentError(f"cmd: expected a non-empty string, got {cmd!r}")
+    if cwd is not None and (not isinstance(cwd, str) or not cwd.startswith("/")):
+        raise InvalidArgumentError(f"cwd: expected an absolute path in the sandbox, got {cwd!r}")
+    env = dict(env or {})
+    for k, v in env.items():
+        if not isinstance(k, str) or not k or "=" in k or "\0" in k or not isinstance(v, str) or "\0" in v:
+            raise InvalidArgumentError(f"env: bad variable {k!r}={v!r}")
+    return env
 
 
-def _feed(stream: Any, data: bytes) -> None:
-    """Write a command's whole stdin and close it (a command that exits early just gets less)."""
-    with contextlib.suppress(BrokenPipeError, OSError):
-        stream.write(data)
-    with contextlib.suppress(BrokenPipeError, OSError):
-        stream.close()
+def _result(out: bytes, err: bytes, end: Exit, dropped: int) -> CommandResult:
+    return CommandResult(_decode(out), _decode(err), end.exit, dropped)
+
+
+@dataclass
+class _Window:
+    """The newest output the host fetched, per stream: `out[i]` is stdout byte `out_base + i`.
+    `pos` is the agent offset fetched up to; `end` is set once the command ended and all is here."""
+
+    out: bytearray = field(default_factory=bytearray)
+    err: bytearray = field(default_factory=bytearray)
+    out_base: int = 0
+    err_base: int = 0
+    pos: int = 0
+    end: Exit | None = None
+
+    def add(self, piece: tuple[str, bytes] | Gap | Exit) -> None:
+        if isinstance(piece, Exit):
+            self.end = piece
+        elif isinstance(piece, Gap):
+            self.pos += piece.n  # dropped in the sandbox before anyone read it
+        else:
+            buf = self.out if piece[0] == "stdout" else self.err
+            buf += piece[1]
+            self.pos += len(piece[1])
+            if len(buf) > WINDOW:
+                cut = len(buf) - WINDOW
+                del buf[:cut]
+                if piece[0] == "stdout":
+                    self.out_base += cut
+                else:
+                    self.err_base += cut
+
+    def since(self, out: int, err: int) -> tuple[bytes, bytes]:
+        return bytes(self.out[max(0, out - self.out_base):]), bytes(self.err[max(0, err - self.err_base):])
+
+
+@dataclass
+class _Command:
+    sandbox_id: str
+    pid: int  # inside the sandbox
+    window: _Window = field(default_factory=_Window)
+    mu: threading.Lock = field(default_factory=threading.Lock)  # one fetch at a time
 
 
 class Commands(Table):
@@ -58,30 +103,43 @@ class Commands(Table):
     def start_command(self, sid: str, cmd: str, cwd: str | None = None, env: dict[str, str] | None = None,
                       stdin: bytes | None = None) -> str:
         """Start `sh -c cmd` in the sandbox; returns a command id for `wait_command` / `kill_command`."""
-        if not isinstance(cmd, str) or not cmd:
-            raise InvalidArgumentError(f"cmd: expected a non-empty string, got {cmd!r}")
-        if cwd is not None and (not isinstance(cwd, str) or not cwd.startswith("/")):
-            raise InvalidArgumentError(f"cwd: expected an absolute path in the sandbox, got {cwd!r}")
-        env = dict(env or {})
-        for k, v in env.items():
-            if not isinstance(k, str) or not k or "=" in k or "\0" in k or not isinstance(v, str) or "\0" in v:
-                raise InvalidArgumentError(f"env: bad variable {k!r}={v!r}")
+        env = _checked(cmd, cwd, env)
         with self._locked(sid) as rec:
             self._require(rec, "run a command in", State.RUNNING)
-            proc, pid = self.driver.exec(sid, ["/bin/sh", "-c", cmd], cwd or "/", env, stdin is not None)
-        c = _Command(sid, proc, pid)
-        for stream, buf in ((proc.stdout, c.out), (proc.stderr, c.err)):
-            t = threading.Thread(target=_pump, args=(stream, buf), daemon=True)
-            t.start()
-            c.readers.append(t)
+            pid = self._agent(sid).start(cmd, env=env, cwd=cwd or "/", stdin=stdin is not None)
         if stdin is not None:
             # On a thread: a command that does not read its stdin would block a write past the pipe's
             # buffer, and with it this call and the timeout the caller's wait is about to start.
-            threading.Thread(target=_feed, args=(proc.stdin, stdin), daemon=True).start()
+            threading.Thread(target=self._feed, args=(sid, pid, stdin), daemon=True).start()
+        return self._register_command(sid, pid)
+
+    def _register_command(self, sid: str, pid: int) -> str:
         cid = _new_id("cmd")
         with self._mu:
-            self._commands[cid] = c
+            self._commands[cid] = _Command(sid, pid)
         return cid
+
+    def connect_command(self, sid: str, pid: int) -> str:
+        """A command id for process `pid` of the sandbox, running or ended and not yet released: a
+        background command seen again in a fork, a restored sandbox or after a runtime restart."""
+        procs = self._retrying(sid, lambda a: a.processes())
+        if not any(p["pid"] == str(pid) for p in procs):
+            raise NotFoundError(f"no process {pid} in sandbox {sid}")
+        return self._register_command(sid, pid)
+
+    def processes(self, sid: str) -> list[dict[str, str]]:
+        """The processes the sandbox's agent started and still holds (pid, cmd, running, exit...)."""
+        return self._retrying(sid, lambda a: a.processes())
+
+    def command_pid(self, cid: str) -> int:
+        """The command's pid inside its sandbox (for `connect_command` in a fork or restore)."""
+        return self._command(cid).pid
+
+    def _feed(self, sid: str, pid: int, data: bytes) -> None:
+        """Write a command's whole stdin and close it (a command that exits early just gets less)."""
+        with contextlib.suppress(AgentError, NotFoundError):
+            self._retrying(sid, lambda a: a.write_stdin(pid, data))
+            self._retrying(sid, lambda a: a.close_stdin(pid))
 
     def _command(self, cid: str) -> _Command:
         with self._mu:
@@ -90,36 +148,61 @@ class Commands(Table):
             raise NotFoundError(f"no command {cid!r}")
         return c
 
+    def _fetch(self, c: _Command, follow: bool = False, timeout: float | None = None) -> _Window:
+        """Bring `c`'s window up to date (with `follow`, until the command ends)."""
+        w = c.window
+        with c.mu:
+            if w.end is None:
+                def more(a: Agent) -> None:
+                    for piece in a.output(c.pid, w.pos, follow=follow, timeout=timeout):
+                        w.add(piece)
+                try:
+                    self._retrying(c.sandbox_id, more)
+                except AgentError:
+                    if not self._killed(c):
+                        raise
+                    w.end = Exit(137, 9, 0, w.pos)  # the sandbox was killed under it
+        return w
+
+    def _killed(self, c: _Command) -> bool:
+        with self._mu:
+            return c.sandbox_id not in self._records
+
     def wait_command(self, cid: str, timeout: float | None = None) -> CommandResult:
         """Wait for the command to end; on `timeout` (seconds) kill it and raise CommandTimeoutError."""
         c = self._command(cid)
         try:
-            code = c.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
+            w = self._fetch(c, follow=True, timeout=timeout)
+        except CommandTimeoutError:
             self.kill_command(cid)
-            for t in c.readers:  # what was still in the pipes belongs to the partial output
-                t.join(1)
-            out, err = bytes(c.out), bytes(c.err)
+            w = self._fetch(c)
+            out, err = w.since(0, 0)
             raise CommandTimeoutError(f"command {cid} in sandbox {c.sandbox_id} ran past {timeout} s and was killed",
                                       _decode(out), _decode(err)) from None
-        for t in c.readers:
-            t.join()
+        self._forget(cid, c)
+        assert w.end is not None
+        out, err = w.since(0, 0)
+        return _result(out, err, w.end, w.end.end - len(out) - len(err))
+
+    def _forget(self, cid: str, c: _Command) -> None:
         with self._mu:
             self._commands.pop(cid, None)
-        return CommandResult(_decode(bytes(c.out)), _decode(bytes(c.err)), code)
+        if not self._killed(c):
+            with contextlib.suppress(AgentError, NotFoundError):
+                self._agent(c.sandbox_id).release(c.pid)
 
     def command_output(self, cid: str) -> tuple[str, str]:
-        """What the command has written so far (stdout, stderr)."""
+        """What the command has written so far (stdout, stderr), as far as the host's window holds."""
         c = self._command(cid)
-        return _decode(bytes(c.out)), _decode(bytes(c.err))
+        w = self._fetch(c)
+        out, err = w.since(0, 0)
+        return _decode(out), _decode(err)
 
     def read_command_output(self, cid: str, since: tuple[int, int] = (0, 0)) -> tuple[bytes, bytes, bool]:
         """Raw (stdout, stderr) bytes after the offsets `since`, and whether the command has ended with
-        all its output read. Never blocks."""
-        c = self._command(cid)
-        # Checked before reading, so whatever the command wrote before ending is in this answer.
-        done = c.proc.poll() is not None and not any(t.is_alive() for t in c.readers)
-        return bytes(c.out[since[0]:]), bytes(c.err[since[1]:]), done
+        all its output read. Waits only for the sandbox's agent (a checkpoint in progress)."""
+        w = self._fetch(self._command(cid))
+        return *w.since(*since), w.end is not None
 
     def stream_command(self, cid: str, poll: float = 0.02) -> Iterator[tuple[str, str]]:
         """Yield `("stdout" | "stderr", text)` as the command writes it (from its start), until it ends;
@@ -133,27 +216,40 @@ class Commands(Table):
             time.sleep(poll)
 
     def command_running(self, cid: str) -> bool:
-        return self._command(cid).proc.poll() is None
+        return self._fetch(self._command(cid)).end is None
 
     def kill_command(self, cid: str) -> None:
-        """SIGKILL the command and everything it started (still its descendants)."""
+        """SIGKILL the command and everything it started (its process group)."""
         c = self._command(cid)
-        self._kill_tree(c)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            c.proc.wait(10)
-
-    def _kill_tree(self, c: _Command) -> None:
-        if c.proc.poll() is None:
-            if c.pid:
-                self.driver.kill_tree(c.pid)
-            with contextlib.suppress(ProcessLookupError):
-                c.proc.kill()  # runc exec itself, once the command is gone
+        if self._killed(c):
+            return
+        with contextlib.suppress(NotFoundError):
+            self._retrying(c.sandbox_id, lambda a: a.signal(c.pid, 9))
+            self._retrying(c.sandbox_id, lambda a: a.wait(c.pid, 10))
 
     def run(self, sid: str, cmd: str, timeout: float | None = 60, cwd: str | None = None,
             env: dict[str, str] | None = None, stdin: bytes | None = None) -> CommandResult:
-        """Run `sh -c cmd` to completion (see `start_command`, `wait_command`)."""
+        """Run `sh -c cmd` to completion: one round trip to the agent (start and follow), unless it
+        has input for its stdin (then `start_command` and `wait_command`)."""
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0):
             raise InvalidArgumentError(f"timeout: expected None or a positive number of seconds, got {timeout!r}")
+        if stdin is None:
+            env = _checked(cmd, cwd, env)
+            with self._locked(sid) as rec:
+                self._require(rec, "run a command in", State.RUNNING)
+                agent = self._agent(sid)
+            try:
+                out, end = agent.run(cmd, env=env, cwd=cwd or "/", timeout=timeout, keep=WINDOW)
+            except CommandTimeoutError as e:
+                raise CommandTimeoutError(f"command in sandbox {sid} ran past {timeout} s and was killed",
+                                          e.stdout, e.stderr) from None
+            except AgentInterruptedError:
+                raise
+            except AgentError as e:
+                if "unreachable" not in str(e):
+                    raise
+                return self._run_without_agent(sid, cmd, timeout, cwd, env, e)
+            return _result(out.text("stdout"), out.text("stderr"), end, out.dropped)
         cid = self.start_command(sid, cmd, cwd, env, stdin)
         try:
             return self.wait_command(cid, timeout)
@@ -161,11 +257,18 @@ class Commands(Table):
             with self._mu:
                 self._commands.pop(cid, None)
 
-    def _kill_commands(self, sid: str) -> None:
-        with self._mu:
-            mine = [(k, c) for k, c in self._commands.items() if c.sandbox_id == sid]
-        for _, c in mine:
-            self._kill_tree(c)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                c.proc.wait(5)
-        # Handles stay valid (wait() reports the kill) until their owner drops them.
+    def _run_without_agent(self, sid: str, cmd: str, timeout: float | None, cwd: str | None,
+                           env: dict[str, str] | None, why: AgentError) -> CommandResult:
+        """The fallback for a sandbox whose agent cannot be reached (its socket removed from inside,
+        say): `runc exec`, ~10 ms, output held in host memory, and the command is not a child of PID 1
+        (a checkpoint does not carry it)."""
+        _log.warning("sandbox %s: %s; running %r through runc exec", sid, why, cmd)
+        proc, _ = self.driver.exec(sid, ["/bin/sh", "-c", cmd], cwd or "/", dict(env or {}), False)
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+            raise CommandTimeoutError(f"command in sandbox {sid} ran past {timeout} s and was killed "
+                                      f"(run through runc exec: {why})", _decode(out), _decode(err)) from None
+        return CommandResult(_decode(out), _decode(err), proc.returncode)

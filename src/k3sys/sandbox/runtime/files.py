@@ -1,53 +1,170 @@
-"""A sandbox's files, read and written from the host through `SandboxFS` (never leaving the
-sandbox's root); allowed while the sandbox runs, under its lock."""
+"""A sandbox's files, through its agent (agent.py): every operation runs inside the sandbox as it
+would for its own user, so links, device nodes and FIFOs mean what they mean there, and the host
+never opens a path of the sandbox. The state is checked under the sandbox's lock; the operation runs
+without it, so a FIFO that blocks a read or write (up to its timeout) never blocks `kill`."""
 
 from __future__ import annotations
 
-import contextlib
+import io
 from collections.abc import Iterator
 from typing import BinaryIO
 
-from k3sys.sandbox.runtime.sandboxfs import SandboxFS
+from k3sys.sandbox.errors import (
+    AgentInterruptedError,
+    InvalidArgumentError,
+    PathEscapeError,
+    SandboxFileNotFoundError,
+    WrongFileTypeError,
+)
+from k3sys.sandbox.runtime.agent import Agent
 from k3sys.sandbox.runtime.state import State
 from k3sys.sandbox.runtime.table import Table
 from k3sys.sandbox.types import EntryInfo
+
+_KINDS = {"file", "dir", "symlink"}
+_CHUNK = 1 << 20
+
+
+def sandbox_path(path: object) -> str:
+    """`path` checked: a non-empty string without NUL that never climbs above the root lexically
+    (`/../etc`: PathEscapeError, as before; a link that climbs resolves inside, like the kernel does
+    at `/`). Relative paths start at the sandbox's root."""
+    if not isinstance(path, str) or not path:
+        raise InvalidArgumentError(f"path: expected a non-empty string, got {path!r}")
+    if "\0" in path:
+        raise InvalidArgumentError(f"path: NUL byte in {path!r}")
+    depth = 0
+    for part in path.split("/"):
+        if part == "..":
+            depth -= 1
+            if depth < 0:
+                raise PathEscapeError(f"path: {path!r} climbs above the sandbox root")
+        elif part not in ("", "."):
+            depth += 1
+    return path if path.startswith("/") else "/" + path
+
+
+def _entry(f: dict[str, str]) -> EntryInfo:
+    kind = f["type"] if f["type"] in _KINDS else "other"
+    return EntryInfo(f["name"], f["path"], kind, int(f["size"]), int(f["mode"], 8), int(f["mtime_ns"]) / 1e9)
+
+
+class _Reader(io.RawIOBase):
+    """A sandbox file streamed from its agent, `size` bytes (its size when opened); a checkpoint
+    cutting the stream only pauses it (it reconnects at the offset it reached)."""
+
+    def __init__(self, files: Files, sid: str, path: str, size: int) -> None:
+        super().__init__()
+        self._files, self._sid, self._path, self.size = files, sid, path, size
+        self._pos = 0
+        self._buf = b""
+        self._chunks: Iterator[bytes] | None = None
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: bytearray | memoryview) -> int:  # type: ignore[override]
+        while not self._buf and self._pos < self.size:
+            if self._chunks is None:
+                self._chunks = self._files._agent(self._sid).read_chunks(
+                    self._path, offset=self._pos, max_bytes=self.size - self._pos)
+            try:
+                self._buf = next(self._chunks, b"")
+            except AgentInterruptedError:
+                self._chunks = None
+                continue
+            if not self._buf:
+                self.size = self._pos  # the file shrank meanwhile
+        n = min(len(b), len(self._buf))
+        b[:n] = self._buf[:n]
+        self._buf = self._buf[n:]
+        self._pos += n
+        return n
+
+    def close(self) -> None:
+        if self._chunks is not None:
+            self._chunks.close()  # type: ignore[attr-defined]
+        super().close()
 
 
 class Files(Table):
     """`Runtime`'s file operations (see the module docstring)."""
 
-    @contextlib.contextmanager
-    def _fs(self, sid: str, op: str) -> Iterator[SandboxFS]:
+    def _files(self, sid: str, op: str) -> Agent:
         with self._locked(sid) as rec:
             self._require(rec, op, State.RUNNING)
-            yield SandboxFS(self._dirs(sid).rootfs)
+            return self._agent(sid)
 
     def read_file(self, sid: str, path: str) -> bytes:
-        with self._fs(sid, "read files of") as fs:
-            return fs.read(path)
+        with self.open_file(sid, path) as f:
+            return f.read()
 
     def open_file(self, sid: str, path: str) -> BinaryIO:
-        """The file at `path` open for reading, for streaming it out; the caller closes it. The open
-        file stays readable whatever happens to the sandbox afterwards."""
-        with self._fs(sid, "read files of") as fs:
-            return fs.open(path)
+        """The regular file at `path` for streaming out (`.size`: its size now, what the stream
+        delivers); the caller closes it. Anything else is refused: a device or FIFO could stream
+        without end into host memory (a device is opened first, so one the sandbox may not use
+        answers with its EPERM)."""
+        path = sandbox_path(path)
+        self._files(sid, "read files of")
+        st = self._retrying(sid, lambda a: a.stat(path, follow=True))
+        if st["type"] == "dir":
+            raise WrongFileTypeError(f"is a directory in the sandbox: {path!r}")
+        if st["type"] in ("char", "block"):
+            self._retrying(sid, lambda a: a.read(path, max_bytes=0))  # PermissionDeniedError if refused
+        if st["type"] != "file":
+            raise WrongFileTypeError(f"not a regular file in the sandbox ({st['type']}): {path!r}")
+        return _Reader(self, sid, path, int(st["size"]))  # type: ignore[return-value]
 
     def write_file(self, sid: str, path: str, data: bytes | str | BinaryIO) -> int:
-        with self._fs(sid, "write files of") as fs:
-            return fs.write(path, data)
+        """Create or replace the file at `path` (missing directories are created); returns the bytes
+        written. `data` may be a binary file object, sent in chunks."""
+        path = sandbox_path(path)
+        if isinstance(data, str):
+            data = data.encode()
+        if not isinstance(data, bytes | bytearray | memoryview) and not hasattr(data, "read"):
+            raise InvalidArgumentError(f"data: expected bytes, str or a binary file, got {type(data).__name__}")
+        self._files(sid, "write files of")
+        if not hasattr(data, "read"):
+            # Replacing a file is idempotent: a write cut by a checkpoint is simply made again.
+            return self._retrying(sid, lambda a: a.write(path, data, parents=True))  # type: ignore[arg-type]
+        start = data.tell() if data.seekable() else None  # type: ignore[union-attr]
+
+        def send(a: Agent) -> int:
+            if start is not None:
+                data.seek(start)  # type: ignore[union-attr]
+            return a.write(path, iter(lambda: data.read(_CHUNK), b""), parents=True)  # type: ignore[union-attr]
+        # A stream that cannot be rewound is sent once; a checkpoint cutting it raises the retryable
+        # AgentInterruptedError to the caller.
+        return self._retrying(sid, send) if start is not None else send(self._agent(sid))
 
     def list_dir(self, sid: str, path: str = "/") -> list[EntryInfo]:
-        with self._fs(sid, "list files of") as fs:
-            return fs.list(path)
+        """Entries of directory `path`, sorted by name (symlinks are listed, not followed)."""
+        path = sandbox_path(path)
+        self._files(sid, "list files of")
+        try:
+            entries = self._retrying(sid, lambda a: a.list(path))
+        except WrongFileTypeError:
+            raise WrongFileTypeError(f"not a directory in the sandbox: {path!r}") from None
+        return sorted((_entry(f) for f in entries), key=lambda e: e.name)
 
     def remove(self, sid: str, path: str) -> None:
-        with self._fs(sid, "remove files of") as fs:
-            fs.remove(path)
+        path = sandbox_path(path)
+        if path.strip("/") == "":
+            raise InvalidArgumentError("path: refusing to remove the sandbox's root")
+        self._files(sid, "remove files of")
+        self._retrying(sid, lambda a: a.remove(path))
 
     def make_dir(self, sid: str, path: str) -> None:
-        with self._fs(sid, "create directories in") as fs:
-            fs.makedirs(path)
+        path = sandbox_path(path)
+        self._files(sid, "create directories in")
+        self._retrying(sid, lambda a: a.mkdir(path))
 
     def exists(self, sid: str, path: str) -> bool:
-        with self._fs(sid, "look up files of") as fs:
-            return fs.exists(path)
+        """Whether `path` names an entry in the sandbox (a dangling link counts)."""
+        path = sandbox_path(path)
+        self._files(sid, "look up files of")
+        try:
+            self._retrying(sid, lambda a: a.stat(path))
+        except SandboxFileNotFoundError:
+            return False
+        return True

@@ -120,7 +120,7 @@ class Runtime(Recovery, Checkpoints, Files, Commands, Table):
     def _discard(self, rec: Record) -> None:
         """Release everything of `rec` and forget it (its checkpoints stay in the store)."""
         dirs = self._dirs(rec.id)
-        self._kill_commands(rec.id)
+        self.driver.drop_agent(rec.id)  # calls waiting on it fail now; commands die with the sandbox
         try:
             self.driver.destroy(rec.id, dirs)
         except BaseException as e:

@@ -60,6 +60,8 @@ class SystemPaths:
         configs = (self.criu_config, self.criu_override)
         if not all(os.access(p, os.X_OK) for p in (self.criu, self.lo_up)) or not all(c.exists() for c in configs):
             return f"CRIU is not installed under {self.root} (run scripts/install-sandbox.sh)"
+        if not os.access(self.agent, os.X_OK):
+            return f"k3sys-agent is not installed under {self.root} (run scripts/install-agent.sh)"
         return None
 
 

@@ -8,19 +8,25 @@ life-cycle operation, so two operations on one sandbox never interleave (runtime
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
 import secrets
-import shutil
+import stat
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from k3sys.sandbox.errors import (
+    AgentError,
+    AgentInterruptedError,
     InvalidArgumentError,
     InvalidStateError,
     NotFoundError,
 )
+from k3sys.sandbox.runtime.agent import Agent
 from k3sys.sandbox.runtime.drivers.base import Driver, SandboxDirs
 from k3sys.sandbox.runtime.state import Record, State
 from k3sys.sandbox.runtime.store import Store
@@ -28,13 +34,56 @@ from k3sys.sandbox.runtime.templates import template_rootfs
 from k3sys.sandbox.spec import check_id
 from k3sys.sandbox.types import SandboxInfo
 
+T = TypeVar("T")
+_log = logging.getLogger(__name__)
+
 
 def _new_id(prefix: str) -> str:
     return f"{prefix}-{secrets.token_hex(6)}"
 
 
 def _rmtree(path: Path) -> None:
-    shutil.rmtree(path, ignore_errors=True)
+    """Remove `path` and everything below it: without recursion (a sandbox's tree can be any depth),
+    without following links (only the current directory is held open: descend by name, climb by
+    ".."), never raising (an error is logged and what is left stays)."""
+    try:
+        if not stat.S_ISDIR(os.lstat(path).st_mode):
+            os.unlink(path)
+            return
+        cur = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        _log.warning("cannot remove %s: %s", path, e)
+        return
+    names: list[str] = []  # the directories we are in, below `path`
+    try:
+        while True:
+            sub = None
+            with os.scandir(cur) as entries:
+                for e in entries:
+                    if e.is_dir(follow_symlinks=False):
+                        sub = sub or e.name
+                    else:
+                        with contextlib.suppress(FileNotFoundError):
+                            os.unlink(e.name, dir_fd=cur)
+            if sub is not None:
+                down = os.open(sub, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=cur)
+                os.close(cur)
+                cur = down
+                names.append(sub)
+            elif names:
+                up = os.open("..", os.O_RDONLY | os.O_DIRECTORY, dir_fd=cur)
+                os.close(cur)
+                cur = up
+                os.rmdir(names.pop(), dir_fd=cur)
+            else:
+                break
+        os.rmdir(path)
+    except OSError as e:
+        _log.warning("cannot remove %s (at depth %d): %s", path, len(names), e)
+    finally:
+        os.close(cur)
 
 
 class Table:
@@ -78,6 +127,22 @@ class Table:
                 if rec is None or self._locks.get(sid) is not lock:
                     raise NotFoundError(f"no sandbox {sid!r}")
             yield rec
+
+    def _agent(self, sid: str) -> Agent:
+        with self._mu:
+            if sid not in self._records:  # killed: its agent went with it
+                raise AgentError(f"sandbox agent: sandbox {sid} is gone")
+        return self.driver.agent(sid, self._dirs(sid))
+
+    def _retrying(self, sid: str, call: Callable[[Agent], T], deadline: float | None = None) -> T:
+        """`call(agent)` on the sandbox's agent, made again when a checkpoint cut it (the agent's gate
+        holds the retry until the sandbox runs again)."""
+        while True:
+            try:
+                return call(self._agent(sid))
+            except AgentInterruptedError:
+                if deadline is not None and time.monotonic() > deadline:
+                    raise
 
     @staticmethod
     def _require(rec: Record, op: str, *allowed: State) -> None:

@@ -44,7 +44,6 @@ import binascii
 import contextlib
 import dataclasses
 import json
-import os
 import tempfile
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
@@ -237,7 +236,7 @@ async def kill_command(svc: Svc, cid: str) -> Response:
             responses={200: {"content": {"application/octet-stream": {}}}})
 async def read_file(svc: Svc, sid: str, path: PathQ) -> StreamingResponse:
     f = await svc.call("read_file", svc.rt.open_file, sid, path, io=True)
-    size = os.fstat(f.fileno()).st_size
+    size = f.size  # what the agent's stream delivers: the file's size when opened
 
     async def chunks() -> AsyncIterator[bytes]:
         # The file as long as it was when opened: a file that grows meanwhile (a log being written)

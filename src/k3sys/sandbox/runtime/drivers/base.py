@@ -11,9 +11,12 @@ from __future__ import annotations
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from k3sys.sandbox.spec import SandboxSpec
+
+if TYPE_CHECKING:
+    from k3sys.sandbox.runtime.agent import Agent
 
 
 @dataclass(frozen=True)
@@ -59,7 +62,8 @@ class Driver(Protocol):
 
     def exec(self, sid: str, argv: list[str], cwd: str, env: dict[str, str],
              stdin: bool) -> tuple[subprocess.Popen, int]:
-        """Start `argv` in the sandbox with piped stdio; returns the process and the host pid of `argv`."""
+        """Start `argv` in the sandbox with piped stdio (`runc exec`): only the fallback for a sandbox
+        whose agent cannot be reached. Returns the process and the host pid of `argv`."""
 
     def pause(self, sid: str) -> None:
         """Freeze every process of the sandbox (memory is kept)."""
@@ -73,8 +77,11 @@ class Driver(Protocol):
         sealed lower layer, if any). The sandbox is left as it was if `thaw`, else frozen (a failed
         snapshot always leaves it as it was). Returns seconds spent per phase."""
 
-    def kill_tree(self, pid: int) -> None:
-        """SIGKILL the process `pid` returned by `exec` and everything it started."""
+    def agent(self, sid: str, dirs: SandboxDirs) -> Agent:
+        """The client of the sandbox's agent (its PID 1), the same object for the sandbox's life."""
+
+    def drop_agent(self, sid: str) -> None:
+        """Forget a killed sandbox's agent; calls waiting on it fail."""
 
     def destroy(self, sid: str, dirs: SandboxDirs) -> None:
         """Kill every process and release mounts and cgroups; safe on a half-created sandbox."""

@@ -20,11 +20,13 @@ import json
 import os
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
 from k3sys.sandbox.errors import DriverError
 from k3sys.sandbox.runtime import layers
+from k3sys.sandbox.runtime.agent import Agent
 from k3sys.sandbox.runtime.drivers.base import SandboxDirs
 from k3sys.sandbox.runtime.drivers.cgroups import Cgroups
 from k3sys.sandbox.runtime.system import SystemPaths, system_paths
@@ -39,9 +41,9 @@ _MASKED = ["/proc/acpi", "/proc/scsi", "/proc/kcore", "/proc/keys", "/proc/laten
 _MASKED_BY_BIND = ["/sys/firmware"]
 _READONLY = ["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger"]
 _PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-# PID 1 of every sandbox: drop the host-side stdio runc hands it (CRIU cannot dump host files), then
-# sleep forever; the shell's wait loop also reaps orphans re-parented to it.
-_INIT = "exec </dev/null >/dev/null 2>&1; trap 'exit 0' TERM; while :; do sleep 86400 & wait $!; done"
+# PID 1 of every sandbox: k3sys-agent (agent/, docs/sandbox-agent.md), bind-mounted read-only. It
+# drops the host-side stdio runc hands it (CRIU cannot dump host files) once its socket listens.
+_AGENT = "/.k3sys/agent"
 
 
 def _criu_seconds(log: Path) -> float:
@@ -95,6 +97,8 @@ class RuncDriver:
         self.empty = self.state_dir / "empty"
         self.empty.mkdir(mode=0o555, exist_ok=True)
         self.cgroups = Cgroups()
+        self._agents: dict[str, Agent] = {}
+        self._agents_mu = threading.Lock()
         _ensure_kdat_dir()
 
     # --- runc plumbing ------------------------------------------------------------------------
@@ -103,7 +107,7 @@ class RuncDriver:
         """Run `runc <args>`; DriverError with runc's message (and CRIU's log tail, if any) on failure.
 
         stdout and stderr are pipes read to their end. For `run -d` / `restore -d` that end comes only
-        once the sandbox's PID 1, which inherits runc's stdio, has dropped it (`_INIT`'s first command):
+        once the sandbox's PID 1, which inherits runc's stdio, has dropped it (the agent, listening):
         without that wait a checkpoint right after a create could find these host-side descriptors in
         PID 1, which CRIU cannot dump.
         """
@@ -129,7 +133,7 @@ class RuncDriver:
         ] + [
             {"destination": d, "type": "bind", "source": str(self.empty), "options": ["rbind", "ro", "nosuid", "nodev"]}
             for d in _MASKED_BY_BIND if os.path.isdir(d)
-        ]
+        ] + [{"destination": _AGENT, "type": "bind", "source": str(self.system.agent), "options": ["bind", "ro"]}]
         if spec.network:  # the host's resolver configuration, read-only
             mounts.append({"destination": "/etc/resolv.conf", "type": "bind", "source": "/etc/resolv.conf",
                            "options": ["rbind", "ro"]})
@@ -139,7 +143,7 @@ class RuncDriver:
             "process": {
                 "terminal": False,
                 "user": {"uid": 0, "gid": 0},
-                "args": ["/bin/sh", "-c", _INIT],
+                "args": [_AGENT],
                 "env": [f"PATH={_PATH}", "HOME=/root", "LANG=C.UTF-8"],
                 "cwd": "/",
                 "capabilities": {k: _CAPS for k in ("bounding", "effective", "permitted")},
@@ -179,6 +183,23 @@ class RuncDriver:
     def create(self, sid: str, dirs: SandboxDirs, spec: SandboxSpec, lowers: list[Path]) -> None:
         self._prepare(sid, dirs, spec, lowers)
         self._run(["run", "-d", "--bundle", str(dirs.bundle), sid])
+        self.agent(sid, dirs).open_gate()
+
+    def agent(self, sid: str, dirs: SandboxDirs) -> Agent:
+        """The client of the sandbox's agent, one per sandbox for its whole life (its gate spans a
+        hibernation); reached through the sandbox's root."""
+        with self._agents_mu:
+            a = self._agents.get(sid)
+            if a is None:
+                a = self._agents[sid] = Agent(dirs.rootfs, pid=lambda: self.init_pid(sid))
+            return a
+
+    def drop_agent(self, sid: str) -> None:
+        """Forget a killed sandbox's agent; calls still waiting on it fail."""
+        with self._agents_mu:
+            a = self._agents.pop(sid, None)
+        if a is not None:
+            a.cut("the sandbox was killed")
 
     def restore(self, sid: str, dirs: SandboxDirs, spec: SandboxSpec, lowers: list[Path],
                 images: Path) -> dict[str, float]:
@@ -195,6 +216,7 @@ class RuncDriver:
         self._run([*args, sid], log=work / "restore.log")
         t["runc+criu"] = time.perf_counter() - t1
         t["criu"] = _criu_seconds(work / "restore.log")
+        self.agent(sid, dirs).open_gate()  # a new PID 1 (host pid) behind the same socket path
         # Running: every checkpoint is taken frozen, but CRIU leaves cgroups (the freezer's state
         # included) to runc, which restores into fresh, thawed ones.
         return t
@@ -236,11 +258,27 @@ class RuncDriver:
         images.mkdir(parents=True)
         t0 = time.perf_counter()
         was_frozen = self.cgroups.frozen(sid)
+        # No connection to the host may be inside at the dump (CRIU cannot save one): hold new calls,
+        # let those in flight finish or cut them (they retry), and have the agent drop their sockets.
+        agent = self.agent(sid, dirs)
+        cut = agent.close_gate()
+        if was_frozen and cut:
+            self.resume(sid)  # the agent must run to drop them
+        if not was_frozen or cut:
+            try:
+                agent.quiesce()
+            except BaseException:
+                if was_frozen:
+                    self.pause(sid)
+                agent.open_gate()
+                raise
+        t["agent"] = time.perf_counter() - t0
         # Frozen across the dump and the seal: CRIU leaves a frozen cgroup frozen, so no process runs
         # between the memory dump and the copy of the upper, and the two agree.
-        if not was_frozen:
+        t_freeze = time.perf_counter()
+        if not was_frozen or cut:
             self.pause(sid)
-        t["freeze"] = time.perf_counter() - t0
+        t["freeze"] = time.perf_counter() - t_freeze
         # Always --leave-running: a hibernating sandbox is killed only once its checkpoint is durable.
         args = ["checkpoint", "--leave-running", "--image-path",
                 str(images), "--work-path", str(work), "--tcp-established", "--file-locks"]
@@ -261,7 +299,9 @@ class RuncDriver:
                 t1 = time.perf_counter()
                 self.resume(sid)
                 t["thaw"] = time.perf_counter() - t1
-                t["frozen"] = time.perf_counter() - t0  # how long the sandbox's processes stood still
+                t["frozen"] = time.perf_counter() - t_freeze  # how long the sandbox's processes stood still
+            if thaw or not ok:
+                agent.open_gate()
         return t
 
     def destroy(self, sid: str, dirs: SandboxDirs) -> None:
@@ -273,15 +313,6 @@ class RuncDriver:
             self._run(["delete", "--force", sid], timeout=60)
         self.cgroups.remove(sid)
         layers.unmount(dirs.rootfs)
-
-    def kill_tree(self, pid: int) -> None:
-        for _ in range(3):  # again, for children forked while we were killing
-            victims = descendants(pid)
-            for p in victims:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(p, signal.SIGKILL)
-            if len(victims) <= 1 and not _alive(pid):
-                break
 
     def status(self, sid: str) -> str:
         state = self.runc_root / sid / "state.json"
@@ -345,27 +376,6 @@ def _process_table() -> dict[int, tuple[int, str]]:
             continue
         out[int(entry)] = (ppid, cmd)
     return out
-
-
-def descendants(pid: int) -> list[int]:
-    """`pid` and every process below it, parents first."""
-    children: dict[int, list[int]] = {}
-    for p, (ppid, _) in _process_table().items():
-        children.setdefault(ppid, []).append(p)
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo += children.get(p, [])
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
 
 
 def _mounts_matching(fragment: str) -> list[str]:
