@@ -23,7 +23,8 @@ from k3sys.sandbox.errors import (
     SandboxFileNotFoundError,
     WrongFileTypeError,
 )
-from k3sys.sandbox.runtime.agent import SOCKET, Agent, Exit, Gap, Output
+from k3sys.sandbox.runtime.agent import SOCKET, Agent
+from k3sys.sandbox.runtime.agent_protocol import Exit, Gap, Output
 
 REPO = Path(__file__).resolve().parents[3]
 

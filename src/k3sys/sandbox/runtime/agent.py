@@ -1,8 +1,5 @@
-"""Client of `k3sys-agent`, the sandbox's PID 1 (agent/ in the repository; docs/sandbox-agent.md).
-
-One request per connection: a `Q` frame (operation and `key=value` fields), data frames for
-writes, then the agent's frames up to one final `R` (result) or `X` (error). A frame is a 4-byte
-big-endian length, a type byte and the payload.
+"""Client of `k3sys-agent`, the sandbox's PID 1 (agent/ in the repository; docs/sandbox-agent.md);
+its wire format is in agent_protocol.py.
 
 `Agent` adds the gate the life cycle needs: `close_gate` (before a CRIU dump: a connection to the
 host is a resource CRIU cannot save) lets calls in flight finish for a grace period and cuts the
@@ -24,9 +21,7 @@ import socket
 import struct
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 from k3sys.sandbox.errors import (
@@ -34,163 +29,11 @@ from k3sys.sandbox.errors import (
     AgentInterruptedError,
     CommandTimeoutError,
     InvalidArgumentError,
-    NotFoundError,
-    PermissionDeniedError,
     SandboxError,
-    SandboxFileNotFoundError,
-    WrongFileTypeError,
 )
+from k3sys.sandbox.runtime.agent_protocol import Exit, Gap, Output, Stream, encode, parse_fields
 
 SOCKET = ".k3sys/agent.sock"  # relative to the sandbox's root
-FRAME_MAX = 1 << 20
-_CHUNK = 1 << 16
-_HEAD = struct.Struct(">I")
-
-# The agent's errno names -> our exception classes (anything else: AgentError).
-_ERRORS: dict[str, type[SandboxError]] = {
-    "ENOENT": SandboxFileNotFoundError, "ENOTDIR": WrongFileTypeError, "EISDIR": WrongFileTypeError,
-    "EPERM": PermissionDeniedError, "EACCES": PermissionDeniedError, "EROFS": PermissionDeniedError,
-    "EINVAL": InvalidArgumentError, "ENAMETOOLONG": InvalidArgumentError, "ELOOP": InvalidArgumentError,
-    "EEXIST": InvalidArgumentError, "ENOTEMPTY": InvalidArgumentError, "EXDEV": InvalidArgumentError,
-    "ESRCH": NotFoundError, "ETIMEDOUT": CommandTimeoutError,
-}
-
-
-@dataclass(frozen=True)
-class Exit:
-    """How a process ended: `exit` (128 + signal when killed by one), `signal` (0 if none), bytes
-    of its output the ring `dropped`, and `end`, the offset just past its last output byte."""
-
-    exit: int
-    signal: int
-    dropped: int
-    end: int
-
-
-@dataclass(frozen=True)
-class Gap:
-    """`n` bytes of output the ring dropped before the reader got to them."""
-
-    n: int
-
-
-@dataclass
-class Output:
-    """Output of a process as (stream, bytes) pieces in write order, `stream` "stdout" / "stderr",
-    keeping at most `cap` bytes (the newest); what falls out is counted in `dropped`."""
-
-    cap: int = 16 << 20
-    dropped: int = 0
-
-    def __post_init__(self) -> None:
-        self.pieces: deque[tuple[str, bytes]] = deque()
-        self.size = 0
-
-    def add(self, stream: str, data: bytes) -> None:
-        self.pieces.append((stream, data))
-        self.size += len(data)
-        while self.size > self.cap:
-            s, d = self.pieces.popleft()
-            cut = min(len(d), self.size - self.cap)
-            if cut < len(d):
-                self.pieces.appendleft((s, d[cut:]))
-            self.size -= cut
-            self.dropped += cut
-
-    def text(self, stream: str) -> bytes:
-        return b"".join(d for s, d in self.pieces if s == stream)
-
-
-def _fields(payload: bytes) -> dict[str, str]:
-    out: dict[str, str] = {}
-    for f in payload.split(b"\0"):
-        if f:
-            k, _, v = f.decode("utf-8", "surrogateescape").partition("=")
-            out.setdefault(k, v)
-    return out
-
-
-def _encode(op: str, fields: Iterable[tuple[str, object]]) -> bytes:
-    parts = [op.encode()]
-    for k, v in fields:
-        if v is None:
-            continue
-        b = (str(int(v)) if isinstance(v, bool) else str(v)).encode("utf-8", "surrogateescape")
-        if b"\0" in b:
-            raise InvalidArgumentError(f"{k}: NUL bytes are not allowed, got {v!r}")
-        parts.append(k.encode() + b"=" + b)
-    body = b"\0".join(parts) + b"\0"
-    if len(body) + 1 > FRAME_MAX:
-        raise InvalidArgumentError(f"request too large: {len(body)} bytes (at most {FRAME_MAX - 1})")
-    return _HEAD.pack(len(body) + 1) + b"Q" + body
-
-
-def _error(f: dict[str, str]) -> SandboxError:
-    cls = _ERRORS.get(f.get("code", ""), AgentError)
-    return cls(f"sandbox agent: {f.get('msg', 'failed')} ({f.get('code', '?')})")
-
-
-class _Stream:
-    """One request's connection: send frames, read them back."""
-
-    def __init__(self, sock: socket.socket, deadline: float | None) -> None:
-        self.sock = sock
-        self.deadline = deadline  # time.monotonic() by which the whole request must be done
-        self.refused = False
-
-    def send(self, data: bytes) -> None:
-        self.sock.sendall(data)
-
-    def data(self, chunk: bytes) -> None:
-        for i in range(0, len(chunk), _CHUNK):
-            piece = chunk[i:i + _CHUNK]
-            self._send_data(_HEAD.pack(len(piece) + 1) + b"D" + piece)
-
-    def end(self) -> None:
-        self._send_data(_HEAD.pack(1) + b"Z")
-
-    def _send_data(self, frame: bytes) -> None:
-        # An agent that refused the request (a path it cannot write) answers and closes without
-        # reading the data: stop sending, and let the reply, read next, say why.
-        if not self.refused:
-            try:
-                self.sock.sendall(frame)
-            except (BrokenPipeError, ConnectionResetError):
-                self.refused = True
-
-    def _exact(self, n: int) -> bytes:
-        if self.deadline is not None:
-            self.sock.settimeout(max(0.001, self.deadline - time.monotonic()))
-        b = self.sock.recv(n, socket.MSG_WAITALL)
-        while len(b) < n:  # MSG_WAITALL returns short only at the end or on a signal
-            more = self.sock.recv(n - len(b), socket.MSG_WAITALL)
-            if not more:
-                raise EOFError
-            b += more
-        return b
-
-    def frame(self) -> tuple[str, bytes]:
-        (n,) = _HEAD.unpack(self._exact(4))
-        if not 1 <= n <= FRAME_MAX:
-            raise AgentError(f"sandbox agent: bad frame length {n}")
-        body = self._exact(n)
-        return chr(body[0]), body[1:]
-
-    def frames(self) -> Iterator[tuple[str, bytes]]:
-        """Frames up to the final one; an X frame raises, an R frame's fields are the last yield."""
-        while True:
-            t, payload = self.frame()
-            if t == "X":
-                raise _error(_fields(payload))
-            yield t, payload
-            if t == "R":
-                return
-
-    def result(self) -> dict[str, str]:
-        last = b""
-        for t, payload in self.frames():
-            last = payload if t == "R" else last
-        return _fields(last)
 
 
 class Agent:
@@ -248,7 +91,7 @@ class Agent:
         return s
 
     @contextlib.contextmanager
-    def _call(self, timeout: float | None = None) -> Iterator[_Stream]:
+    def _call(self, timeout: float | None = None) -> Iterator[Stream]:
         """A connection for one request, registered so `close_gate` can cut it; waits while the gate
         is closed (a checkpoint in progress)."""
         with self._cv:
@@ -261,7 +104,7 @@ class Agent:
         with self._cv:
             self._live.add(s)
         try:
-            yield _Stream(s, None if timeout is None else time.monotonic() + timeout)
+            yield Stream(s, None if timeout is None else time.monotonic() + timeout)
         except SandboxError:
             raise
         except (EOFError, OSError) as e:
@@ -284,7 +127,7 @@ class Agent:
     def _request(self, op: str, fields: Iterable[tuple[str, object]] = (),
                  timeout: float | None = None) -> dict[str, str]:
         with self._call(timeout or self.timeout) as st:
-            st.send(_encode(op, fields))
+            st.send(encode(op, fields))
             return st.result()
 
     def close_gate(self, grace: float = 0.5) -> bool:
@@ -306,8 +149,8 @@ class Agent:
         s = self._connect()
         try:
             s.settimeout(5)
-            st = _Stream(s, time.monotonic() + 5)
-            st.send(_encode("quiesce", ()))
+            st = Stream(s, time.monotonic() + 5)
+            st.send(encode("quiesce", ()))
             st.result()
             # The agent closes its end first, then we ours: no half-open socket left inside.
             s.recv(1)
@@ -366,16 +209,16 @@ class Agent:
         pid = 0
         try:
             with self._call(timeout) as st:
-                st.send(_encode("start", fields))
+                st.send(encode("start", fields))
                 for t, payload in st.frames():
                     if t == "I":
-                        f = _fields(payload)
+                        f = parse_fields(payload)
                         pid = int(f.get("pid", pid))
                         out.dropped += int(f.get("dropped", 0))
                     elif t in "OE":
                         out.add("stdout" if t == "O" else "stderr", payload)
                     elif t == "R":
-                        f = _fields(payload)
+                        f = parse_fields(payload)
                         return out, Exit(int(f["exit"]), int(f.get("signal", 0)), out.dropped, int(f["end"]))
         except CommandTimeoutError:
             if not pid:
@@ -429,21 +272,21 @@ class Agent:
         the ring dropped bytes, then its Exit once ended. Without `follow`: what is there now (no
         Exit while it runs). Pieces and gaps advance the offset by their length."""
         with self._call(timeout) as st:
-            st.send(_encode("connect", [("pid", pid), ("from", pos), ("follow", follow)]))
+            st.send(encode("connect", [("pid", pid), ("from", pos), ("follow", follow)]))
             for t, payload in st.frames():
                 if t in "OE":
                     yield ("stdout" if t == "O" else "stderr"), payload
                 elif t == "I":
-                    yield Gap(int(_fields(payload).get("dropped", 0)))
+                    yield Gap(int(parse_fields(payload).get("dropped", 0)))
                 elif t == "R":
-                    f = _fields(payload)
+                    f = parse_fields(payload)
                     if "exit" in f:
                         yield Exit(int(f["exit"]), int(f.get("signal", 0)), int(f["dropped"]), int(f["end"]))
 
     def wait(self, pid: int, timeout: float | None = None) -> Exit:
         ms = None if timeout is None else max(1, int(timeout * 1000))
         with self._call(None if timeout is None else timeout + 5) as st:
-            st.send(_encode("wait", [("pid", pid), ("timeout", ms)]))
+            st.send(encode("wait", [("pid", pid), ("timeout", ms)]))
             f = st.result()
         return Exit(int(f["exit"]), int(f.get("signal", 0)), int(f["dropped"]), int(f["end"]))
 
@@ -452,7 +295,7 @@ class Agent:
 
     def write_stdin(self, pid: int, data: bytes) -> None:
         with self._call(self.timeout) as st:
-            st.send(_encode("stdin", [("pid", pid)]))
+            st.send(encode("stdin", [("pid", pid)]))
             st.data(data)
             st.end()
             st.result()
@@ -469,8 +312,8 @@ class Agent:
 
     def processes(self) -> list[dict[str, str]]:
         with self._call(self.timeout) as st:
-            st.send(_encode("ps", ()))
-            return [_fields(p) for t, p in st.frames() if t == "I"]
+            st.send(encode("ps", ()))
+            return [parse_fields(p) for t, p in st.frames() if t == "I"]
 
     def ping(self) -> dict[str, str]:
         return self._request("ping", timeout=5)
@@ -487,7 +330,7 @@ class Agent:
         """The file's bytes from `offset` as the agent sends them (a regular file: up to the size it
         had when opened; anything else until its end or `max_bytes`)."""
         with self._call((timeout or self.timeout) + 5) as st:
-            st.send(_encode("read", [*self._file_fields(path, user, timeout), ("offset", offset),
+            st.send(encode("read", [*self._file_fields(path, user, timeout), ("offset", offset),
                                      ("max", max_bytes)]))
             for t, payload in st.frames():
                 if t == "D":
@@ -501,7 +344,7 @@ class Agent:
         """Replace the file at `path` (atomically; a FIFO or device is written as the sandbox would),
         with `parents` creating missing directories first; returns the bytes written."""
         with self._call((timeout or self.timeout) + 5) as st:
-            st.send(_encode("write", [*self._file_fields(path, user, timeout), ("mode", mode),
+            st.send(encode("write", [*self._file_fields(path, user, timeout), ("mode", mode),
                                       ("parents", parents)]))
             for chunk in [data] if isinstance(data, bytes | bytearray | memoryview) else data:
                 st.data(bytes(chunk))
@@ -514,8 +357,8 @@ class Agent:
 
     def list(self, path: str, *, depth: int = 1, user: str | None = None) -> list[dict[str, str]]:
         with self._call(self.timeout + 5) as st:
-            st.send(_encode("list", [*self._file_fields(path, user, None), ("depth", depth)]))
-            return [_fields(p) for t, p in st.frames() if t == "I"]
+            st.send(encode("list", [*self._file_fields(path, user, None), ("depth", depth)]))
+            return [parse_fields(p) for t, p in st.frames() if t == "I"]
 
     def mkdir(self, path: str, *, user: str | None = None) -> None:
         self._request("mkdir", self._file_fields(path, user, None))

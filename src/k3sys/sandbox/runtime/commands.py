@@ -24,7 +24,8 @@ from k3sys.sandbox.errors import (
     InvalidArgumentError,
     NotFoundError,
 )
-from k3sys.sandbox.runtime.agent import Agent, Exit, Gap
+from k3sys.sandbox.runtime.agent import Agent
+from k3sys.sandbox.runtime.agent_protocol import Exit, Gap
 from k3sys.sandbox.runtime.state import State
 from k3sys.sandbox.runtime.table import Table, _new_id
 from k3sys.sandbox.spec import CommandResult, OutputPieces

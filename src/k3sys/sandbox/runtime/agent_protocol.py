@@ -1,0 +1,177 @@
+"""The wire format of `k3sys-agent` (docs/sandbox-agent.md), host side: frames, field lists, the
+agent's errors as our exceptions, and what its answers are made of (`Exit`, `Gap`, `Output`).
+
+A frame is a 4-byte big-endian length, a type byte and the payload; one request per connection: a
+`Q` frame (operation and `key=value` fields), data frames for writes, then the agent's frames up to
+one final `R` (result) or `X` (error).
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+import time
+from collections import deque
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+from k3sys.sandbox.errors import (
+    AgentError,
+    CommandTimeoutError,
+    InvalidArgumentError,
+    NotFoundError,
+    PermissionDeniedError,
+    SandboxError,
+    SandboxFileNotFoundError,
+    WrongFileTypeError,
+)
+
+FRAME_MAX = 1 << 20
+CHUNK = 1 << 16
+_HEAD = struct.Struct(">I")
+
+# The agent's errno names -> our exception classes (anything else: AgentError).
+_ERRORS: dict[str, type[SandboxError]] = {
+    "ENOENT": SandboxFileNotFoundError, "ENOTDIR": WrongFileTypeError, "EISDIR": WrongFileTypeError,
+    "EPERM": PermissionDeniedError, "EACCES": PermissionDeniedError, "EROFS": PermissionDeniedError,
+    "EINVAL": InvalidArgumentError, "ENAMETOOLONG": InvalidArgumentError, "ELOOP": InvalidArgumentError,
+    "EEXIST": InvalidArgumentError, "ENOTEMPTY": InvalidArgumentError, "EXDEV": InvalidArgumentError,
+    "ESRCH": NotFoundError, "ETIMEDOUT": CommandTimeoutError,
+}
+
+
+@dataclass(frozen=True)
+class Exit:
+    """How a process ended: `exit` (128 + signal when killed by one), `signal` (0 if none), bytes
+    of its output the ring `dropped`, and `end`, the offset just past its last output byte."""
+
+    exit: int
+    signal: int
+    dropped: int
+    end: int
+
+
+@dataclass(frozen=True)
+class Gap:
+    """`n` bytes of output the ring dropped before the reader got to them."""
+
+    n: int
+
+
+@dataclass
+class Output:
+    """Output of a process as (stream, bytes) pieces in write order, `stream` "stdout" / "stderr",
+    keeping at most `cap` bytes (the newest); what falls out is counted in `dropped`."""
+
+    cap: int = 16 << 20
+    dropped: int = 0
+
+    def __post_init__(self) -> None:
+        self.pieces: deque[tuple[str, bytes]] = deque()
+        self.size = 0
+
+    def add(self, stream: str, data: bytes) -> None:
+        self.pieces.append((stream, data))
+        self.size += len(data)
+        while self.size > self.cap:
+            s, d = self.pieces.popleft()
+            cut = min(len(d), self.size - self.cap)
+            if cut < len(d):
+                self.pieces.appendleft((s, d[cut:]))
+            self.size -= cut
+            self.dropped += cut
+
+    def text(self, stream: str) -> bytes:
+        return b"".join(d for s, d in self.pieces if s == stream)
+
+
+def parse_fields(payload: bytes) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for f in payload.split(b"\0"):
+        if f:
+            k, _, v = f.decode("utf-8", "surrogateescape").partition("=")
+            out.setdefault(k, v)
+    return out
+
+
+def encode(op: str, fields: Iterable[tuple[str, object]]) -> bytes:
+    parts = [op.encode()]
+    for k, v in fields:
+        if v is None:
+            continue
+        b = (str(int(v)) if isinstance(v, bool) else str(v)).encode("utf-8", "surrogateescape")
+        if b"\0" in b:
+            raise InvalidArgumentError(f"{k}: NUL bytes are not allowed, got {v!r}")
+        parts.append(k.encode() + b"=" + b)
+    body = b"\0".join(parts) + b"\0"
+    if len(body) + 1 > FRAME_MAX:
+        raise InvalidArgumentError(f"request too large: {len(body)} bytes (at most {FRAME_MAX - 1})")
+    return _HEAD.pack(len(body) + 1) + b"Q" + body
+
+
+def _error(f: dict[str, str]) -> SandboxError:
+    cls = _ERRORS.get(f.get("code", ""), AgentError)
+    return cls(f"sandbox agent: {f.get('msg', 'failed')} ({f.get('code', '?')})")
+
+
+class Stream:
+    """One request's connection: send frames, read them back."""
+
+    def __init__(self, sock: socket.socket, deadline: float | None) -> None:
+        self.sock = sock
+        self.deadline = deadline  # time.monotonic() by which the whole request must be done
+        self.refused = False
+
+    def send(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def data(self, chunk: bytes) -> None:
+        for i in range(0, len(chunk), CHUNK):
+            piece = chunk[i:i + CHUNK]
+            self._send_data(_HEAD.pack(len(piece) + 1) + b"D" + piece)
+
+    def end(self) -> None:
+        self._send_data(_HEAD.pack(1) + b"Z")
+
+    def _send_data(self, frame: bytes) -> None:
+        # An agent that refused the request (a path it cannot write) answers and closes without
+        # reading the data: stop sending, and let the reply, read next, say why.
+        if not self.refused:
+            try:
+                self.sock.sendall(frame)
+            except (BrokenPipeError, ConnectionResetError):
+                self.refused = True
+
+    def _exact(self, n: int) -> bytes:
+        if self.deadline is not None:
+            self.sock.settimeout(max(0.001, self.deadline - time.monotonic()))
+        b = self.sock.recv(n, socket.MSG_WAITALL)
+        while len(b) < n:  # MSG_WAITALL returns short only at the end or on a signal
+            more = self.sock.recv(n - len(b), socket.MSG_WAITALL)
+            if not more:
+                raise EOFError
+            b += more
+        return b
+
+    def frame(self) -> tuple[str, bytes]:
+        (n,) = _HEAD.unpack(self._exact(4))
+        if not 1 <= n <= FRAME_MAX:
+            raise AgentError(f"sandbox agent: bad frame length {n}")
+        body = self._exact(n)
+        return chr(body[0]), body[1:]
+
+    def frames(self) -> Iterator[tuple[str, bytes]]:
+        """Frames up to the final one; an X frame raises, an R frame's fields are the last yield."""
+        while True:
+            t, payload = self.frame()
+            if t == "X":
+                raise _error(parse_fields(payload))
+            yield t, payload
+            if t == "R":
+                return
+
+    def result(self) -> dict[str, str]:
+        last = b""
+        for t, payload in self.frames():
+            last = payload if t == "R" else last
+        return parse_fields(last)
