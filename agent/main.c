@@ -17,7 +17,6 @@
 #include <fcntl.h>
 #include <grp.h>
 #include <poll.h>
-#include <pty.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -405,19 +404,25 @@ fail:
 static void op_start(struct conn *c)
 {
 	int out[2] = {-1, -1}, errp[2] = {-1, -1}, in[2] = {-1, -1}, report[2];
-	int master = -1, slave = -1, use_stdin = field_num(&c->f, "stdin", 0) != 0;
+	int master = -1, use_stdin = field_num(&c->f, "stdin", 0) != 0;
 	const char *pty = field_get(&c->f, "pty", NULL);
 	struct winsize ws = {.ws_row = 24, .ws_col = 80};
-	char msg[256];
+	char msg[256], slave_name[64] = "";
 
 	if (pty) {
+		/* Only the master here: the child opens the slave itself, after setsid, so the terminal is
+		 * its session's own (CRIU refuses to dump a controlling terminal its session inherited). */
 		sscanf(pty, "%hux%hu", &ws.ws_row, &ws.ws_col);
-		if (openpty(&master, &slave, NULL, NULL, &ws) < 0) {
-			snprintf(msg, sizeof(msg), "cannot open a pty: %s", strerror(errno));
-			reply_error(c, errno, msg);
+		master = posix_openpt(O_RDWR | O_NOCTTY | O_CLOEXEC);
+		if (master < 0 || grantpt(master) < 0 || unlockpt(master) < 0 ||
+		    ptsname_r(master, slave_name, sizeof(slave_name)) != 0 || ioctl(master, TIOCSWINSZ, &ws) < 0) {
+			int e = errno;
+			if (master >= 0)
+				close(master);
+			snprintf(msg, sizeof(msg), "cannot open a pty: %s", strerror(e));
+			reply_error(c, e, msg);
 			return;
 		}
-		fcntl(master, F_SETFD, FD_CLOEXEC);
 	} else {
 		if (pipe2(out, O_CLOEXEC) < 0 || pipe2(errp, O_CLOEXEC) < 0 || (use_stdin && pipe2(in, O_CLOEXEC) < 0)) {
 			reply_error(c, errno, "cannot make pipes");
@@ -435,24 +440,27 @@ static void op_start(struct conn *c)
 		 * terminal needs one): a session whose leader died is one CRIU must fake with a helper task,
 		 * and with one the restore of the agent's bound socket fails (setns EINVAL); a process group
 		 * in the agent's session is what `cmd &` orphans are left in. */
-		int nul = open("/dev/null", O_RDWR);
-		if (slave >= 0)
+		int nul = open("/dev/null", O_RDWR), slave = -1;
+		if (pty) {
 			setsid();
-		else
+			slave = open(slave_name, O_RDWR); /* a session leader's first tty: its controlling one */
+			if (slave < 0) {
+				int e = errno;
+				(void)!write(report[1], &e, sizeof(e));
+				_exit(127);
+			}
+		} else {
 			setpgid(0, 0);
+		}
 		dup2(slave >= 0 ? slave : in[0] >= 0 ? in[0] : nul, 0);
 		dup2(slave >= 0 ? slave : out[1], 1);
 		dup2(slave >= 0 ? slave : errp[1], 2);
-		if (slave >= 0)
-			ioctl(0, TIOCSCTTY, 0);
 		int keep[] = {report[1]};
 		child_reset(keep, 1);
 		fcntl(3, F_SETFD, FD_CLOEXEC); /* closed by a successful exec: the agent's sign */
 		exec_child(&c->f, 3);
 	}
 	close(report[1]);
-	if (slave >= 0)
-		close(slave);
 	if (out[1] >= 0)
 		close(out[1]);
 	if (errp[1] >= 0)

@@ -176,3 +176,30 @@ def test_deep_tree_then_kill(rt):
     s.kill()
     assert s not in Sandbox.list(runtime=rt)
     assert not root.exists()
+
+
+def test_pty_shell_keeps_its_variables_through_pause(rt):
+    # A terminal needs devpts inside the sandbox (mounted per sandbox, `newinstance`). Checkpointing a
+    # sandbox whose interactive shell opened /dev/tty is refused by CRIU 4.1 ("ctty inheritance": it
+    # pairs /dev/tty with the first PTY end of that session, which is the agent's master): not tested.
+    with Sandbox.create(runtime=rt) as s:
+        agent = rt._agent(s.id)
+        pid = agent.start(["sh"], pty=(30, 100), stdin=True)
+
+        def screen() -> bytes:
+            return b"".join(p[1] for p in agent.output(pid) if isinstance(p, tuple)).replace(b"\r", b"")
+
+        def until(text: bytes) -> None:
+            deadline = time.monotonic() + 10
+            while text not in screen():
+                assert time.monotonic() < deadline, screen()[-200:]
+                time.sleep(0.05)
+
+        agent.write_stdin(pid, b"X=42; stty size; echo val=$X\n")
+        until(b"30 100\nval=42")
+        s.pause()
+        s.resume()
+        agent.resize(pid, 40, 120)
+        agent.write_stdin(pid, b"stty size; echo again=$X\n")
+        until(b"40 120\nagain=42")
+        agent.signal(pid, 9)

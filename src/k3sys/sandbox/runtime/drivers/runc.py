@@ -130,6 +130,9 @@ class RuncDriver:
         mounts = [
             {"destination": "/proc", "type": "proc", "source": "proc", "options": ["nosuid", "noexec", "nodev"]},
             {"destination": "/sys", "type": "sysfs", "source": "sysfs", "options": ["nosuid", "noexec", "nodev", "ro"]},
+            # The agent's PTYs (runc points /dev/ptmx at this instance's ptmx); CRIU dumps devpts.
+            {"destination": "/dev/pts", "type": "devpts", "source": "devpts",
+             "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620"]},
         ] + [
             {"destination": d, "type": "bind", "source": str(self.empty), "options": ["rbind", "ro", "nosuid", "nodev"]}
             for d in _MASKED_BY_BIND if os.path.isdir(d)
