@@ -190,8 +190,9 @@ async def run_command(svc: Svc, sid: str, body: RunCommand) -> Any:
 
 @router.get("/commands/{cid}", response_model=CommandStatus, tags=["commands"])
 async def command_status(svc: Svc, cid: str) -> Any:
-    running = svc.rt.command_running(cid)
-    out, err = svc.rt.command_output(cid)
+    # Off the loop: output is fetched from the sandbox's agent (a checkpoint in progress holds it).
+    running = await anyio.to_thread.run_sync(svc.rt.command_running, cid, limiter=svc.io)
+    out, err = await anyio.to_thread.run_sync(svc.rt.command_output, cid, limiter=svc.io)
     return {"id": cid, "running": running, "stdout": out, "stderr": err}
 
 
@@ -201,14 +202,17 @@ async def command_status(svc: Svc, cid: str) -> Any:
                                             "`error` (data: an error body) if the command vanishes"}})
 async def command_events(svc: Svc, cid: str, poll: Annotated[float, Query(gt=0, le=1)] = 0.02) -> StreamingResponse:
     rt = svc.rt
-    rt.read_command_output(cid, (1 << 62, 1 << 62))  # unknown id -> 404 now, not inside the stream
+    # Unknown id -> 404 now, not inside the stream.
+    await anyio.to_thread.run_sync(rt.read_command_output, cid, (1 << 62, 1 << 62), limiter=svc.io)
 
     async def events() -> AsyncIterator[str]:
         pieces = OutputPieces()
         try:
             while True:
-                # Never blocks: output is buffered by the runtime's reader threads.
-                out, err, done = rt.read_command_output(cid, pieces.offsets)
+                # Off the loop: each look asks the sandbox's agent (~1 ms; a checkpoint in progress
+                # holds it, so the stream pauses, then goes on from where it was).
+                out, err, done = await anyio.to_thread.run_sync(rt.read_command_output, cid, pieces.offsets,
+                                                                limiter=svc.io)
                 for name, text in pieces.feed(out, err, final=done):
                     yield f"event: {name}\ndata: {json.dumps(text)}\n\n"
                 if done:
