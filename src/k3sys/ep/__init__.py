@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from k3sys.ep.comm import EPBuffer, EPHandle, RemoteInputError
     from k3sys.ep.experts import grouped_mm, grouped_swiglu
     from k3sys.ep.layer import MoELayer, MoEStats
+    from k3sys.ep.parallelize import ExpertParallelMoE, apply_ep
     from k3sys.ep.planner import Plan, plan
     from k3sys.ep.routing import balancedness, make_routing, maxvio, tokens_per_expert
 
@@ -24,9 +25,10 @@ _EXPORTS = {
     "EPBuffer": "comm", "EPHandle": "comm", "RemoteInputError": "comm",
     "grouped_mm": "experts", "grouped_swiglu": "experts",
     "MoELayer": "layer", "MoEStats": "layer",
+    "ExpertParallelMoE": "parallelize", "apply_ep": "parallelize",
 }
 __all__ = [
-    "EPBuffer", "EPHandle", "MoELayer", "MoEStats", "Plan", "RemoteInputError", "balancedness", "grouped_mm",
-    "grouped_swiglu", "make_routing", "maxvio", "plan", "tokens_per_expert",
+    "EPBuffer", "EPHandle", "ExpertParallelMoE", "MoELayer", "MoEStats", "Plan", "RemoteInputError", "apply_ep",
+    "balancedness", "grouped_mm", "grouped_swiglu", "make_routing", "maxvio", "plan", "tokens_per_expert",
 ]
 __getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -156,6 +156,12 @@ class EPBuffer:
         self._replicas: dict[str, torch.Tensor] = {}
         self._grad_stage: dict[str, torch.Tensor] = {}
 
+    @property
+    def home_experts(self) -> range:
+        """Global ids of this rank's home experts."""
+        epn = self.experts_per_rank
+        return range(self.rank * epn, (self.rank + 1) * epn)
+
     # ------------------------------------------------------------------ dispatch
     def dispatch(
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, *, async_op: bool = False
