@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -103,16 +104,17 @@ def test_generate_under_ep(ranks: RankPool, R: int) -> None:
     assert ranks.run(check_generate, ranks=R) == [True] * R
 
 
+def value_error(call: Callable[[], object]) -> str:
+    with pytest.raises(ValueError) as info:
+        call()
+    return str(info.value)
+
+
 def check_apply_ep_errors(group: dist.ProcessGroup) -> list[str]:
-    errors = []
-    for call in (lambda: apply_ep(torch.nn.Linear(4, 4), group, 8),
-                 lambda: apply_ep(MoELayer(8, 8, 5, 2), group, 8),
-                 lambda: apply_ep(apply_ep(MoELayer(8, 8, 4, 2), group, 8), group, 8),
-                 lambda: apply_ep(MoELayer(8, 8, 4, 2), group, 8, token_padding=0)):
-        with pytest.raises(ValueError) as info:
-            call()
-        errors.append(str(info.value))
-    return errors
+    return [value_error(lambda: apply_ep(torch.nn.Linear(4, 4), group, 8)),
+            value_error(lambda: apply_ep(MoELayer(8, 8, 5, 2), group, 8)),
+            value_error(lambda: apply_ep(apply_ep(MoELayer(8, 8, 4, 2), group, 8), group, 8)),
+            value_error(lambda: apply_ep(MoELayer(8, 8, 4, 2), group, 8, token_padding=0))]
 
 
 @pytest.mark.timeout(60)
