@@ -49,7 +49,8 @@ import torch.nn.functional as F
 from rich.console import Console
 from rich.table import Table
 
-from k3sys.ep import ExpertParallelMoE, apply_ep
+from k3sys.ep import EPBuffer, ExpertParallelMoE, apply_ep
+from k3sys.ep.layer import SwiGLU
 from k3sys.ep.measure import MALLOC_ENV, METHODS, StepSetup, measure_step
 from k3sys.model import HybridModel, ModelConfig
 
@@ -140,9 +141,47 @@ def _model_worker(rank: int, port: int, steps: int, warmup: int, out_file: str) 
             dist.all_reduce(times, op=dist.ReduceOp.MAX)  # a step takes as long as its slowest rank
             if i >= warmup:
                 rec[name].append(times.tolist())
+    probe = _overlap_probe(rank, steps)
     if rank == 0:
-        Path(out_file).write_text(json.dumps(rec))
+        Path(out_file).write_text(json.dumps({"model": rec, "probe": probe}))
     dist.destroy_process_group()
+
+
+# The overlap in isolation, sized so the token transfer is not lost in the noise: one EPBuffer
+# dispatch of 2048 tokens x K=4 x H=1024 fp32 (32 MiB out of each rank) and a shared expert of width 256.
+PROBE = {"tokens": 2048, "hidden": 1024, "top_k": 4, "experts": 8, "shared_ffn": 256}
+
+
+def _overlap_probe(rank: int, steps: int) -> dict[str, list[float]]:
+    """Per step (s, slowest rank): dispatch alone, shared expert alone, both with a synchronous
+    dispatch, both with the shared expert between an async dispatch and its wait()."""
+    c = PROBE
+    buf = EPBuffer(dist.group.WORLD, c["tokens"], c["hidden"], c["top_k"], c["experts"])
+    torch.manual_seed(rank)
+    shared = SwiGLU(c["hidden"], c["shared_ffn"])
+    x = torch.randn(c["tokens"], c["hidden"])
+    ids = torch.stack([torch.randperm(c["experts"])[: c["top_k"]] for _ in range(c["tokens"])])
+    w = torch.rand(c["tokens"], c["top_k"])
+
+    def overlapped() -> None:
+        pending = buf.dispatch(x, ids, w, async_op=True)
+        shared(x)
+        pending.wait()
+
+    cases = {"dispatch": lambda: buf.dispatch(x, ids, w), "shared": lambda: shared(x),
+             "sync": lambda: (buf.dispatch(x, ids, w), shared(x)), "async": overlapped}
+    rec: dict[str, list[float]] = {name: [] for name in cases}
+    with torch.no_grad():
+        for i in range(steps + 2):
+            for name in cases if i % 2 == 0 else list(cases)[::-1]:
+                dist.barrier()
+                t0 = time.perf_counter()
+                cases[name]()
+                elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+                if i >= 2:
+                    rec[name].append(float(elapsed))
+    return rec
 
 
 def _single_process(tokens_of: int, steps: int, warmup: int) -> list[list[float]]:
@@ -168,7 +207,8 @@ def model_part(steps: int, warmup: int, console: Console) -> dict:
         port = s.getsockname()[1]
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         mp.spawn(_model_worker, args=(port, steps, warmup, f.name), nprocs=RANKS)
-        ep = json.loads(Path(f.name).read_text())
+        got = json.loads(Path(f.name).read_text())
+    ep, probe = got["model"], got["probe"]
     load.append(_uptime())
     raw = {"single_all": _single_process(RANKS, steps, warmup), "single_one_rank": _single_process(1, steps, warmup),
            **ep}
@@ -193,9 +233,22 @@ def model_part(steps: int, warmup: int, console: Console) -> dict:
     table.add_row("overlap saving (sync - async, median of per-step differences)", "",
                   f"{out['overlap_saving_ms']['fwd_ms']:.1f}", f"{out['overlap_saving_ms']['step_ms']:.1f}", "")
     console.print(table)
+    probe_ms = {name: 1e3 * statistics.median(ts) for name, ts in probe.items()}
+    saving = 1e3 * statistics.median(s - a for s, a in zip(probe["sync"], probe["async"], strict=True))
+    probe_ms["saving_paired"] = saving
+    probe_ms["saving_of_bound"] = saving / min(probe_ms["dispatch"], probe_ms["shared"])
+    table = Table(title=f"Overlap probe: EPBuffer dispatch of {PROBE['tokens']} tokens x K={PROBE['top_k']} x "
+                        f"H={PROBE['hidden']} fp32 and a shared expert (width {PROBE['shared_ffn']}), 2 gloo ranks")
+    for col in ("dispatch alone ms", "shared alone ms", "sync: dispatch then shared ms",
+                "async: shared during dispatch ms", "saving ms (paired median)", "saving / min(dispatch, shared)"):
+        table.add_column(col, justify="right")
+    table.add_row(*(f"{probe_ms[k]:.1f}" for k in ("dispatch", "shared", "sync", "async", "saving_paired")),
+                  f"{probe_ms['saving_of_bound']:.2f}")
+    console.print(table)
     for line in load:
         console.print(f"uptime: {line}")
-    return {"config": config, "results": out, "raw_s": raw, "uptime": load}
+    return {"config": config | {"probe": PROBE}, "results": out, "probe_ms": probe_ms, "raw_s": raw,
+            "probe_raw_s": probe, "uptime": load}
 
 
 def main() -> None:
