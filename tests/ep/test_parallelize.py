@@ -125,3 +125,39 @@ def test_apply_ep_rejects_bad_models(ranks: RankPool) -> None:
         "apply_ep: the model is already expert-parallel",
         "token_padding must be >= 1, got 0",
     ]
+
+
+def _raise_injected(*_: object) -> None:
+    raise RuntimeError("injected failure")
+
+
+def check_model_failure(group: dist.ProcessGroup, where: str) -> tuple[str, str]:
+    """Rank 1's model forward fails outside any MoE layer (bad token id in the embedding, before the
+    first MoE layer; or an attention error between MoE layers 0 and 1): every rank raises, the other
+    naming rank 1, and the next forward works on every rank."""
+    R, rank = dist.get_world_size(group), dist.get_rank(group)
+    ref, model = tiny_models(group)
+    ids = token_batches(R, ref.cfg.vocab_size, T)[rank]
+    bad, hook = ids, None
+    if rank == 1 and where == "embedding":
+        bad = ids.clone()
+        bad[0, 3] = ref.cfg.vocab_size + 5
+    elif rank == 1:
+        hook = model.blocks[2].attn.register_forward_pre_hook(_raise_injected)  # blocks 1-3 are MoE
+    try:
+        model(bad)
+        outcome = ("none", "")
+    except Exception as e:  # noqa: BLE001 - the test reports what each rank raised
+        outcome = (type(e).__name__, str(e))
+    if hook is not None:
+        hook.remove()
+    assert rel(model(ids), ref(ids)) <= 2e-5  # the group still works
+    return outcome
+
+
+@pytest.mark.parametrize("where", ["embedding", "between-layers"])
+@pytest.mark.timeout(120)
+def test_model_failure_outside_moe_layers_fails_every_rank(ranks: RankPool, where: str) -> None:
+    other, bad = ranks.run(check_model_failure, where, ranks=2)
+    assert bad[0] == ("IndexError" if where == "embedding" else "RuntimeError"), bad
+    assert other[0] == "RemoteInputError" and "rank 1 rejected its input (caller's check)" in other[1], other

@@ -16,10 +16,18 @@ unchanged and overlap the transfer; and `_apply` can rebuild the static buffer w
 
 Non-expert parameters (router, shared experts, everything else) stay replicated: all-reduce their
 gradients as data parallelism does. Expert gradients come out complete on the home rank.
+
+A rank whose forward fails outside an MoE layer (bad token ids in the embedding, say) would leave the
+others waiting in their next layer's dispatch. When the model calls its MoE layers once each, in
+module order (as `HybridModel` does), `apply_ep` guards the model's forward: on such a failure the
+rank joins that next layer's verdict all-gather (`EPBuffer.abort`), so the others raise
+`RemoteInputError` naming it, and re-raises its own error.
 """
 
 from __future__ import annotations
 
+import contextlib
+import sys
 from typing import NoReturn
 
 import torch
@@ -71,7 +79,44 @@ def apply_ep(
                                               requires_grad=full.requires_grad))
         layer.__class__ = ExpertParallelMoE
         layer.buffer, layer.async_dispatch = buffer, async_dispatch
+    guard = _ForwardGuard(layers)
+    for layer in layers:
+        layer.guard = guard
+    model.register_forward_pre_hook(guard.begin)
+    model.register_forward_hook(guard.end, always_call=True)
     return model
+
+
+class _ForwardGuard:
+    """Tracks which MoE layers a model forward has reached, to fail the other ranks fast when this
+    rank's forward raises between layers (see the module doc)."""
+
+    def __init__(self, layers: list[ExpertParallelMoE]) -> None:
+        self.layers = layers
+        self.begin()
+
+    def begin(self, *_: object) -> None:
+        """Forward pre-hook: a new forward starts at the first layer."""
+        self.joined = self.finished = 0  # layers whose verdict all-gather this rank joined / finished
+        self.in_order = True
+
+    def join(self, layer: ExpertParallelMoE) -> None:
+        """A layer is about to join its verdict all-gather (dispatch or abort)."""
+        self.in_order &= self.joined < len(self.layers) and self.layers[self.joined] is layer
+        self.joined += 1
+
+    def end(self, module: nn.Module, args: object, output: object) -> None:
+        """Forward hook, also run when the forward raised (`output` None, the error in sys.exc_info)."""
+        error = sys.exc_info()[1] if output is None else None
+        # Only between layers: inside one (joined > finished) the other ranks raised with this one,
+        # or wait in a transfer no verdict can reach.
+        if error is None or not self.in_order or self.joined != self.finished or self.joined == len(self.layers):
+            return
+        layer = self.layers[self.joined]
+        self.join(layer)
+        with contextlib.suppress(ValueError):  # abort raises here; the forward's own error propagates
+            layer.buffer.abort(f"{type(module).__name__} forward raised before MoE layer {self.joined - 1}: "
+                               f"{type(error).__name__}: {error}")
 
 
 class ExpertParallelMoE(MoELayer):
@@ -83,13 +128,16 @@ class ExpertParallelMoE(MoELayer):
 
     buffer: EPBuffer
     async_dispatch: bool
+    guard: _ForwardGuard
 
     def _reject(self, message: str) -> NoReturn:
         # A bad input found before dispatch joins the verdict all-gather: every rank raises, none hangs.
+        self.guard.join(self)
         self.buffer.abort(f"MoELayer: {message}")
 
     def start_routed(self, x_sh: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> MoEWork:
         work = super().start_routed(x_sh, topk_ids, topk_weights)
+        self.guard.join(self)
         work.pending = self.buffer.dispatch(x_sh, topk_ids, topk_weights, async_op=True)
         if not self.async_dispatch:
             work.pending.wait()
@@ -106,7 +154,9 @@ class ExpertParallelMoE(MoELayer):
         y_nh = grouped_swiglu(recv_nh, handle.ends[:epn + used], *((home[n], replicas[n]) for n in EXPERT_WEIGHTS))
         p = handle.plan
         self.last_stats = MoEStats(tuple(p.loads.tolist()), p.num_copies, p.moved_tokens, maxvio(p.tpe.sum(0)))
-        return buf.combine(handle, y_nh).view(work.shape)
+        out = buf.combine(handle, y_nh).view(work.shape)
+        self.guard.finished += 1
+        return out
 
     def home_experts(self) -> range:
         return self.buffer.home_experts
