@@ -27,8 +27,11 @@ class MoEFFN(nn.Module):
         self.shared = SwiGLU(d, shared) if shared else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.up(self.experts(self.down(x)))
-        return y + self.shared(x) if self.shared is not None else y
+        work = self.experts.start(self.down(x))
+        # Between the routed halves: under expert parallelism (`apply_ep`) the tokens are in flight.
+        shared = self.shared(x) if self.shared is not None else None
+        y = self.up(self.experts.finish(work))
+        return y + shared if shared is not None else y
 
     def routed_expert_params(self) -> int:
         """Weights of all routed experts (a token uses top_k / num_experts of them)."""
