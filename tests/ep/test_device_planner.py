@@ -10,7 +10,7 @@ from plan_checks import check_plan, check_slots, reference_slots, routing_hot_ex
 
 from k3sys.ep import make_routing, plan, tokens_per_expert
 from k3sys.ep.homes import Homes
-from k3sys.ep.planner import device_step
+from k3sys.ep.planner import device_step, recv_rows
 from k3sys.ep.syncs import count_syncs
 
 torch.set_num_threads(1)
@@ -103,11 +103,17 @@ def test_the_device_path_never_syncs():
     with count_syncs() as syncs:
         p = plan(tpe, 4, tokens_per_rank=40, validate=False, tolerance=0.1, ranks_per_node=2)
         p.slots(1, topk[1], check=False), p.traffic_of(1), p.recv_rows_padded(1)
-        device_step(tpe, topk[2], 2, 4, p.buffer_rows)
+        device_step(tpe, topk[2], 2, 4)
     assert sum(syncs.values()) == 0, dict(syncs)
     with count_syncs() as syncs:  # the counter does see syncs: the oracle and the checks make some
         plan(tpe, 4, strategy="match")
     assert syncs["tolist"] > 0 and syncs["_local_scalar_dense.default"] > 0
+
+
+def step_and_rows(tpe: torch.Tensor, ids: torch.Tensor, rank: int, top_k: int, buffer_rows: int) -> tuple:
+    """device_step and the received rows: everything per step that should compile into one graph."""
+    t, *rest = device_step(tpe, ids, rank, top_k)
+    return t, *rest, recv_rows(tpe, t.src_start, t.run_end, t.row_shift, buffer_rows, rank)
 
 
 def test_compiled_step_equals_eager_without_graph_breaks():
@@ -119,12 +125,12 @@ def test_compiled_step_equals_eager_without_graph_breaks():
                 for mv, seed, dist in ((0.0, 0, "lognormal"), (2.0, 1, "lognormal"), (2.9, 2, "zipf"))]
     routings.append(routing_hot_expert(R, s, E, K))
     buffer_rows = plan(tokens_per_expert(routings[0], E), K).buffer_rows
-    explain = torch._dynamo.explain(device_step)(tokens_per_expert(routings[0], E), routings[0][1], 1, K, buffer_rows)
+    explain = torch._dynamo.explain(step_and_rows)(tokens_per_expert(routings[0], E), routings[0][1], 1, K, buffer_rows)
     assert explain.graph_break_count == 0 and explain.graph_count == 1
-    compiled = torch.compile(device_step, fullgraph=True, dynamic=False, backend="aot_eager")
+    compiled = torch.compile(step_and_rows, fullgraph=True, dynamic=False, backend="aot_eager")
     for topk in routings:
         tpe = tokens_per_expert(topk, E)
-        eager, comp = device_step(tpe, topk[1], 1, K, buffer_rows), compiled(tpe, topk[1], 1, K, buffer_rows)
+        eager, comp = step_and_rows(tpe, topk[1], 1, K, buffer_rows), compiled(tpe, topk[1], 1, K, buffer_rows)
         flat_e, flat_c = [*eager[0], *eager[1:]], [*comp[0], *comp[1:]]
         assert all(torch.equal(a, b) for a, b in zip(flat_e, flat_c, strict=True))
         p = plan(tpe, K)
@@ -133,6 +139,6 @@ def test_compiled_step_equals_eager_without_graph_breaks():
     # One replica slot per rank: the line match would overfill rank 2, the chain is kept.
     topk = torch.tensor([[0, 0, 0, 1, 1, 1], [0, 0, 0, 1, 1, 1], [0, 0, 1, 1, 2, 2]]).view(3, 6, 1)
     tpe = tokens_per_expert(topk, 3)
-    eager, comp = device_step(tpe, topk[2], 2, 1, 6), compiled(tpe, topk[2], 2, 1, 6)
+    eager, comp = step_and_rows(tpe, topk[2], 2, 1, 6), compiled(tpe, topk[2], 2, 1, 6)
     assert all(torch.equal(a, b) for a, b in zip([*eager[0], *eager[1:]], [*comp[0], *comp[1:]], strict=True))
     assert comp[0].alloc.tolist() == [[4, 0, 4], [2, 6, 0], [0, 0, 2]]  # moved 6 > the lower bound 4

@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from k3sys.ep.experts import weighted_sum
+from k3sys.ep.homes import Homes
 from k3sys.ep.planner import Plan, plan
 
 __all__ = ["EPBuffer", "EPHandle", "RemoteInputError"]
@@ -124,7 +125,8 @@ class EPBuffer:
             device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
         self.group, self.rank, self.world = group, dist.get_rank(group), R
         self.capacity, self.hidden, self.top_k, self.num_experts = capacity, hidden, top_k, num_experts
-        self.experts_per_rank = num_experts // R
+        self.homes = Homes(num_experts, R)
+        self.experts_per_rank = self.homes.epn
         self.token_padding, self.tolerance = token_padding, tolerance
         self.dtype, self.device = dtype, torch.device(device)
         self._id = next(_buffer_ids)
@@ -232,7 +234,7 @@ class EPBuffer:
                 f"EPBuffer.dispatch: rank {bad} rejected its input ({_INPUT_PROBLEMS[int(verdict_r[bad])]}); "
                 f"rank {self.rank} stops too"
             )
-        return out_re[:, :-1].cpu()
+        return out_re[:, :-1]  # stays on the device: the planner runs there
 
     def _plan(self, tpe_re: torch.Tensor) -> Plan:
         return plan(tpe_re, self.top_k, tokens_per_rank=self.capacity,
@@ -327,9 +329,9 @@ class EPBuffer:
         """`[c, 4]` (destination rank, slot, expert, home rank) of every replica, sorted by (home, dest, slot)."""
         dest, slot = torch.nonzero(p.replicas >= 0, as_tuple=True)
         expert = p.replicas[dest, slot]
-        home = expert // self.experts_per_rank
+        home = self.homes.rank_of(expert)
         key = (home * self.world + dest) * self.experts_per_rank + slot
-        return torch.stack([dest, slot, expert, home], 1)[key.argsort()]
+        return torch.stack([dest, slot, expert, home], 1)[key.argsort()].cpu()  # host tables: p2p schedule
 
     def _fill_replicas(self, h: EPHandle, home: list[torch.Tensor], names: list[str]) -> None:
         ops = []
@@ -339,7 +341,7 @@ class EPBuffer:
             for i, name in enumerate(names):
                 tag = slot * len(names) + i
                 if src == self.rank:
-                    w = home[i][expert % self.experts_per_rank]
+                    w = home[i][self.homes.local(expert)]
                     ops.append(dist.P2POp(dist.isend, w.contiguous(), group=self.group, tag=tag, group_peer=dest))
                 elif dest == self.rank:
                     ops.append(dist.P2POp(dist.irecv, self._replicas[name][slot], group=self.group, tag=tag,
@@ -385,7 +387,7 @@ class EPBuffer:
         # Position of each copy among its home rank's copies (copies are sorted by home).
         position = torch.arange(len(copies)) - torch.searchsorted(home_r, home_r, side="left")
         mine = home_r == self.rank
-        experts, landing = torch.unique(copies[mine, 2] % epn, return_inverse=True)  # copy -> its sum's row
+        experts, landing = torch.unique(self.homes.local(copies[mine, 2]), return_inverse=True)  # copy -> its sum's row
         sums = {name: g.new_zeros(len(experts), *g.shape[1:]) for name, g in grads.items()} if mine.any() else None
         rounds = int(position.max()) // epn + 1 if len(copies) else 0
         involved = mine | (copies[:, 0] == self.rank)  # rounds count every copy; ops only this rank's

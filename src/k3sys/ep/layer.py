@@ -118,7 +118,7 @@ class MoELayer(nn.Module):
                 raise ValueError("capacity (tokens per rank per step) is required when group is set")
             self._buffer_args = (group, capacity, hidden, top_k, num_experts, token_padding, tolerance)
             self.buffer = self._make_buffer(torch.get_default_dtype(), None)
-            num_local = self.buffer.experts_per_rank
+            num_local = self.buffer.homes.count(self.buffer.rank)
         self.router = nn.Linear(hidden, num_experts, bias=False)
         self.w_gate = nn.Parameter(torch.empty(num_local, hidden, ffn_hidden))
         self.w_up = nn.Parameter(torch.empty(num_local, hidden, ffn_hidden))
@@ -203,8 +203,7 @@ class MoELayer(nn.Module):
         """Global ids of the experts this layer holds (all of them when local)."""
         if self.buffer is None:
             return range(self.num_experts)
-        epn = self.buffer.experts_per_rank
-        return range(self.buffer.rank * epn, (self.buffer.rank + 1) * epn)
+        return self.buffer.homes.experts_of(self.buffer.rank)
 
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Load a single-process (all-expert) state dict, keeping this rank's home experts."""

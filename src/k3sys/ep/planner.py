@@ -371,17 +371,16 @@ def device_plan(
 
 
 def device_step(
-    tpe: torch.Tensor, topk_ids: torch.Tensor, rank: int, top_k: int, buffer_rows: int, token_padding: int = 1,
+    tpe: torch.Tensor, topk_ids: torch.Tensor, rank: int, top_k: int, token_padding: int = 1,
     tolerance: float = 0.0, ranks_per_node: int | None = None,
-) -> tuple[PlanTensors, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Everything one rank plans per step, sync-free: (the plan's tensors, dst_rank `[s, K]`, dst_row
-    `[s, K]`, send counts `[R]`, receive counts `[R]`, received rows `[buffer_rows]` -1 padded), as
-    `device_plan` then `Plan.slots(check=False)`, `traffic_of` and `recv_rows_padded`. One program to
-    compile or capture."""
+) -> tuple[PlanTensors, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What the runtime plans per step on one rank, sync-free: (the plan's tensors, dst_rank `[s, K]`,
+    dst_row `[s, K]`, send counts `[R]`, receive counts `[R]`), as `device_plan` then
+    `Plan.slots(check=False)` and `traffic_of`. One program to compile or capture."""
     t = device_plan(tpe, top_k, token_padding, tolerance, ranks_per_node)
     dst, row = slot_map(t.src_start[rank], t.run_end, t.row_shift, topk_ids)
     send, recv = traffic_of(tpe, t.alloc, t.src_start, t.run_end, rank)
-    return t, dst, row, send, recv, recv_rows(tpe, t.src_start, t.run_end, t.row_shift, buffer_rows, rank)
+    return t, dst, row, send, recv
 
 
 def _caps(tpe: torch.Tensor, tolerance: float) -> tuple[torch.Tensor, torch.Tensor]:
