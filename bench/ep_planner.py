@@ -60,9 +60,12 @@ def _host_step(strategy: str) -> Callable[[torch.Tensor, torch.Tensor], object]:
 
 def _graphed(step: Callable, *args: object) -> Callable[[], object]:
     """`step(*args)` captured once in a CUDA graph (static inputs); returns its replay."""
-    for _ in range(2):  # warm-up on a side stream, as capture requires
-        step(*args)
-    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up on a side stream, as torch.cuda.graph's docs ask
+        for _ in range(2):
+            step(*args)
+    torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step(*args)
@@ -79,10 +82,13 @@ def _timed(fn: Callable[[], object], repeats: int, cuda: bool) -> float:
     return median_ms(synced, repeats)
 
 
-def planner_section(repeats: int, device: str, ranks: tuple[int, ...]) -> list[dict]:
+def planner_section(
+    repeats: int, device: str, ranks: tuple[int, ...], save: Callable[[list[dict]], None]
+) -> list[dict]:
     """Plan + slot map time (median, one CPU thread on the host), moved / lower bound, copies and host
     syncs of the device planner (eager, compiled with inductor, and on CUDA CUDA-graphed) against the
-    exact host oracle and MoonEP's greedy."""
+    exact host oracle and MoonEP's greedy. `save` gets the rows after every point (a cut-off run keeps
+    what it measured)."""
     cuda = device == "cuda"
     rows = []
     compiled: dict[int, Callable] = {}
@@ -118,6 +124,7 @@ def planner_section(repeats: int, device: str, ranks: tuple[int, ...]) -> list[d
             row["moved"][name], row["copies"][name] = p.moved_tokens, p.num_copies
         row["lower_bound"] = p.moved_lower_bound
         rows.append(row)
+        save(rows)
         console.log(f"planner R={R} maxvio={mv}: " + ", ".join(f"{k} {v:.2f} ms" for k, v in row["ms"].items()))
     return rows
 
@@ -157,20 +164,24 @@ def main() -> None:
         if args.device == "cuda" and not torch.cuda.is_available():
             console.print("no CUDA device: the planner section is skipped")
             return
-        planner_rows = planner_section(args.repeats, args.device, ranks)
+        planner_meta = {
+            "machine": f"{platform.machine()} {platform.processor() or ''}".strip(), "torch": torch.__version__,
+            "device": args.device, "note": "shared, noisy 2-core CPU; times are medians, one intra-op thread"}
+
+        def save(rows: list[dict]) -> None:
+            path.write_text(json.dumps(old | {"planner_meta": planner_meta, "planner": rows}, indent=1))
+
+        planner_rows = planner_section(args.repeats, args.device, ranks, save)
         print_planner(planner_rows)
         at64 = [r["ms"]["device compiled"] for r in planner_rows if r["R"] == 64 and "device compiled" in r["ms"]]
         if at64:
             console.print(f"device planner + slot map at R=64 compiled (target <= 0.5 ms): {max(at64):.3f} ms worst "
                           "point; host syncs of the device step: "
                           f"{sum(r['syncs']['device'] for r in planner_rows)}")
-    planner_meta = old.get("planner_meta") if args.section == "sim" else {
-        "machine": f"{platform.machine()} {platform.processor() or ''}".strip(), "torch": torch.__version__,
-        "device": args.device, "note": "shared, noisy 2-core CPU; times are medians, one intra-op thread"}
     if args.section == "planner":
-        path.write_text(json.dumps(old | {"planner_meta": planner_meta, "planner": planner_rows}, indent=1))
         console.print(f"wrote {path}")
         return
+    planner_meta = old.get("planner_meta") if args.section == "sim" else planner_meta
     maxvios = (0.0, 2.0, 20.0) if args.quick else (0.0, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0)
     points = [(R, mv, hs, "lognormal") for R in ranks for hs in (0.0, 0.5) for mv in maxvios]
     points.append((64, 14.0, 0.0, "zipf"))

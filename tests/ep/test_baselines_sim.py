@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from k3sys.ep import baselines, make_routing, plan, tokens_per_expert
-from k3sys.ep.homes import Homes
 from k3sys.ep.sim import Hardware, MoEShape, Schedule, break_even_tolerance, compare, step_cost
 
 TPE = torch.tensor([[6, 0, 1, 1], [4, 2, 0, 2]])  # R=2, E=4, K=2, s=4
@@ -128,21 +127,6 @@ def test_eplb_moves_fetch_changed_slots_from_the_least_busy_holder():
     moves = baselines.eplb_moves(old, new, 4)
     assert moves.tolist() == [[0, 0, 1, 0], [0, 0, 0, 1], [0, 0, 0, 0], [0, 0, 0, 0]]
     assert int(baselines.eplb_moves(new, new, 4).sum()) == 0
-
-
-def test_homes_spread_the_fuller_ranks():
-    assert [Homes(7, 2).experts_of(r) for r in range(2)] == [range(0, 3), range(3, 7)]
-    assert [Homes(6, 4).count(r) for r in range(4)] == [1, 2, 1, 2]
-    assert Homes(896, 256).epn == 4 and sum(Homes(896, 256).count(r) == 4 for r in range(256)) == 128
-    experts = torch.arange(896)
-    rank = Homes(896, 256).rank_of(experts)
-    assert torch.equal(rank, torch.repeat_interleave(torch.arange(256), torch.tensor([3, 4] * 128)))
-    assert torch.equal(Homes(896, 256).local(experts), experts - torch.tensor([r * 896 // 256 for r in rank]))
-    # static placement sums each rank's home experts, uneven homes included
-    tpe = torch.arange(1, 15).view(2, 7)  # R=2 sources, E=7
-    assert baselines.static(tpe).loads.tolist() == [9 + 11 + 13, 15 + 17 + 19 + 21]
-    with pytest.raises(ValueError, match=r"need 1 <= R <= E, got R=5, E=4"):
-        Homes(4, 5)
 
 
 def test_compare_small_scale():
