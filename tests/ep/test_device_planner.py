@@ -142,3 +142,16 @@ def test_compiled_step_equals_eager_without_graph_breaks():
     eager, comp = step_and_rows(tpe, topk[2], 2, 1, 6), compiled(tpe, topk[2], 2, 1, 6)
     assert all(torch.equal(a, b) for a, b in zip([*eager[0], *eager[1:]], [*comp[0], *comp[1:]], strict=True))
     assert comp[0].alloc.tolist() == [[4, 0, 4], [2, 6, 0], [0, 0, 2]]  # moved 6 > the lower bound 4
+
+
+@pytest.mark.parametrize("seed, R, E", [(6, 16, 40), (10, 32, 72), (21, 16, 40)])
+def test_crowded_receivers_are_mended(seed, R, E):
+    """Routings where the line match would give a rank more than epn (2 or 3) replicas: the kept plan
+    still meets every invariant and moves more than the lower bound but less than the greedy."""
+    topk = make_routing(R, 64, E, 4, 5.0 if R == 32 else 3.0, seed=seed)
+    tpe = tokens_per_expert(topk, E)
+    p, greedy = plan(tpe, 4, token_padding=2), plan(tpe, 4, strategy="greedy")
+    check_plan(p, tpe, 4, 64, 2)
+    assert p.moved_lower_bound < p.moved_tokens < greedy.moved_tokens
+    dst, row = p.slots(3, topk[3])
+    assert torch.equal(torch.bincount(dst.view(-1), minlength=R), p.traffic_of(3)[0])

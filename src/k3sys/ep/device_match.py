@@ -4,22 +4,27 @@ No host sync, no data-dependent shape, no Python loop over ranks, experts or pie
 searchsorted and scatters over tensors whose sizes depend on R and E only, so it runs where the
 counts are (the GPU) and captures in a CUDA graph / compiles with `torch.compile(fullgraph=True)`.
 
-Two matchings of surplus to room by overlapping prefix sums, both computed, one kept:
+Three matchings of surplus to room by overlapping prefix sums, all computed, the first that fits
+kept (`torch.where`, no branch):
 
-1. The line match (kept unless it overfills a rank's replica slots). Every over-limit home group
-   lays its surplus out over its experts, largest first (an expert that covers the rest gives one
-   piece), groups by surplus descending: the sender line. Under-limit ranks lay out their room,
-   largest first: the receiver line. A piece is a stretch where one expert's segment overlaps one
-   rank's room, so every group sends exactly its surplus (moved = the lower bound) and there are
-   at most (segments + receivers - 1) pieces, each a distinct (expert, rank) copy.
-2. The chain (exact caps), for when some rank would need more than epn replicas in (1). Senders
-   by surplus descending; sender j's surplus ends at U_j (the prefix sum) on the receiver line and
-   it rounds up to the next receiver boundary T_j (searchsorted), overshooting by v_j = T_j - U_j,
-   which sender j + 1 sends back to rank j before it serves its own receivers. Unrolling the
-   recurrence gives exactly these closed forms, so the greedy-like chain needs no loop. Every rank
-   then takes pieces of one home group only, hence at most epn experts: always feasible (v_j is
-   smaller than a receiver's room, so it is at most cap_j and the group's home can cover it), at
-   the price of moving the overshoots twice. MoonEP's greedy has the same one-group property.
+1. The line match. Every over-limit home group lays its surplus out over its experts, largest first
+   (an expert that covers the rest gives one piece), groups by surplus descending: the sender line.
+   Under-limit ranks lay out their room, largest first: the receiver line. A piece is a stretch
+   where one expert's segment overlaps one rank's room, so every group sends exactly its surplus
+   (moved = the lower bound) and there are at most (segments + receivers - 1) pieces, each a
+   distinct (expert, rank) copy. Two cheap coincidences save pieces: a surplus equal to some room
+   goes first on both lines, and the cut before a group's last expert slides onto a receiver
+   boundary where both experts allow it. It does not fit when a receiver meets the tails of more
+   groups than its epn replica slots hold.
+2. The chain's rounding where (1) overfills: sender j's surplus ends at U_j (the prefix sum) on the
+   receiver line; if that is inside an overfilled receiver, it rounds up to the receiver's end T_j
+   (searchsorted) and overshoots by v_j = T_j - U_j, which sender j + 1 sends back to rank j before
+   it goes on. Unrolling the sequential recurrence gives T_j - v_j = U_j for every j, so all of it
+   is closed-form. The overfilled receiver now takes one group only; the moved pairs grow by the few
+   overshoots.
+3. The chain everywhere, at exact caps: every rank takes pieces of one home group only (at most epn
+   experts), as in MoonEP's greedy, so it always fits (v_j is below a receiver's room, so at most
+   cap_j, which the group's home covers), at the price of moving every overshoot twice.
 """
 
 from __future__ import annotations
@@ -104,25 +109,25 @@ def _overlap(
     return seg_expert[seg], recv_rank[rcv], torch.where(live, cuts - start, 0)
 
 
-def _chain_receivers(surplus_r: torch.Tensor, room_r: torch.Tensor) -> tuple[
-    torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor
-]:
-    """The chain's (sender order `[R]`, pairs each group sends `[R]`, receiver line
-    sizes `[2R]`, receiver line ranks `[2R]`): the real receivers, each behind the sender that fills it,
-    and sender j's overshoot as a room of rank j right after sender j + 1 starts."""
+def _chain(
+    surplus_r: torch.Tensor, room_r: torch.Tensor, senders: torch.Tensor, receivers: torch.Tensor,
+    round_up: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The chain's (pairs each group sends `[R]`, receiver line sizes `[2R]`, receiver line ranks
+    `[2R]`) for groups in `senders` order and ranks in `receivers` order; sender j rounds its end up
+    to the next receiver boundary where `round_up[j]`, and its overshoot becomes a room of rank j right
+    where sender j + 1 starts (an overshoot of 0 elsewhere: there the line match is unchanged)."""
     R = surplus_r.numel()
-    senders, receivers = _desc(surplus_r), _desc(room_r)
     u = surplus_r[senders].cumsum(0)
     bounds = torch.cat([u.new_zeros(1), room_r[receivers].cumsum(0)])  # [R + 1]
-    t = bounds[torch.searchsorted(bounds, u).clamp(max=R)]
+    t = torch.where(round_up, bounds[torch.searchsorted(bounds, u).clamp(max=R)], u)
     over = t - u  # v_j, paid back by sender j + 1
-    filler = torch.searchsorted(t, bounds[:-1], right=True)  # the sender whose stretch holds receiver i
+    filler = torch.searchsorted(t, bounds[:-1], right=True)  # the first sender whose stretch holds receiver i
     pos = torch.arange(R, device=u.device)
-    key = torch.cat([filler * (R + 1) + 1 + pos, (pos + 1) * (R + 1)])
-    line = torch.sort(key).indices
+    line = torch.sort(torch.cat([filler * (R + 1) + 1 + pos, (pos + 1) * (R + 1)])).indices
     sizes = torch.cat([room_r[receivers], over])[line]
     ranks = torch.cat([receivers, senders])[line]
-    return senders, surplus_r + torch.zeros_like(over).index_put_((senders,), over), sizes, ranks
+    return surplus_r + torch.zeros_like(over).index_put_((senders,), over), sizes, ranks
 
 
 def _alloc(load_e: torch.Tensor, homes: Homes, expert: torch.Tensor, rank: torch.Tensor, n: torch.Tensor) -> (
@@ -139,26 +144,47 @@ def _alloc(load_e: torch.Tensor, homes: Homes, expert: torch.Tensor, rank: torch
     return flat.view(E + 1, R)[:E]
 
 
+def _replicas(rank: torch.Tensor, n: torch.Tensor, num_ranks: int) -> torch.Tensor:
+    """`[R]` copies each rank takes from pieces (expert, rank, n) (every live piece is a distinct copy)."""
+    return torch.zeros(num_ranks, dtype=torch.long, device=n.device).index_add_(0, rank, (n > 0).long())
+
+
 def device_alloc(
     load_e: torch.Tensor, cap_r: torch.Tensor, limit_r: torch.Tensor, homes: Homes, ranks_per_node: int | None = None
 ) -> torch.Tensor:
     """alloc `[E, R]` int64: pairs of expert e processed on rank r, every rank within its limit (exactly its
     cap when limit == cap), at most epn replicas per rank.
 
-    `ranks_per_node` orders both lines node by node, so a node's surplus meets its own ranks' room
-    first (where the node's totals allow it)."""
+    Three candidates, the first that fits kept: the line match; the line match with the chain's
+    rounding only for the senders that end inside a receiver the line match overfills (moves a little
+    more); the chain at exact caps (always fits). `ranks_per_node` orders both lines node by node, so a
+    node's surplus meets its own ranks' room first (where the node's totals allow it)."""
+    R, epn = homes.num_ranks, homes.epn
     ids_rp = homes.slots(load_e.device)
     g_rp = torch.cat([load_e, load_e.new_zeros(1)])[ids_rp]
     group = g_rp.sum(1)
 
     surplus, room = (group - limit_r).clamp(min=0), (limit_r - group).clamp(min=0)
     senders, receivers = (_node_major(o, ranks_per_node) for o in _equal_first(surplus, room))
-    seg_n, seg_e = _sender_line(g_rp, ids_rp, surplus, senders, room[receivers].cumsum(0))
-    e, d, n = _overlap(seg_n, seg_e, room[receivers], receivers)
-    line = _alloc(load_e, homes, e, d, n)
-    replicas = torch.zeros_like(group).index_add_(0, d, (n > 0).long())
+    recv_end = room[receivers].cumsum(0)
+    line = _overlap(*_sender_line(g_rp, ids_rp, surplus, senders, recv_end), room[receivers], receivers)
+    crowded = _replicas(line[1], line[2], R) > epn
 
-    senders, sent, sizes, ranks = _chain_receivers((group - cap_r).clamp(min=0), (cap_r - group).clamp(min=0))
-    seg_n, seg_e = _sender_line(g_rp, ids_rp, sent, senders, sizes.cumsum(0))
-    chain = _alloc(load_e, homes, *_overlap(seg_n, seg_e, sizes, ranks))
-    return torch.where((replicas > homes.epn).any(), chain, line)
+    u = surplus[senders].cumsum(0)
+    inside = torch.searchsorted(recv_end, u, right=True).clamp(max=R - 1)  # the receiver holding u_j
+    strictly = u > torch.cat([recv_end.new_zeros(1), recv_end])[inside]
+    sent, sizes, ranks = _chain(surplus, room, senders, receivers, strictly & crowded[receivers[inside]])
+    mended = _overlap(*_sender_line(g_rp, ids_rp, sent, senders, sizes.cumsum(0)), sizes, ranks)
+    mended_fits = (_replicas(mended[1], mended[2], R) <= epn).all() & (sent <= group).all()
+
+    surplus, room = (group - cap_r).clamp(min=0), (cap_r - group).clamp(min=0)
+    senders, receivers = _desc(surplus), _desc(room)
+    sent, sizes, ranks = _chain(surplus, room, senders, receivers, torch.ones_like(senders, dtype=torch.bool))
+    chain = _overlap(*_sender_line(g_rp, ids_rp, sent, senders, sizes.cumsum(0)), sizes, ranks)
+
+    pad = chain[0].numel() - line[0].numel()  # the line has R fewer receiver items
+    line = tuple(torch.cat([x, x.new_zeros(pad)]) for x in line)
+    choice = torch.where(~crowded.any(), 0, torch.where(mended_fits, 1, 2))
+    # index_select, not [choice]: indexing with a 0-d tensor reads it on the host
+    e, d, n = (torch.stack(c).index_select(0, choice.view(1))[0] for c in zip(line, mended, chain, strict=True))
+    return _alloc(load_e, homes, e, d, n)
