@@ -227,18 +227,19 @@ def slot_map(
     E = src_start_e.numel()
     R = run_end.numel() // E
     flat = topk_ids.reshape(-1).long()
-    valid = flat >= 0
-    key = torch.where(valid, flat, E)  # -1 ids sort last, into a dummy expert
+    key = torch.where(flat >= 0, flat, E)  # -1 ids sort last, into a dummy expert
     counts = torch.zeros(E + 1, dtype=torch.long, device=flat.device).index_add_(0, key, torch.ones_like(key))
-    order = torch.sort(key, stable=True).indices
+    key, order = torch.sort(key, stable=True)
+    # In expert order each pair's line position is its rank's start for the expert plus its index among
+    # the rank's pairs of that expert ((token, k) order, as the sort is stable): ascending, so the
+    # run search below reads the table front to back (4x faster than in pair order on a CPU).
     first = counts.cumsum(0) - counts
-    # Index of each pair among this rank's pairs of the same expert, in (token, k) order.
-    rank_in_expert = torch.arange(flat.numel(), device=flat.device) - first[key[order]]
-    within = torch.empty_like(flat).index_put_((order,), rank_in_expert)
-    pos = torch.cat([src_start_e, src_start_e.new_zeros(1)])[key] + within
+    pos = torch.cat([src_start_e, src_start_e.new_zeros(1)])[key] + torch.arange(flat.numel(), device=flat.device)
+    pos = pos - first[key]
     run = torch.searchsorted(run_end, pos, right=True).clamp(max=run_end.numel() - 1)
-    dst = torch.where(valid, run % R, -1)
-    row = torch.where(valid, pos - row_shift[run], -1)
+    valid = key < E
+    dst = torch.empty_like(flat).index_put_((order,), torch.where(valid, run % R, -1))
+    row = torch.empty_like(flat).index_put_((order,), torch.where(valid, pos - row_shift[run], -1))
     return dst.view_as(topk_ids), row.view_as(topk_ids)
 
 
