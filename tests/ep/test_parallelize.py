@@ -23,11 +23,12 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.detach() - b.detach()).norm() / b.detach().norm().clamp_min(1e-30))
 
 
-def tiny_models(group: dist.ProcessGroup, async_dispatch: bool = True) -> tuple[HybridModel, HybridModel]:
-    """The tiny preset (latent MoE + shared expert, KDA and MLA) with E=6 (a multiple of 2 and 3): the
-    single-process reference and its expert-parallel copy."""
+def tiny_models(group: dist.ProcessGroup, async_dispatch: bool = True, experts: int = 6
+                ) -> tuple[HybridModel, HybridModel]:
+    """The tiny preset (latent MoE + shared expert, KDA and MLA) with E experts (default 6, a multiple
+    of 2 and 3): the single-process reference and its expert-parallel copy."""
     torch.manual_seed(0)
-    ref = HybridModel(ModelConfig.from_preset("tiny", num_experts=6))
+    ref = HybridModel(ModelConfig.from_preset("tiny", num_experts=experts))
     return ref, apply_ep(copy.deepcopy(ref), group, CAPACITY, async_dispatch=async_dispatch)
 
 
@@ -36,17 +37,19 @@ def token_batches(R: int, vocab: int, length: int) -> list[torch.Tensor]:
     return [torch.randint(0, vocab, (BATCH[r], length), generator=g) for r in range(R)]
 
 
-def check_training(group: dist.ProcessGroup, steps: int, async_dispatch: bool) -> list[float]:
+def check_training(group: dist.ProcessGroup, steps: int, async_dispatch: bool, num_experts: int = 6) -> list[float]:
     """Forward, backward and SGD steps: every rank's logits, and every parameter's total update, equal
     the single-process model's on all ranks' batches (non-expert gradients all-reduced as data
     parallelism would; expert gradients come out complete on their home rank)."""
     R, rank = dist.get_world_size(group), dist.get_rank(group)
-    ref, model = tiny_models(group, async_dispatch)
+    ref, model = tiny_models(group, async_dispatch, num_experts)
     ep_layers = [m for m in model.modules() if isinstance(m, ExpertParallelMoE)]
     assert len(ep_layers) == 3 and not any(type(m) is MoELayer for m in model.modules())
     experts = {id(getattr(m, n)) for m in ep_layers for n in ("w_gate", "w_up", "w_down")}
     home = ep_layers[0].home_experts()
-    assert ep_layers[0].w_gate.shape[0] == 6 // R and home == range(rank * 6 // R, (rank + 1) * 6 // R)
+    # Uneven homes when R does not divide E: rank r holds [floor(rE/R), floor((r+1)E/R)).
+    assert home == range(rank * num_experts // R, (rank + 1) * num_experts // R)
+    assert all(m.w_gate.shape[0] == len(home) for m in ep_layers)
 
     def sliced(module: HybridModel) -> dict[str, torch.Tensor]:
         return {n: (p[home.start:home.stop] if n.endswith(("experts.w_gate", "experts.w_up", "experts.w_down"))
@@ -84,6 +87,14 @@ def test_hybrid_model_training_equals_single_process(ranks: RankPool, R: int) ->
 
 
 @pytest.mark.timeout(300)
+def test_hybrid_model_with_uneven_homes_equals_single_process(ranks: RankPool) -> None:
+    # E=16 on R=3: homes of 5, 5 and 6 experts (the short ranks' last home group is empty).
+    per_rank = ranks.run(check_training, 3, True, 16, ranks=3)
+    for errs in per_rank:
+        assert all(e <= 2e-5 for e in errs), errs
+
+
+@pytest.mark.timeout(300)
 def test_synchronous_dispatch_gives_the_same_training(ranks: RankPool) -> None:
     for errs in ranks.run(check_training, 1, False, ranks=2):
         assert all(e <= 2e-5 for e in errs), errs
@@ -112,7 +123,7 @@ def value_error(call: Callable[[], object]) -> str:
 
 def check_apply_ep_errors(group: dist.ProcessGroup) -> list[str]:
     return [value_error(lambda: apply_ep(torch.nn.Linear(4, 4), group, 8)),
-            value_error(lambda: apply_ep(MoELayer(8, 8, 5, 2), group, 8)),
+            value_error(lambda: apply_ep(MoELayer(8, 8, 1, 1), group, 8)),
             value_error(lambda: apply_ep(apply_ep(MoELayer(8, 8, 4, 2), group, 8), group, 8)),
             value_error(lambda: apply_ep(MoELayer(8, 8, 4, 2), group, 8, token_padding=0))]
 
@@ -121,7 +132,7 @@ def check_apply_ep_errors(group: dist.ProcessGroup) -> list[str]:
 def test_apply_ep_rejects_bad_models(ranks: RankPool) -> None:
     assert ranks.run(check_apply_ep_errors, ranks=2)[0] == [
         "apply_ep: Linear holds no MoELayer",
-        "num_experts (5) must be divisible by the group size R (2)",
+        "num_experts (1) must be >= the group size R (2)",
         "apply_ep: the model is already expert-parallel",
         "token_padding must be >= 1, got 0",
     ]

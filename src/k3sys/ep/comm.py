@@ -50,6 +50,7 @@ import torch
 import torch.distributed as dist
 
 from k3sys.ep.experts import weighted_sum
+from k3sys.ep.homes import Homes
 from k3sys.ep.planner import Plan, plan
 
 __all__ = ["EPBuffer", "EPHandle", "PendingDispatch", "RemoteInputError"]
@@ -123,8 +124,8 @@ class EPBuffer:
         tolerance: float = 0.0,
     ) -> None:
         R = dist.get_world_size(group)
-        if num_experts % R:
-            raise ValueError(f"num_experts ({num_experts}) must be divisible by the group size R ({R})")
+        if num_experts < R:
+            raise ValueError(f"num_experts ({num_experts}) must be >= the group size R ({R})")
         for name, value in (("capacity", capacity), ("hidden", hidden), ("top_k", top_k),
                             ("token_padding", token_padding)):
             if value < 1:
@@ -135,7 +136,8 @@ class EPBuffer:
             device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
         self.group, self.rank, self.world = group, dist.get_rank(group), R
         self.capacity, self.hidden, self.top_k, self.num_experts = capacity, hidden, top_k, num_experts
-        self.experts_per_rank = num_experts // R
+        self.homes = Homes(num_experts, R)
+        self.experts_per_rank = self.homes.epn
         self.token_padding, self.tolerance = token_padding, tolerance
         self.dtype, self.device = dtype, torch.device(device)
         self._id = next(_buffer_ids)
@@ -159,8 +161,7 @@ class EPBuffer:
     @property
     def home_experts(self) -> range:
         """Global ids of this rank's home experts."""
-        epn = self.experts_per_rank
-        return range(self.rank * epn, (self.rank + 1) * epn)
+        return self.homes.experts_of(self.rank)
 
     # ------------------------------------------------------------------ dispatch
     def dispatch(
@@ -203,11 +204,11 @@ class EPBuffer:
 
     def _route(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> EPHandle:
         """Plan the step, give every pair its row and exchange the rows and weights; no token moves yet."""
-        tpe_re = self._gather_counts(x, topk_ids, topk_weights, self._check_layout(x, topk_ids, topk_weights))
+        tpe_re, routed_r = self._gather_counts(x, topk_ids, topk_weights, self._check_layout(x, topk_ids, topk_weights))
         p = self._plan(tpe_re)
         if p.buffer_rows != self.buffer_rows:
             raise AssertionError(f"planner gave {p.buffer_rows} buffer rows, expected {self.buffer_rows}")
-        dst_rank_n, dst_row_n = self._slots(p, topk_ids.reshape(-1), int(tpe_re[self.rank].sum()))
+        dst_rank_n, dst_row_n = self._slots(p, topk_ids.reshape(-1), int(routed_r[self.rank]))
         send_r, recv_r = p.traffic_of(self.rank)
         send_splits, recv_splits = send_r.tolist(), recv_r.tolist()
         # Pairs sorted by destination; "no expert" pairs (destination R) sort last and are not sent.
@@ -287,8 +288,10 @@ class EPBuffer:
     def _gather_counts(
         self, x: torch.Tensor | None, ids_sk: torch.Tensor | None, weights_sk: torch.Tensor | None,
         problem: tuple[int, str] | None,
-    ) -> torch.Tensor:
-        """All-gather `tpe [R, E]` (CPU) plus a verdict column; raise on every rank if any input was bad.
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """All-gather `tpe [R, E]` plus a verdict column; raise on every rank if any input was bad.
+
+        Returns tpe `[R, E]` on the buffer's device and the routed pairs of each rank `[R]` (CPU).
 
         The verdict is the code of this rank's first problem: a layout one (`problem`, known on the
         host) or a value one (ids out of range or repeated, non-finite x or weights), computed on
@@ -307,8 +310,9 @@ class EPBuffer:
             row[E] = problem[0]
         out_re = torch.empty(self.world * (E + 1), dtype=torch.long, device=self.device)
         dist.all_gather_single(out_re, row, group=self.group)
-        out_re = out_re.view(self.world, E + 1).cpu()
-        verdict_r = out_re[:, E]
+        out_re = out_re.view(self.world, E + 1)
+        # The one host sync of planning: every rank's verdict and routed pairs, read together.
+        verdict_r, routed_r = torch.stack([out_re[:, E], out_re[:, :E].sum(1)]).cpu()
         mine = int(verdict_r[self.rank])
         if mine:
             message = problem[1] if problem is not None else self._describe(mine, x, ids_sk, weights_sk)
@@ -319,14 +323,14 @@ class EPBuffer:
                 f"EPBuffer.dispatch: rank {bad} rejected its input ({_INPUT_PROBLEMS[int(verdict_r[bad])]}); "
                 f"rank {self.rank} stops too"
             )
-        return out_re[:, :E]
+        return out_re[:, :E], routed_r  # the counts stay on the device: the planner runs there
 
     def _plan(self, tpe_re: torch.Tensor) -> Plan:
         # The planner balances token-k pairs. With "no expert" (-1) ids a rank's pairs are not s*K,
         # so every pair is planned as a token of a top-1 routing: caps, replicas and rows are the same.
-        pairs = int(tpe_re.sum())
-        return plan(tpe_re, 1, tokens_per_rank=self.capacity * self.top_k, total_tokens=pairs,
-                    token_padding=self.token_padding, tolerance=self.tolerance)
+        # The verdict has checked every id, so the device planner runs unvalidated: no host sync.
+        return plan(tpe_re, 1, tokens_per_rank=self.capacity * self.top_k, token_padding=self.token_padding,
+                    tolerance=self.tolerance, validate=False)
 
     # ------------------------------------------------------------------ combine
     def combine(self, handle: EPHandle, expert_out: torch.Tensor) -> torch.Tensor:
@@ -406,18 +410,22 @@ class EPBuffer:
         return dict(zip(names, out[: len(names)], strict=True)), dict(zip(names, out[len(names):], strict=True))
 
     def _check_weights(self, weights: Mapping[str, torch.Tensor], what: str) -> None:
-        epn = self.experts_per_rank
+        # Home weights hold this rank's home experts (epn or epn - 1 of them with uneven homes);
+        # replica slots and their gradients always epn.
+        rows = self.homes.count(self.rank) if what == "home_weights" else self.experts_per_rank
         for name, w in weights.items():
-            if w.dim() < 1 or w.shape[0] != epn:
-                raise ValueError(f"{what}[{name!r}] must be [epn={epn}, ...], got {list(w.shape)}")
+            if w.dim() < 1 or w.shape[0] != rows:
+                raise ValueError(f"{what}[{name!r}] must be [{rows}, ...] (this rank's "
+                                 f"{'home experts' if what == 'home_weights' else 'replica slots'}), "
+                                 f"got {list(w.shape)}")
         if not self._replicas:
             if what != "home_weights":
                 raise ValueError(f"EPBuffer: {what} given before any prefetch")
             for name, w in weights.items():
-                self._replicas[name] = torch.zeros_like(w, memory_format=torch.contiguous_format)
-                self._grad_stage[name] = torch.zeros_like(w, memory_format=torch.contiguous_format)
-        layout = {n: (tuple(t.shape), t.dtype) for n, t in self._replicas.items()}
-        given = {n: (tuple(t.shape), t.dtype) for n, t in weights.items()}
+                self._replicas[name] = w.new_zeros(self.experts_per_rank, *w.shape[1:])
+                self._grad_stage[name] = w.new_zeros(self.experts_per_rank, *w.shape[1:])
+        layout = {n: (tuple(t.shape[1:]), t.dtype) for n, t in self._replicas.items()}
+        given = {n: (tuple(t.shape[1:]), t.dtype) for n, t in weights.items()}
         if given != layout:
             raise ValueError(f"{what} must match the first prefetch's weights {layout}, got {given}")
 
@@ -425,9 +433,9 @@ class EPBuffer:
         """`[c, 4]` (destination rank, slot, expert, home rank) of every replica, sorted by (home, dest, slot)."""
         dest, slot = torch.nonzero(p.replicas >= 0, as_tuple=True)
         expert = p.replicas[dest, slot]
-        home = expert // self.experts_per_rank
+        home = self.homes.rank_of(expert)
         key = (home * self.world + dest) * self.experts_per_rank + slot
-        return torch.stack([dest, slot, expert, home], 1)[key.argsort()]
+        return torch.stack([dest, slot, expert, home], 1)[key.argsort()].cpu()  # host tables: p2p schedule
 
     def _fill_replicas(self, h: EPHandle, home: list[torch.Tensor], names: list[str]) -> None:
         ops = []
@@ -437,7 +445,7 @@ class EPBuffer:
             for i, name in enumerate(names):
                 tag = slot * len(names) + i
                 if src == self.rank:
-                    w = home[i][expert % self.experts_per_rank]
+                    w = home[i][self.homes.local(expert)]
                     ops.append(dist.P2POp(dist.isend, w.contiguous(), group=self.group, tag=tag, group_peer=dest))
                 elif dest == self.rank:
                     ops.append(dist.P2POp(dist.irecv, self._replicas[name][slot], group=self.group, tag=tag,
@@ -452,13 +460,15 @@ class EPBuffer:
             grads: name -> `[epn, ...]` gradients of this rank's replica slots.
 
         Returns:
-            name -> `[epn, ...]` the sum, over every replica of each home expert on any rank, of its
+            name -> `[homes, ...]` (this rank's home experts, epn or epn - 1 with uneven homes) the
+            sum, over every replica of each home expert on any rank, of its
             gradient (zeros for experts without replicas); add it to the home weights' gradients.
             (Prefetch's backward hands the sums to autograd as sparse rows instead, see `_Prefetch`.)
         """
         self._check_handle(handle, "reduce_grads")
         self._check_weights(grads, "grads")
-        out = {n: torch.zeros_like(g, memory_format=torch.contiguous_format) for n, g in grads.items()}
+        homes = self.homes.count(self.rank)
+        out = {n: g.new_zeros(homes, *g.shape[1:]) for n, g in grads.items()}
         received = self._send_grads_home(handle, grads)
         if received is not None:
             experts, sums = received
@@ -483,7 +493,7 @@ class EPBuffer:
         # Position of each copy among its home rank's copies (copies are sorted by home).
         position = torch.arange(len(copies)) - torch.searchsorted(home_r, home_r, side="left")
         mine = home_r == self.rank
-        experts, landing = torch.unique(copies[mine, 2] % epn, return_inverse=True)  # copy -> its sum's row
+        experts, landing = torch.unique(self.homes.local(copies[mine, 2]), return_inverse=True)  # copy -> its sum's row
         sums = {name: g.new_zeros(len(experts), *g.shape[1:]) for name, g in grads.items()} if mine.any() else None
         rounds = int(position.max()) // epn + 1 if len(copies) else 0
         involved = mine | (copies[:, 0] == self.rank)  # rounds count every copy; ops only this rank's
@@ -623,7 +633,7 @@ class _Prefetch(torch.autograd.Function):
         experts, sums = received
         source_grads = []
         for name, g in zip(names, home_grads, strict=True):
-            shape = buf._replicas[name].shape
+            shape = (buf.homes.count(h.rank), *buf._replicas[name].shape[1:])  # the home weights'
             if g is None:  # nothing to add to: a sparse gradient alone would make the weight's .grad sparse
                 source_grads.append(sums[name].new_zeros(shape).index_copy_(0, experts, sums[name]))
             else:

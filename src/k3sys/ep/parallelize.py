@@ -145,13 +145,16 @@ class ExpertParallelMoE(MoELayer):
 
     def finish(self, work: MoEWork) -> torch.Tensor:
         buf = self.buffer
-        epn = buf.experts_per_rank
+        epn, homes = buf.experts_per_rank, buf.homes.count(buf.rank)
         recv_nh, _, _, handle = work.pending.wait()
         home, replicas = buf.prefetch(handle, {n: getattr(self, n) for n in EXPERT_WEIGHTS})
         # The home experts' weights, then the replica slots', as two tensors: a concatenation would
         # copy every home weight each step.
         used = replicas["w_gate"].shape[0]
-        y_nh = grouped_swiglu(recv_nh, handle.ends[:epn + used], *((home[n], replicas[n]) for n in EXPERT_WEIGHTS))
+        # A rank with epn - 1 homes (uneven homes) has an empty last home group: skipped, as it
+        # has no weights.
+        ends = handle.ends[:homes] + handle.ends[epn:epn + used]
+        y_nh = grouped_swiglu(recv_nh, ends, *((home[n], replicas[n]) for n in EXPERT_WEIGHTS))
         p = handle.plan
         self.last_stats = MoEStats(tuple(p.loads.tolist()), p.num_copies, p.moved_tokens, maxvio(p.tpe.sum(0)))
         out = buf.combine(handle, y_nh).view(work.shape)
