@@ -219,6 +219,9 @@ def test_cu_seqlens_equals_separate_calls_with_states():
         assert torch.allclose(y[:, cu[n]:cu[n + 1]], y_n, rtol=0, atol=1e-12)
         assert torch.allclose(state.recurrent[n], s_n.recurrent[0], rtol=0, atol=1e-12)
         assert torch.allclose(state.conv[n], s_n.conv[0], rtol=0, atol=1e-12)
+    y0, same = layer(x_n[:, :0], state0, cu_seqlens=torch.zeros(5, dtype=torch.long))  # nothing at all: T = 0
+    assert y0.shape == (1, 0, 32) and torch.equal(same.recurrent, state0.recurrent)
+    assert torch.equal(same.conv, state0.conv)
 
 
 def test_state_layouts_hold_the_same_state_transposed():
