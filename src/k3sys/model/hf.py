@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from k3sys.kda import KimiDeltaAttention
 from k3sys.model.config import ModelConfig
 from k3sys.model.model import HybridModel
 
@@ -111,7 +112,7 @@ class _Shards:
         return self._open[file].get_tensor(name)
 
 
-def _kda(get: Callable[[str], torch.Tensor], p: str, attn) -> dict[str, torch.Tensor]:
+def _kda(get: Callable[[str], torch.Tensor], p: str, attn: KimiDeltaAttention) -> dict[str, torch.Tensor]:
     """A KDA layer's tensors, renamed to fla's layer names, mapped onto ours."""
     fla = {n: get(p + n) for n in ("q_proj.weight", "k_proj.weight", "v_proj.weight", "q_conv1d.weight",
                                     "k_conv1d.weight", "v_conv1d.weight", "b_proj.weight", "dt_bias",
