@@ -91,6 +91,9 @@ class MoELayer(nn.Module):
         num_shared_experts: shared experts, fused into one SwiGLU of width `num_shared_experts * f`
             that every token goes through. Default 0.
         router: "softmax" (default) or "sigmoid" scores; the top-K scores are renormalised to sum to 1.
+        score_bias: a per-expert bias `score_bias [E]` added to the scores to choose the top-K but not to
+            weigh them (DeepSeek-V3's `e_score_correction_bias`; zeros, not trained by backward).
+        routed_scale: the renormalised top-K weights are multiplied by this (`routed_scaling_factor`).
 
     Parameters: `router.weight [E, h]`; `w_gate, w_up [E, h, f]`, `w_down [E, f, h]` (the home experts
     only after `apply_ep`); `shared` (a `SwiGLU`) when shared experts exist.
@@ -104,6 +107,9 @@ class MoELayer(nn.Module):
         top_k: int,
         num_shared_experts: int = 0,
         router: Literal["softmax", "sigmoid"] = "softmax",
+        *,
+        score_bias: bool = False,
+        routed_scale: float = 1.0,
     ) -> None:
         super().__init__()
         for name, value in (("hidden", hidden), ("ffn_hidden", ffn_hidden), ("num_experts", num_experts),
@@ -119,6 +125,8 @@ class MoELayer(nn.Module):
         self.hidden, self.ffn_hidden, self.num_experts, self.top_k = hidden, ffn_hidden, num_experts, top_k
         self.router_kind = router
         self.router = nn.Linear(hidden, num_experts, bias=False)
+        self.score_bias = nn.Parameter(torch.zeros(num_experts), requires_grad=False) if score_bias else None
+        self.routed_scale = routed_scale
         self.w_gate = nn.Parameter(torch.empty(num_experts, hidden, ffn_hidden))
         self.w_up = nn.Parameter(torch.empty(num_experts, hidden, ffn_hidden))
         self.w_down = nn.Parameter(torch.empty(num_experts, ffn_hidden, hidden))
@@ -134,12 +142,17 @@ class MoELayer(nn.Module):
             self.shared.reset_parameters()
 
     def route(self, x_sh: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Top-K routing: x `[s, h]` -> (topk_ids `[s, K]` int64, topk_weights `[s, K]` summing to 1)."""
+        """Top-K routing: x `[s, h]` -> (topk_ids `[s, K]` int64, topk_weights `[s, K]` summing to `routed_scale`)."""
         # Scores in at least fp32: top-K and the normalisation are where bf16 ties and drift hurt.
         scores_se = self.router(x_sh).to(torch.promote_types(x_sh.dtype, torch.float32))
         scores_se = scores_se.softmax(-1) if self.router_kind == "softmax" else scores_se.sigmoid()
-        weights_sk, ids_sk = scores_se.topk(self.top_k, dim=-1)
-        return ids_sk, (weights_sk / weights_sk.sum(-1, keepdim=True)).to(x_sh.dtype)
+        if self.score_bias is None:
+            weights_sk, ids_sk = scores_se.topk(self.top_k, dim=-1)
+        else:  # the bias steers the choice only; the weights are the unbiased scores
+            ids_sk = (scores_se + self.score_bias.to(scores_se.dtype)).topk(self.top_k, dim=-1).indices
+            weights_sk = scores_se.gather(-1, ids_sk)
+        weights_sk = weights_sk / weights_sk.sum(-1, keepdim=True) * self.routed_scale
+        return ids_sk, weights_sk.to(x_sh.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         work = self.start(x)
