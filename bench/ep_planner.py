@@ -1,14 +1,20 @@
-"""Claim: our online planner balances every rank exactly at K3 scale, moving fewer tokens with fewer
-expert copies than MoonEP's greedy, in <= 2 ms for E=896 over R=64 on a CPU; the simulated step time
-against static EP, EPLB and capacity-factor dropping across maxvio.
+"""Claims: the device planner (plan's default) plans + maps one rank's slots in <= 0.5 ms at E=896 over
+R=64 compiled on one CPU thread, with no host sync, moving the lower bound of pairs; against the exact
+host oracle ("match") and MoonEP's greedy (section "planner"). And the simulated step time against
+static EP, EPLB and capacity-factor dropping across maxvio (section "sim").
+
+Section "planner": (R, E) in {(64, 896), (128, 896), (256, 896)}, K=16, s=4096, maxvio {1, 5, 20}:
+plan + slot map + send/receive counts of rank 0 (`device_step`; for the host planners plan, slots,
+traffic_of), eager and `torch.compile`d (inductor, fullgraph) on CPU, CUDA-graphed with --device cuda;
+host syncs counted with `k3sys.ep.syncs.count_syncs`.
 
 Sweep: E=896, K=16, s=4096 tokens per rank, R in {64, 128, 256}, maxvio in {0 ... 20}, hot_shift
 {0, 0.5} (eplb plans from a past step; 0.5 moves half the experts' preferences in between), plus one
 Zipf-preference routing. Cost model: `k3sys.ep.sim` defaults (H200 nodes of 8, prefetch overlapped with
 dispatch on shared links, EPLB rebalanced every 100 steps); ours_tol uses the break-even tolerance.
-Writes bench/results/ep_planner.json and bench/results/ep_planner.png.
+Writes bench/results/ep_planner.json (a section not run keeps its old figures) and ep_planner.png.
 
-    PYTHONPATH=src python bench/ep_planner.py [--quick]
+    PYTHONPATH=src python bench/ep_planner.py [--quick] [--section planner|sim|all] [--device cuda --out DIR]
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ import argparse
 import json
 import platform
 import statistics
+import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
@@ -25,27 +33,159 @@ from rich.console import Console
 from rich.table import Table
 
 from _timing import median_ms
-from k3sys.ep import plan
+from k3sys.ep import make_routing, maxvio, plan, tokens_per_expert
+from k3sys.ep.planner import device_plan, device_step
 from k3sys.ep.sim import H200, K3_MOE, MOONEP, break_even_tolerance, compare
+from k3sys.ep.syncs import count_syncs
 
 RESULTS = Path(__file__).parent / "results"
+EXPERTS, TOP_K, TOKENS = 896, 16, 4096
+console = Console(width=200)
 METHODS = ("static", "eplb", "capacity", "greedy", "ours", "ours_node", "ours_tol")
 TOLERANCE = break_even_tolerance(4096, 16)
 LABELS = {"eplb": "eplb (rebalanced every 100 steps)", "ours": "ours (exact)", "ours_node": "ours (exact, node-aware)",
           "ours_tol": f"ours (tolerance {TOLERANCE:.3f}, node-aware)"}
 
 
+PLANNER_POINTS = [(R, mv) for R in (64, 128, 256) for mv in (1.0, 5.0, 20.0)]
+
+
+def _host_step(strategy: str) -> Callable[[torch.Tensor, torch.Tensor], object]:
+    """A host planner's per-step work on rank 0: plan, slot map, send/receive counts."""
+    def step(tpe: torch.Tensor, ids_sk: torch.Tensor) -> object:
+        p = plan(tpe, TOP_K, tokens_per_rank=TOKENS, strategy=strategy)
+        return p.slots(0, ids_sk), p.traffic_of(0)
+    return step
+
+
+def _graphed(step: Callable, *args: object) -> Callable[[], object]:
+    """`step(*args)` captured once in a CUDA graph (static inputs); returns its replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up on a side stream, as torch.cuda.graph's docs ask
+        for _ in range(2):
+            step(*args)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step(*args)
+    return graph.replay
+
+
+def _timed(fn: Callable[[], object], repeats: int, cuda: bool) -> float:
+    if not cuda:
+        return median_ms(fn, repeats, threads=1)
+
+    def synced() -> None:
+        fn()
+        torch.cuda.synchronize()
+    return median_ms(synced, repeats)
+
+
+def planner_section(
+    repeats: int, device: str, ranks: tuple[int, ...], save: Callable[[list[dict]], None]
+) -> list[dict]:
+    """Plan + slot map time (median, one CPU thread on the host), moved / lower bound, copies and host
+    syncs of the device planner (eager, compiled with inductor, and on CUDA CUDA-graphed) against the
+    exact host oracle and MoonEP's greedy. `save` gets the rows after every point (a cut-off run keeps
+    what it measured)."""
+    cuda = device == "cuda"
+    rows = []
+    compiled: dict[int, Callable] = {}
+    compile_s: dict[int, float] = {}
+    for R, mv in ((R, mv) for R, mv in PLANNER_POINTS if R in ranks):
+        ids = make_routing(R, TOKENS, EXPERTS, TOP_K, mv, seed=R)
+        tpe, ids_sk = tokens_per_expert(ids, EXPERTS).to(device), ids[0].to(device)
+        del ids
+        args = (tpe, ids_sk, 0, TOP_K)
+        fns: dict[str, Callable[[], object]] = {"device plan only": lambda t=tpe: device_plan(t, TOP_K),
+                                                "device": lambda a=args: device_step(*a)}
+        if cuda:  # the CUDA graph is the GPU's answer; inductor's Triton compiles would eat the lent minutes
+            fns["device CUDA graph"] = _graphed(device_step, *args)
+        else:
+            if R not in compiled:
+                t0 = time.perf_counter()
+                compiled[R] = torch.compile(device_step, fullgraph=True, dynamic=False)
+                compiled[R](*args)
+                compile_s[R] = time.perf_counter() - t0
+            fns["device compiled"] = lambda a=args, f=compiled[R]: f(*a)
+        for strategy in ("match", "greedy"):
+            fns[strategy] = lambda s=strategy, t=tpe, i=ids_sk: _host_step(s)(t, i)
+        row = {"R": R, "maxvio_target": mv, "maxvio": maxvio(tpe.sum(0).cpu()), "compile_s": compile_s.get(R),
+               "ms": {}, "syncs": {}, "moved": {}, "copies": {}}
+        for name, fn in fns.items():
+            row["ms"][name] = _timed(fn, repeats, cuda)
+            if name in ("device", "match", "greedy"):
+                with count_syncs() as syncs:
+                    fn()
+                row["syncs"][name] = sum(syncs.values())
+        for name, strategy in (("device", "device"), ("match", "match"), ("greedy", "greedy")):
+            p = plan(tpe, TOP_K, tokens_per_rank=TOKENS, strategy=strategy)
+            row["moved"][name], row["copies"][name] = p.moved_tokens, p.num_copies
+        row["lower_bound"] = p.moved_lower_bound
+        rows.append(row)
+        save(rows)
+        console.log(f"planner R={R} maxvio={mv}: " + ", ".join(f"{k} {v:.2f} ms" for k, v in row["ms"].items()))
+    return rows
+
+
+def print_planner(rows: list[dict]) -> None:
+    names = list(rows[0]["ms"])
+    table = Table(title=f"Plan + slot map + send/receive counts of one rank (E={EXPERTS}, K={TOP_K}, s={TOKENS}): "
+                  "ms (median), host syncs, moved / lower bound, copies")
+    for col in ("R", "maxvio", *(f"ms {n}" for n in names), "syncs device/match/greedy", "moved/LB device",
+                "match", "greedy", "copies device", "match", "greedy"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        lb = max(r["lower_bound"], 1)
+        table.add_row(
+            str(r["R"]), f"{r['maxvio']:.2f}", *(f"{r['ms'][n]:.3f}" for n in names),
+            "/".join(str(r["syncs"][n]) for n in ("device", "match", "greedy")),
+            *(f"{r['moved'][n] / lb:.4f}" for n in ("device", "match", "greedy")),
+            *(str(r["copies"][n]) for n in ("device", "match", "greedy")),
+        )
+    console.print(table)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="R=64 only, three maxvio points")
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--section", choices=("planner", "sim", "all"), default="all")
+    parser.add_argument("--device", default="cpu", help="where the planner section plans (cuda: CUDA graphs too)")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="folder of the JSON")
     args = parser.parse_args()
     ranks = (64,) if args.quick else (64, 128, 256)
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / ("ep_planner.json" if args.device == "cpu" else f"ep_planner_{args.device}.json")
+    old = json.loads(path.read_text()) if path.exists() else {}
+    planner_rows = old.get("planner", [])
+    if args.section in ("planner", "all"):
+        if args.device == "cuda" and not torch.cuda.is_available():
+            console.print("no CUDA device: the planner section is skipped")
+            return
+        planner_meta = {
+            "machine": f"{platform.machine()} {platform.processor() or ''}".strip(), "torch": torch.__version__,
+            "device": args.device, "note": "shared, noisy 2-core CPU; times are medians, one intra-op thread"}
+
+        def save(rows: list[dict]) -> None:
+            path.write_text(json.dumps(old | {"planner_meta": planner_meta, "planner": rows}, indent=1))
+
+        planner_rows = planner_section(args.repeats, args.device, ranks, save)
+        print_planner(planner_rows)
+        at64 = [r["ms"]["device compiled"] for r in planner_rows if r["R"] == 64 and "device compiled" in r["ms"]]
+        if at64:
+            console.print(f"device planner + slot map at R=64 compiled (target <= 0.5 ms): {max(at64):.3f} ms worst "
+                          "point; host syncs of the device step: "
+                          f"{sum(r['syncs']['device'] for r in planner_rows)}")
+    if args.section == "planner":
+        console.print(f"wrote {path}")
+        return
+    planner_meta = old.get("planner_meta") if args.section == "sim" else planner_meta
     maxvios = (0.0, 2.0, 20.0) if args.quick else (0.0, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0)
     points = [(R, mv, hs, "lognormal") for R in ranks for hs in (0.0, 0.5) for mv in maxvios]
     points.append((64, 14.0, 0.0, "zipf"))
 
-    console = Console(width=200)
     rows = []
     for R, mv, hs, dist in points:
         c = compare(mv, R, hot_shift=hs, dist=dist, tolerance=TOLERANCE)
@@ -103,14 +243,14 @@ def main() -> None:
                   f"plan time at R=64 (target <= 2 ms): {statistics.median(ms64):.2f} ms typical (median over "
                   f"points of the per-point medians), {max(ms64):.2f} ms worst point")
 
-    RESULTS.mkdir(exist_ok=True)
     meta = {"machine": f"{platform.machine()} {platform.processor() or ''}".strip(), "torch": torch.__version__,
             "threads": torch.get_num_threads(), "note": "shared, noisy 2-core CPU; plan times are medians",
             "hardware": asdict(H200), "shape": asdict(K3_MOE), "schedule": asdict(MOONEP), "tolerance": TOLERANCE,
             "capacity_factor": 1.25}
-    (RESULTS / "ep_planner.json").write_text(json.dumps({"meta": meta, "points": rows}, indent=1))
-    plot(rows, ranks, RESULTS / "ep_planner.png")
-    console.print(f"wrote {RESULTS / 'ep_planner.json'} and {RESULTS / 'ep_planner.png'}")
+    path.write_text(json.dumps({"meta": meta, "points": rows, "planner_meta": planner_meta,
+                                "planner": planner_rows}, indent=1))
+    plot(rows, ranks, args.out / "ep_planner.png")
+    console.print(f"wrote {path} and {args.out / 'ep_planner.png'}")
 
 
 def plot(rows: list[dict], ranks: tuple[int, ...], path: Path) -> None:

@@ -17,7 +17,7 @@ def _session_pool() -> Iterator[None]:
 
 @pytest.fixture
 def ranks(_session_pool: None) -> RankPool:
-    """Four gloo ranks (plus the subgroup {0, 1}), started once per session and restarted after a hang."""
+    """Four gloo ranks (plus subgroups {0, 1} and {0, 1, 2}), started once per session, restarted after a hang."""
     global _pool
     if _pool is None or not _pool.alive:
         _pool = RankPool(4)

@@ -1,7 +1,7 @@
 """A pool of real gloo ranks started once and reused by many checks (process start-up dominates here).
 
-`RankPool(4)` spawns 4 processes in one gloo group on 127.0.0.1 (1 thread each) plus a subgroup of
-ranks {0, 1}; `pool.run(fn, *args, ranks=2)` runs `fn(group, *args)` on the first `ranks` ranks and
+`RankPool(4)` spawns 4 processes in one gloo group on 127.0.0.1 (1 thread each) plus the subgroups
+{0, 1} and {0, 1, 2}; `pool.run(fn, *args, ranks=2)` runs `fn(group, *args)` on the first `ranks` ranks and
 returns their results in rank order. `fn` must be a module-level function (it is pickled by name).
 A check that does not finish within `timeout` seconds fails the test and the pool is torn down, so a
 hang in a collective never hangs CI; gloo's own timeout also turns a stuck collective into an error.
@@ -32,8 +32,8 @@ def _worker(rank: int, world: int, init_method: str, inbox: Any, outbox: Any) ->
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,
                             timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     groups = {world: dist.group.WORLD}
-    if world > 2:
-        groups[2] = dist.new_group([0, 1])  # every rank takes part in creating a subgroup
+    for size in range(2, world):
+        groups[size] = dist.new_group(list(range(size)))  # every rank takes part in creating a subgroup
     outbox.put((rank, "ready", None))
     while (job := inbox.get()) is not None:
         fn, size, args = job
@@ -65,8 +65,8 @@ class RankPool:
     def run(self, fn: Callable[..., Any], *args: Any, ranks: int | None = None, timeout: float | None = None) -> list:
         """Run `fn(group, *args)` on ranks `0 .. ranks-1` (default all); results in rank order."""
         size = ranks or self.world
-        if size not in (2, self.world):
-            raise ValueError(f"ranks must be 2 or {self.world}, got {size}")
+        if not 2 <= size <= self.world:
+            raise ValueError(f"ranks must be in [2, {self.world}], got {size}")
         for r in range(size):
             self._inboxes[r].put((fn, size, args))
         return self._collect(range(size), timeout or self.timeout)

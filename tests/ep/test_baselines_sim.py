@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from k3sys.ep import baselines, make_routing, plan, tokens_per_expert
-from k3sys.ep.sim import Hardware, MoEShape, Schedule, break_even_tolerance, compare, pad_experts, step_cost
+from k3sys.ep.sim import Hardware, MoEShape, Schedule, break_even_tolerance, compare, step_cost
 
 TPE = torch.tensor([[6, 0, 1, 1], [4, 2, 0, 2]])  # R=2, E=4, K=2, s=4
 
@@ -127,13 +127,6 @@ def test_eplb_moves_fetch_changed_slots_from_the_least_busy_holder():
     moves = baselines.eplb_moves(old, new, 4)
     assert moves.tolist() == [[0, 0, 1, 0], [0, 0, 0, 1], [0, 0, 0, 0], [0, 0, 0, 0]]
     assert int(baselines.eplb_moves(new, new, 4).sum()) == 0
-
-
-def test_pad_experts_spreads_empty_slots():
-    tpe = torch.arange(1, 8).view(1, 7)  # E=7 over R=2: 4 and 3 real experts
-    assert pad_experts(tpe, 2).tolist() == [[1, 2, 3, 4, 5, 6, 7, 0]]
-    assert torch.equal(pad_experts(TPE, 2), TPE)
-    assert pad_experts(torch.ones(1, 6, dtype=torch.long), 4).tolist() == [[1, 1, 1, 0, 1, 1, 1, 0]]
 
 
 def test_compare_small_scale():

@@ -21,9 +21,12 @@ def test_ep_plan_prints_every_rank_balanced():
     assert len(re.findall(r"│\s+\d+ │\s+\d+ │\s+256 │\s+256 │", out.stdout)) == 4, out.stdout
 
 
-def test_ep_plan_rejects_bad_sizes():
-    out = run("ep", "plan", "-R", "3", "-E", "16", "-K", "2")
-    assert out.returncode != 0 and "E (16) must be a positive multiple of R (3)" in out.stderr
+def test_ep_plan_uneven_homes_and_bad_sizes():
+    out = run("ep", "plan", "-R", "3", "-E", "16", "-K", "2", "-s", "64")  # homes 5, 5, 6
+    assert out.returncode == 0, out.stderr
+    assert len(re.findall(r"│\s+\d+ │\s+\d+ │\s+128 │\s+128 │", out.stdout)) == 3, out.stdout
+    out = run("ep", "plan", "-R", "17", "-E", "16", "-K", "2")
+    assert out.returncode != 0 and "1 <= R <= E, got R=17, E=16" in out.stderr
 
 
 def test_cli_and_ep_package_import_without_torch():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import time
 
 import pytest
 import torch
@@ -218,13 +219,26 @@ def check_bad_input(group: dist.ProcessGroup, bad_rank: int, kind: str) -> tuple
             w = w[:, :1]
         elif kind == "weights-device":
             w = torch.empty(w.shape, device="meta")  # any device but the buffer's
+        elif kind == "ids-below-none":
+            i[4, 1] = -2
         elif kind == "x-hidden":
             x = torch.randn(x.shape[0], H + 1)
+        elif kind == "x-nan":
+            x = x.clone()
+            x[5, 3] = float("nan")
+        elif kind == "x-inf":
+            x = x.clone()
+            x[0, 0] = -float("inf")
+        elif kind == "weights-nan":
+            w = w.clone()
+            w[1, 1] = float("nan")
+    start = time.perf_counter()
     try:
         buf.dispatch(x, i, w)
         outcome = ("none", "")
     except (ValueError, RemoteInputError) as e:
         outcome = (type(e).__name__, str(e))
+    assert time.perf_counter() - start < 1.0  # every rank stops at once, none waits for a timeout
     # The failed step left no collective behind: a good step right after works on every rank.
     _, _, _, h = buf.dispatch(xs[rank], ids[rank], ws[rank])
     assert buf.combine(h, torch.zeros(buf.buffer_rows, H)).shape == (xs[rank].shape[0], H)
@@ -233,18 +247,22 @@ def check_bad_input(group: dist.ProcessGroup, bad_rank: int, kind: str) -> tuple
 
 BAD = {
     "capacity": "x has s=33 tokens, more than the buffer capacity S=32",
-    "ids-range": r"topk_ids must lie in \[0, 16\), got \[0, 16\]",
+    "ids-range": r"topk_ids must lie in \[-1, 16\) \(-1: no expert\), got \[0, 16\]",
+    "ids-below-none": r"topk_ids must lie in \[-1, 16\) \(-1: no expert\), got \[-2, \d+\]",
     "ids-repeat": "topk_ids repeats an expert within a token's row",
     "weights-shape": r"topk_weights must be a float \[s=\d+, K=2\] tensor on cpu, got \[\d+, 1\]",
     "weights-device": r"topk_weights must be .* on cpu, got \[\d+, 2\] torch.float32 on meta",
     "x-hidden": r"x must be \[s, 16\] torch.float32 on cpu, got \[\d+, 17\]",
+    "x-nan": r"x holds 1 non-finite values \(NaN or inf\)",
+    "x-inf": r"x holds 1 non-finite values \(NaN or inf\)",
+    "weights-nan": r"topk_weights holds 1 non-finite values \(NaN or inf\) on routed pairs",
 }
 
 
 @pytest.mark.parametrize("kind", list(BAD))
 @pytest.mark.timeout(120)
 def test_bad_dispatch_input_raises_everywhere(ranks: RankPool, kind: str) -> None:
-    bad = 1 if kind in ("capacity", "ids-repeat", "x-hidden") else 0
+    bad = 1 if kind in ("capacity", "ids-repeat", "x-hidden", "x-inf") else 0
     outcomes = ranks.run(check_bad_input, bad, kind, ranks=2)
     name, msg = outcomes[bad]
     assert name == "ValueError" and f"rank {bad}" in msg
@@ -286,7 +304,7 @@ def test_bad_handle_and_shapes_raise(ranks: RankPool) -> None:
     assert "handle comes from another EPBuffer" in errors[0]
     assert "expert_out must be [" in errors[1]
     assert "handle comes from another EPBuffer" in errors[2]
-    assert "home_weights['w_in'] must be [epn=8, ...], got [9, 16, 24]" in errors[3]
+    assert "home_weights['w_in'] must be [8, ...] (this rank's home experts), got [9, 16, 24]" in errors[3]
     assert "grads given before any prefetch" in errors[4]
     assert errors[5].startswith("home_weights must match the first prefetch's weights")
     assert errors[6].startswith("grads must match the first prefetch's weights")
@@ -294,7 +312,7 @@ def test_bad_handle_and_shapes_raise(ranks: RankPool) -> None:
 
 def check_constructor_errors(group: dist.ProcessGroup) -> list[str]:
     errors = []
-    for kwargs in ({"num_experts": 15}, {"capacity": 0}, {"top_k": 17}):
+    for kwargs in ({"num_experts": 3}, {"capacity": 0}, {"top_k": 17}):
         args = {"capacity": 8, "hidden": H, "top_k": 2, "num_experts": 16} | kwargs
         with pytest.raises(ValueError) as info:
             EPBuffer(group, **args)
@@ -306,7 +324,71 @@ def check_constructor_errors(group: dist.ProcessGroup) -> list[str]:
 def test_constructor_checks_parallel_sizes(ranks: RankPool) -> None:
     errors = ranks.run(check_constructor_errors)[0]
     assert errors == [
-        "num_experts (15) must be divisible by the group size R (4)",
+        "num_experts (3) must be >= the group size R (4)",
         "capacity must be >= 1, got 0",
         "top_k (17) must be <= num_experts (16)",
     ]
+
+
+def check_no_expert_ids(group: dist.ProcessGroup, async_op: bool) -> list[float]:
+    """-1 ids route nowhere and weigh nothing (even NaN weights there), in forward and backward.
+
+    Experts that multiply by 3 make the expected output exact without any reference layer:
+    `out[t] = 3 * x[t] * sum of t's weights over ids != -1`. Sync and async dispatch alike.
+    """
+    R, rank = dist.get_world_size(group), dist.get_rank(group)
+    E, K, S = 16, 3, 40
+    buf = EPBuffer(group, S, H, K, E)
+    xs, ids, ws = make_inputs(R, E, K, S, 3.0, True)
+    x, i, w = xs[rank].clone().requires_grad_(), ids[rank].clone(), ws[rank].clone()
+    none = torch.rand(i.shape, generator=torch.Generator().manual_seed(rank)) < 0.4
+    none[0] = True  # a token with no expert at all
+    i[none] = -1
+    w[none] = float("nan")
+    w.requires_grad_()
+    if async_op:
+        pending = buf.dispatch(x, i, w, async_op=True)
+        torch.randn(64, 64) @ torch.randn(64, 64)  # work while the rows travel
+        recv_x, _, _, h = pending.wait()
+    else:
+        recv_x, _, _, h = buf.dispatch(x, i, w)
+    assert int(h.plan.tpe[rank].sum()) == int((~none).sum()) == h.send_pair_n.numel()
+    out = buf.combine(h, recv_x * 3)
+    kept = w.detach().masked_fill(none, 0).sum(1, keepdim=True)
+    g = torch.randn(out.shape)
+    gx, gw = torch.autograd.grad((out * g).sum(), [x, w])
+    assert not out[0].any() and gw[none].eq(0).all()
+    return [rel(out, 3 * x.detach() * kept), rel(gx, 3 * g * kept),
+            rel(gw[~none], (3 * x.detach() * g).sum(1, keepdim=True).expand_as(gw)[~none])]
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.detach() - b).norm() / b.norm().clamp_min(1e-30))
+
+
+@pytest.mark.parametrize("async_op", [False, True], ids=["sync", "async"])
+@pytest.mark.timeout(60)
+def test_no_expert_ids_contribute_nothing(ranks: RankPool, async_op: bool) -> None:
+    for errs in ranks.run(check_no_expert_ids, async_op, ranks=2):
+        assert all(e <= 1e-6 for e in errs), errs  # also fails on NaN
+
+
+def check_async_dispatch(group: dist.ProcessGroup) -> bool:
+    """An async dispatch, waited after other work, lands the same rows as a synchronous one."""
+    R, rank = dist.get_world_size(group), dist.get_rank(group)
+    E, K, S = 32, 2, 40
+    buf = EPBuffer(group, S, H, K, E)
+    xs, ids, ws = make_inputs(R, E, K, S, 5.0, True)
+    recv_sync, w_sync, cu_sync, _ = buf.dispatch(xs[rank], ids[rank], ws[rank])
+    recv_sync, w_sync = recv_sync.clone(), w_sync.clone()
+    pending = buf.dispatch(xs[rank], ids[rank], ws[rank], async_op=True)
+    torch.randn(128, 128) @ torch.randn(128, 128)
+    recv_x, recv_w, cu, h = pending.wait()
+    assert pending.wait()[0] is recv_x  # wait() twice is harmless
+    rows = h.recv_row_n
+    return torch.equal(recv_x[rows], recv_sync[rows]) and torch.equal(recv_w, w_sync) and torch.equal(cu, cu_sync)
+
+
+@pytest.mark.timeout(60)
+def test_async_dispatch_equals_sync(ranks: RankPool) -> None:
+    assert ranks.run(check_async_dispatch) == [True] * 4

@@ -1,13 +1,17 @@
-"""Distributed MoELayer (real gloo groups) against the single-process layer with the same weights."""
+"""Expert-parallel MoELayer (`apply_ep`, real gloo groups) against the single-process layer with the same weights."""
 
 from __future__ import annotations
+
+import copy
+import re
+import time
 
 import pytest
 import torch
 import torch.distributed as dist
 from rank_pool import RankPool
 
-from k3sys.ep import MoELayer
+from k3sys.ep import MoELayer, RemoteInputError, apply_ep
 
 H, F, S = 16, 24, 48
 ROUTER_BIAS = {"uniform": 0.0, "skewed": 1.15, "one-expert": 50.0}  # expert 0's bias: maxvio ~0, ~10, E/K-1
@@ -26,8 +30,7 @@ def build(group: dist.ProcessGroup, E: int, K: int, routing: str, router: str, s
     with torch.no_grad():  # feature 0 is a constant 1, so router column 0 is a per-expert bias
         ref.router.weight[:, 0] = 0.0
         ref.router.weight[0, 0] = ROUTER_BIAS[routing]
-    layer = MoELayer(H, F, E, K, num_shared_experts=shared, group=group, capacity=S, router=router)
-    layer.load_full_state_dict(ref.state_dict())
+    layer = apply_ep(copy.deepcopy(ref), group, S)
     sizes = [S, S // 2 + 3, 0, S - 5][:R] if R == 4 else [S - 11, S]
     x = torch.randn(sum(sizes), H)
     x[:, 0] = 1.0
@@ -132,11 +135,6 @@ def test_optimizer_steps_equal_reference(ranks: RankPool) -> None:
         assert all(e <= 1e-5 for e in errs), errs  # also fails on NaN
 
 
-def test_capacity_required_with_group() -> None:
-    with pytest.raises(ValueError, match="capacity .* is required when group is set"):
-        MoELayer(8, 8, 4, 2, group=object())  # type: ignore[arg-type]
-
-
 def check_module_conversions(group: dist.ProcessGroup) -> list[float]:
     """`.double()` and meta-device construction + `.to_empty()` move the static buffers with the parameters."""
     ref, layer, x_all, mine = build(group, 16, 2, "skewed", "softmax", 1)
@@ -144,7 +142,8 @@ def check_module_conversions(group: dist.ProcessGroup) -> list[float]:
     assert layer.buffer.dtype == torch.float64
     errs = [rel(layer(x_all[mine]), ref(x_all)[mine])]
     with torch.device("meta"):
-        meta = MoELayer(H, F, 16, 2, num_shared_experts=1, group=group, capacity=S)
+        meta = apply_ep(MoELayer(H, F, 16, 2, num_shared_experts=1), group, S)
+    assert meta.w_gate.shape == (16 // dist.get_world_size(group), H, F)
     meta = meta.to_empty(device="cpu").double()
     meta.load_full_state_dict(ref.state_dict())
     assert meta.buffer.device == torch.device("cpu") and meta.buffer.dtype == torch.float64
@@ -156,3 +155,66 @@ def check_module_conversions(group: dist.ProcessGroup) -> list[float]:
 def test_buffers_follow_module_conversions(ranks: RankPool) -> None:
     for errs in ranks.run(check_module_conversions, ranks=2):
         assert all(e <= 1e-12 for e in errs), errs
+
+
+def check_no_expert_ids(group: dist.ProcessGroup) -> dict[str, float]:
+    """-1 in topk_ids (no expert) through the expert-parallel layer equals the single-process layer,
+    forward and every gradient; a -1 pair's weight (NaN here) is ignored."""
+    ref, layer, x_all, mine = build(group, 16, 2, "skewed", "softmax", 0)
+    ids_all, w_all = ref.route(x_all)
+    g = torch.Generator().manual_seed(5)
+    none = torch.rand(ids_all.shape, generator=g) < 0.3
+    ids_all, w_all = ids_all.masked_fill(none, -1), w_all.masked_fill(none, float("nan")).requires_grad_()
+    x_ref = x_all.clone().requires_grad_()
+    out_ref = ref.routed_experts(x_ref, ids_all, w_all)
+    go = torch.randn(out_ref.shape, generator=g)
+    grads_ref = torch.autograd.grad((out_ref * go).sum(), [x_ref, w_all, ref.w_down])
+    x = x_all[mine].clone().requires_grad_()
+    w = w_all.detach()[mine].clone().requires_grad_()
+    out = layer.routed_experts(x, ids_all[mine], w)
+    grads = torch.autograd.grad((out * go[mine]).sum(), [x, w, layer.w_down])
+    home = layer.home_experts()
+    assert torch.isfinite(out).all() and not grads[1][none[mine]].any()
+    return {"out": rel(out, out_ref[mine]), "x": rel(grads[0], grads_ref[0][mine]),
+            "w": rel(grads[1], grads_ref[1][mine]), "w_down": rel(grads[2], grads_ref[2][home.start:home.stop])}
+
+
+@pytest.mark.timeout(60)
+def test_no_expert_ids_match_reference(ranks: RankPool) -> None:
+    for errs in ranks.run(check_no_expert_ids, ranks=2):
+        assert all(e <= 1e-5 for e in errs.values()), errs
+
+
+def check_bad_layer_input(group: dist.ProcessGroup, kind: str) -> tuple[str, str, float]:
+    """Rank 1 feeds the layer a bad x; every rank raises within 1 s, then a good step works."""
+    ref, layer, x_all, mine = build(group, 16, 2, "uniform", "softmax", 1)
+    x = x_all[mine].clone()
+    if dist.get_rank(group) == 1:
+        if kind == "width":
+            x = torch.randn(x.shape[0], H + 3)
+        elif kind == "dtype":
+            x = x.double()
+        elif kind == "nan":
+            x[2, 5] = float("nan")
+    start = time.perf_counter()
+    try:
+        layer(x)
+        outcome = ("none", "")
+    except (ValueError, RemoteInputError) as e:
+        outcome = (type(e).__name__, str(e))
+    elapsed = time.perf_counter() - start
+    assert rel(layer(x_all[mine]), ref(x_all)[mine]) <= 1e-5  # the group still works
+    return (*outcome, elapsed)
+
+
+@pytest.mark.parametrize("kind", ["width", "dtype", "nan"])
+@pytest.mark.timeout(60)
+def test_bad_layer_input_raises_on_every_rank(ranks: RankPool, kind: str) -> None:
+    good, bad = ranks.run(check_bad_layer_input, kind, ranks=2)
+    assert good[0] == "RemoteInputError" and "rank 1 rejected its input" in good[1], good
+    assert bad[0] == "ValueError" and "rank 1" in bad[1], bad
+    expected = {"width": r"x must be \[\.\.\., 16\] torch.float32 on cpu, got \[\d+, 19\]",
+                "dtype": r"x must be \[\.\.\., 16\] torch.float32 on cpu, got \[\d+, 16\] torch.float64",
+                "nan": "x holds 1 non-finite values"}[kind]
+    assert re.search(expected, bad[1]), bad
+    assert good[2] < 1.0 and bad[2] < 1.0

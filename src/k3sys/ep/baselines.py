@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from k3sys.ep.homes import Homes
 from k3sys.ep.planner import Plan
 
 __all__ = ["Placement", "capacity", "eplb", "eplb_moves", "eplb_slots", "from_plan", "static"]
@@ -52,7 +53,7 @@ class Placement:
 def _home(kept: torch.Tensor, dropped: int = 0) -> Placement:
     """Home placement of `kept` `[R, E]` pairs."""
     R, E = kept.shape
-    traffic = kept.view(R, R, E // R).sum(2)
+    traffic = Homes(E, R).group_sum(kept)
     return Placement(traffic.sum(0), traffic, torch.zeros(R, R, dtype=torch.long), dropped)
 
 
@@ -155,9 +156,9 @@ def eplb_moves(old: torch.Tensor, new: torch.Tensor, num_ranks: int) -> torch.Te
 
 def from_plan(p: Plan) -> Placement:
     """Our plan: pairs where the plan puts them, every replica fetched from its expert's home rank."""
-    R, epn = p.num_ranks, p.experts_per_rank
+    R = p.num_ranks
     rank, slot = torch.nonzero(p.replicas >= 0, as_tuple=True)
-    home = p.replicas[rank, slot] // epn
+    home = p.homes.rank_of(p.replicas[rank, slot])
     fetched = torch.zeros(R * R, dtype=torch.long, device=rank.device).index_add_(
         0, home * R + rank, torch.ones_like(rank)
     )

@@ -12,11 +12,12 @@ app = typer.Typer(no_args_is_help=True, add_completion=False, help="Expert paral
 @app.command("plan")
 def plan_cmd(
     ranks: Annotated[int, typer.Option("--ranks", "-R", help="EP ranks.")] = 8,
-    experts: Annotated[int, typer.Option("--experts", "-E", help="Routed experts (a multiple of R).")] = 64,
+    experts: Annotated[int, typer.Option("--experts", "-E", help="Routed experts (>= R; any count).")] = 64,
     top_k: Annotated[int, typer.Option("--top-k", "-K", help="Experts per token.")] = 8,
     tokens: Annotated[int, typer.Option("--tokens", "-s", help="Tokens per rank.")] = 1024,
     maxvio: Annotated[float, typer.Option(help="Target imbalance max_e(T_e / mean T_e) - 1.")] = 2.0,
-    strategy: Annotated[str, typer.Option(help="match (ours) or greedy (MoonEP).")] = "match",
+    strategy: Annotated[str, typer.Option(help="device (ours), match (exact host oracle) or greedy (MoonEP).")] = (
+        "device"),
     tolerance: Annotated[float, typer.Option(help="Let ranks reach (1 + tolerance) * cap.")] = 0.0,
     seed: Annotated[int, typer.Option(help="Routing seed.")] = 0,
 ) -> None:
@@ -33,14 +34,14 @@ def plan_cmd(
     except ValueError as e:
         raise typer.BadParameter(str(e)) from e
     greedy = plan(tpe, top_k, strategy="greedy")
-    home = tpe.sum(0).view(ranks, -1).sum(1)
+    homes = p.homes
+    home = homes.group_sum(tpe.sum(0))
     table = Table(title=f"Plan ({p.strategy}) for R={ranks}, E={experts}, K={top_k}, s={tokens}, "
                   f"realised maxvio {maxvio_of(tpe.sum(0)):.2f}")
     for col in ("rank", "home load", "cap", "slots", "sent away", "replicas (expert:pairs)"):
         table.add_column(col, justify="left" if col.startswith("replicas") else "right")
-    epn = p.experts_per_rank
     for r in range(ranks):
-        own = p.alloc[r * epn : (r + 1) * epn]
+        own = p.alloc[homes.start(r) : homes.start(r + 1)]
         sent = int((own.sum(1) - own[:, r]).sum())
         reps = [f"{e}:{int(p.alloc[e, r])}" for e in p.replicas[r].tolist() if e >= 0]
         table.add_row(str(r), str(int(home[r])), str(int(p.cap[r])), str(int(p.loads[r])), str(sent), " ".join(reps))

@@ -11,16 +11,20 @@ e expert, r rank, n pairs or buffer rows, g expert groups on a rank (2 * epn: th
 then the epn replica slots). R ranks, E experts, epn = E / R.
 
 One step:
-1. Plan. Each rank checks its input, counts the pairs it routes to each expert, and all-gathers the
-   counts `tpe [R, E]` together with a verdict; a rank whose input is bad raises ValueError and the
-   others raise `RemoteInputError`, so nobody is left waiting in a later collective. Every rank then
-   runs the planner (`k3sys.ep.planner.plan`) on the same `tpe`: it is integer-only with stable
-   sorts, so all ranks hold the identical plan without a broadcast.
+1. Plan. Each rank checks its input (layout on the host; id range, repeats and finiteness of x and
+   the weights on the device), counts the pairs it routes to each expert (-1 ids: "no expert",
+   counted nowhere), and all-gathers the counts `tpe [R, E]` together with a verdict code: before
+   any token moves, a rank whose input is bad raises ValueError and the others raise
+   `RemoteInputError` naming it, so nobody is left waiting in a later collective and the group stays
+   usable. Every rank then runs the planner (`k3sys.ep.planner.plan`) on the same `tpe`: it is
+   integer-only with stable sorts, so all ranks hold the identical plan without a broadcast.
 2. Dispatch. The plan gives every pair its destination rank and row (`Plan.slots`). A small
    all_to_all sends each pair's row and routing weight; then one all_to_all_single moves the token
    rows into a static staging buffer and one scatter puts them in their final expert-grouped row.
    A symmetric-memory backend (NVSHMEM, torch symmetric memory) would let senders write straight
    into the remote rows and remove the row exchange, the staging buffer and the scatter.
+   With `async_op=True` dispatch returns while the token rows travel (`PendingDispatch.wait()`
+   lands them), so the caller can overlap other work, e.g. the shared expert, with the transfer.
 3. Prefetch. Each replica slot receives its expert's weights from the home rank by point-to-point
    sends straight from the home parameters into the static replica slots (no packing copies).
 4. Combine. The inverse transfer returns each pair's expert output to its source rank, where the
@@ -40,19 +44,26 @@ from __future__ import annotations
 import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
 
 from k3sys.ep.experts import weighted_sum
+from k3sys.ep.homes import Homes
 from k3sys.ep.planner import Plan, plan
 
-__all__ = ["EPBuffer", "EPHandle", "RemoteInputError"]
+__all__ = ["EPBuffer", "EPHandle", "PendingDispatch", "RemoteInputError"]
 
 _buffer_ids = itertools.count()
 
-# Verdict codes carried by the planning all-gather, so other ranks can say what went wrong where.
-_INPUT_PROBLEMS = ("", "x", "capacity", "topk_ids", "topk_weights")
+# Verdict codes carried by the planning all-gather, so other ranks can say what went wrong where:
+# layout problems 1-4 (found on the host), value problems from _VALUES on (found on the device), and
+# a caller's own check (`EPBuffer.abort`).
+_INPUT_PROBLEMS = ("", "x", "capacity", "topk_ids", "topk_weights", "topk_ids out of range", "topk_ids repeated",
+                   "x not finite", "topk_weights not finite", "caller's check")
+_VALUES = 5
+_CALLER = len(_INPUT_PROBLEMS) - 1
 
 
 class RemoteInputError(RuntimeError):
@@ -68,7 +79,8 @@ class EPHandle:
     send_pair_n: `[n_send]` pair index `t * K + k` of each sent row, grouped by destination rank.
     send_token_n: `[n_send]` its token `t`. recv_row_n: `[n_recv]` buffer row of each received pair.
     ends: this rank's group ends `[2 * epn]` (host ints; `cu_seqlens` as a tuple).
-    topk_weights_sk: the routing weights combine applies.
+    topk_weights_sk: the routing weights combine applies (0 where the id is -1).
+    Pairs with id -1 are in no send list.
     """
 
     owner: int
@@ -112,8 +124,8 @@ class EPBuffer:
         tolerance: float = 0.0,
     ) -> None:
         R = dist.get_world_size(group)
-        if num_experts % R:
-            raise ValueError(f"num_experts ({num_experts}) must be divisible by the group size R ({R})")
+        if num_experts < R:
+            raise ValueError(f"num_experts ({num_experts}) must be >= the group size R ({R})")
         for name, value in (("capacity", capacity), ("hidden", hidden), ("top_k", top_k),
                             ("token_padding", token_padding)):
             if value < 1:
@@ -124,7 +136,8 @@ class EPBuffer:
             device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
         self.group, self.rank, self.world = group, dist.get_rank(group), R
         self.capacity, self.hidden, self.top_k, self.num_experts = capacity, hidden, top_k, num_experts
-        self.experts_per_rank = num_experts // R
+        self.homes = Homes(num_experts, R)
+        self.experts_per_rank = self.homes.epn
         self.token_padding, self.tolerance = token_padding, tolerance
         self.dtype, self.device = dtype, torch.device(device)
         self._id = next(_buffer_ids)
@@ -145,16 +158,26 @@ class EPBuffer:
         self._replicas: dict[str, torch.Tensor] = {}
         self._grad_stage: dict[str, torch.Tensor] = {}
 
+    @property
+    def home_experts(self) -> range:
+        """Global ids of this rank's home experts."""
+        return self.homes.experts_of(self.rank)
+
     # ------------------------------------------------------------------ dispatch
     def dispatch(
-        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, EPHandle]:
+        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, *, async_op: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, EPHandle] | PendingDispatch:
         """Send every token-k pair to the row the planner gave it.
 
         Args:
-            x: `[s, H]` tokens of this rank, s <= capacity (s may differ across ranks).
-            topk_ids: `[s, K]` int experts per token, distinct within a row.
-            topk_weights: `[s, K]` float routing weights (combine applies them).
+            x: `[s, H]` finite tokens of this rank, s <= capacity (s may differ across ranks).
+            topk_ids: `[s, K]` int experts per token, distinct within a row; -1 means "no expert"
+                (DeepEP's convention): the pair is not sent and contributes nothing, its weight ignored.
+            topk_weights: `[s, K]` float routing weights, finite where the id is not -1 (combine
+                applies them).
+            async_op: return a `PendingDispatch` as soon as the token rows are on their way; its
+                `wait()` lands them and returns what the synchronous call returns. The planning steps
+                (a counts all-gather, a small row exchange) still run before it returns.
 
         Returns:
             recv_x: `[buffer_rows, H]` the static receive buffer, rows grouped by `cu_seqlens`;
@@ -163,20 +186,37 @@ class EPBuffer:
                 differentiable; combine applies the weights itself, on the source rank.
             cu_seqlens: `[2 * epn]` int64 end row of each group (home experts, then replica slots).
             handle: the `EPHandle` for combine / prefetch / reduce_grads.
+
+        Raises:
+            ValueError on a rank whose input is bad, `RemoteInputError` naming it on every other rank,
+            all before any token moves (see `_gather_counts`): the group stays usable.
         """
-        problem = self._check_dispatch(x, topk_ids, topk_weights)
-        tpe_e = None if problem else torch.bincount(topk_ids.reshape(-1).long(), minlength=self.num_experts)
-        tpe_re = self._gather_counts(tpe_e, problem)
+        handle = self._route(x, topk_ids, topk_weights)
+        pending = PendingDispatch(self, x, handle, self._start_rows(handle, x.detach(), handle.send_token_n))
+        return pending if async_op else pending.wait()
+
+    def abort(self, message: str) -> NoReturn:
+        """Reject this rank's step from a check made before dispatch (e.g. a layer's own input
+        check): joins the counts all-gather with a verdict, so every other rank's dispatch raises
+        `RemoteInputError` instead of waiting; raises ValueError(message) here."""
+        self._gather_counts(None, None, None, (_CALLER, message))
+        raise AssertionError("unreachable: _gather_counts raises for a problem")
+
+    def _route(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> EPHandle:
+        """Plan the step, give every pair its row and exchange the rows and weights; no token moves yet."""
+        tpe_re, routed_r = self._gather_counts(x, topk_ids, topk_weights, self._check_layout(x, topk_ids, topk_weights))
         p = self._plan(tpe_re)
         if p.buffer_rows != self.buffer_rows:
             raise AssertionError(f"planner gave {p.buffer_rows} buffer rows, expected {self.buffer_rows}")
-        dst_rank_sk, dst_row_sk = p.slots(self.rank, topk_ids.to(p.tpe.device))
+        dst_rank_n, dst_row_n = self._slots(p, topk_ids.reshape(-1), int(routed_r[self.rank]))
         send_r, recv_r = p.traffic_of(self.rank)
         send_splits, recv_splits = send_r.tolist(), recv_r.tolist()
-        send_pair_n = dst_rank_sk.reshape(-1).argsort(stable=True).to(self.device)
+        # Pairs sorted by destination; "no expert" pairs (destination R) sort last and are not sent.
+        send_pair_n = dst_rank_n.argsort(stable=True)[: sum(send_splits)].to(self.device)
         # Rows and weights travel ahead of the data, so the data lands in place with one scatter.
+        topk_weights = topk_weights.masked_fill(topk_ids < 0, 0)
         send_meta = self._src_meta_n2[: send_pair_n.numel()]
-        send_meta[:, 0] = dst_row_sk.reshape(-1).to(self.device)[send_pair_n]
+        send_meta[:, 0] = dst_row_n.to(self.device)[send_pair_n]
         send_meta[:, 1] = topk_weights.detach().float().reshape(-1)[send_pair_n].view(torch.int32)
         recv_meta = self._dst_meta_n2[: sum(recv_splits)]
         dist.all_to_all_single(recv_meta, send_meta, recv_splits, send_splits, group=self.group)
@@ -188,56 +228,109 @@ class EPBuffer:
         )
         self._recv_w_n.zero_()
         self._recv_w_n.index_copy_(0, handle.recv_row_n, recv_meta[:, 1].view(torch.float32))
-        recv_x = _Dispatch.apply(x, self, handle)
-        return recv_x, self._recv_w_n, p.cu_seqlens[self.rank], handle
+        return handle
 
-    def _check_dispatch(
+    def _slots(self, p: Plan, ids_n: torch.Tensor, routed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(destination rank, row) `[s*K]` of each pair; rank R for a "no expert" (-1) pair."""
+        if routed == ids_n.numel():
+            dst_rank, dst_row = p.slots(self.rank, ids_n.view(-1, 1))
+            return dst_rank.view(-1), dst_row.view(-1)
+        keep = (ids_n >= 0).to(p.tpe.device)
+        dst_rank_n = torch.full(ids_n.shape, self.world, dtype=torch.long, device=p.tpe.device)
+        dst_row_n = torch.zeros_like(dst_rank_n)
+        dst_rank, dst_row = p.slots(self.rank, ids_n.to(p.tpe.device)[keep].view(-1, 1))
+        dst_rank_n[keep], dst_row_n[keep] = dst_rank.view(-1), dst_row.view(-1)
+        return dst_rank_n, dst_row_n
+
+    def _check_layout(
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> tuple[int, str] | None:
-        """Local checks of dispatch's input: None, or (problem code, message)."""
-        S, H, K, E = self.capacity, self.hidden, self.top_k, self.num_experts
+        """Shape, dtype and device checks of dispatch's input (no values read, no host sync):
+        None, or (problem code, message)."""
+        S, H, K = self.capacity, self.hidden, self.top_k
         if x.dim() != 2 or x.shape[1] != H or x.dtype != self.dtype or x.device != self.device:
             return 1, f"x must be [s, {H}] {self.dtype} on {self.device}, got {list(x.shape)} {x.dtype} on {x.device}"
         s = x.shape[0]
         if s > S:
             return 2, f"x has s={s} tokens, more than the buffer capacity S={S}"
-        if topk_ids.shape != (s, K) or topk_ids.dtype.is_floating_point or topk_ids.dtype == torch.bool:
-            return 3, f"topk_ids must be an integer [s={s}, K={K}] tensor, got {list(topk_ids.shape)} {topk_ids.dtype}"
-        if topk_ids.numel() and (int(topk_ids.min()) < 0 or int(topk_ids.max()) >= E):
-            return 3, f"topk_ids must lie in [0, {E}), got [{int(topk_ids.min())}, {int(topk_ids.max())}]"
-        if K > 1 and bool((topk_ids.sort(-1).values.diff(dim=-1) == 0).any()):
-            return 3, "topk_ids repeats an expert within a token's row"
+        if (topk_ids.shape != (s, K) or topk_ids.dtype.is_floating_point or topk_ids.dtype == torch.bool
+                or topk_ids.device != self.device):
+            return 3, (f"topk_ids must be an integer [s={s}, K={K}] tensor on {self.device}, "
+                       f"got {list(topk_ids.shape)} {topk_ids.dtype} on {topk_ids.device}")
         if (topk_weights.shape != (s, K) or not topk_weights.dtype.is_floating_point
                 or topk_weights.device != self.device):
             return 4, (f"topk_weights must be a float [s={s}, K={K}] tensor on {self.device}, "
                        f"got {list(topk_weights.shape)} {topk_weights.dtype} on {topk_weights.device}")
         return None
 
-    def _gather_counts(self, tpe_e: torch.Tensor | None, problem: tuple[int, str] | None) -> torch.Tensor:
-        """All-gather `tpe [R, E]` plus a verdict column; raise on every rank if any input was bad."""
-        row = torch.zeros(self.num_experts + 1, dtype=torch.long, device=self.device)
+    def _value_problem(self, x: torch.Tensor, ids_sk: torch.Tensor, weights_sk: torch.Tensor,
+                       known_n: torch.Tensor) -> torch.Tensor:
+        """Device scalar: the first value problem's code (5-8), 0 when the values are good."""
+        ids_sorted = ids_sk.sort(-1).values
+        repeated = ((ids_sorted.diff(dim=-1) == 0) & (ids_sorted[:, 1:] >= 0)).any()
+        problems = torch.stack([~known_n.all(), repeated, ~x.isfinite().all(),
+                                ~weights_sk.masked_fill(ids_sk < 0, 0).isfinite().all()])
+        codes = torch.arange(_VALUES, _VALUES + 4, device=problems.device)
+        return torch.where(problems, codes, len(_INPUT_PROBLEMS)).min() % len(_INPUT_PROBLEMS)
+
+    def _describe(self, code: int, x: torch.Tensor, ids_sk: torch.Tensor, weights_sk: torch.Tensor) -> str:
+        """The bad rank's message for a value problem (reads the values: only on the error path)."""
+        if code == _VALUES:
+            return (f"topk_ids must lie in [-1, {self.num_experts}) (-1: no expert), "
+                    f"got [{int(ids_sk.min())}, {int(ids_sk.max())}]")
+        if code == _VALUES + 1:
+            return "topk_ids repeats an expert within a token's row"
+        if code == _VALUES + 2:
+            return f"x holds {int((~x.isfinite()).sum())} non-finite values (NaN or inf)"
+        bad = int((~weights_sk.masked_fill(ids_sk < 0, 0).isfinite()).sum())
+        return f"topk_weights holds {bad} non-finite values (NaN or inf) on routed pairs"
+
+    def _gather_counts(
+        self, x: torch.Tensor | None, ids_sk: torch.Tensor | None, weights_sk: torch.Tensor | None,
+        problem: tuple[int, str] | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """All-gather `tpe [R, E]` plus a verdict column; raise on every rank if any input was bad.
+
+        Returns tpe `[R, E]` on the buffer's device and the routed pairs of each rank `[R]` (CPU).
+
+        The verdict is the code of this rank's first problem: a layout one (`problem`, known on the
+        host) or a value one (ids out of range or repeated, non-finite x or weights), computed on
+        the device and carried by the same all-gather, so checking the values costs no host sync
+        beyond the one reading the gathered counts. -1 ids are counted nowhere.
+        """
+        E = self.num_experts
+        row = torch.zeros(E + 1, dtype=torch.long, device=self.device)
         if problem is None:
-            row[:-1] = tpe_e
+            ids_n = ids_sk.reshape(-1).long()
+            known_n = (ids_n >= -1) & (ids_n < E)
+            # Pairs without a (valid) expert land in the verdict slot, overwritten right after.
+            row.index_add_(0, torch.where(known_n & (ids_n >= 0), ids_n, E), torch.ones_like(ids_n))
+            row[E] = self._value_problem(x, ids_sk, weights_sk, known_n)
         else:
-            row[-1] = problem[0]
-        out_re = torch.empty(self.world * (self.num_experts + 1), dtype=torch.long, device=self.device)
+            row[E] = problem[0]
+        out_re = torch.empty(self.world * (E + 1), dtype=torch.long, device=self.device)
         dist.all_gather_single(out_re, row, group=self.group)
-        out_re = out_re.view(self.world, -1)
-        if problem is not None:
-            raise ValueError(f"EPBuffer.dispatch on rank {self.rank}: {problem[1]}")
-        verdict_r = out_re[:, -1].cpu()
+        out_re = out_re.view(self.world, E + 1)
+        # The one host sync of planning: every rank's verdict and routed pairs, read together.
+        verdict_r, routed_r = torch.stack([out_re[:, E], out_re[:, :E].sum(1)]).cpu()
+        mine = int(verdict_r[self.rank])
+        if mine:
+            message = problem[1] if problem is not None else self._describe(mine, x, ids_sk, weights_sk)
+            raise ValueError(f"EPBuffer.dispatch on rank {self.rank}: {message}")
         if bool(verdict_r.any()):
             bad = int(verdict_r.nonzero()[0])
             raise RemoteInputError(
                 f"EPBuffer.dispatch: rank {bad} rejected its input ({_INPUT_PROBLEMS[int(verdict_r[bad])]}); "
                 f"rank {self.rank} stops too"
             )
-        return out_re[:, :-1].cpu()
+        return out_re[:, :E], routed_r  # the counts stay on the device: the planner runs there
 
     def _plan(self, tpe_re: torch.Tensor) -> Plan:
-        return plan(tpe_re, self.top_k, tokens_per_rank=self.capacity,
-                    total_tokens=int(tpe_re.sum()) // self.top_k, token_padding=self.token_padding,
-                    tolerance=self.tolerance)
+        # The planner balances token-k pairs. With "no expert" (-1) ids a rank's pairs are not s*K,
+        # so every pair is planned as a token of a top-1 routing: caps, replicas and rows are the same.
+        # The verdict has checked every id, so the device planner runs unvalidated: no host sync.
+        return plan(tpe_re, 1, tokens_per_rank=self.capacity * self.top_k, token_padding=self.token_padding,
+                    tolerance=self.tolerance, validate=False)
 
     # ------------------------------------------------------------------ combine
     def combine(self, handle: EPHandle, expert_out: torch.Tensor) -> torch.Tensor:
@@ -265,11 +358,20 @@ class EPBuffer:
     # The two transfers; each is the other's adjoint.
     def _pairs_to_rows(self, h: EPHandle, src_nh: torch.Tensor, index_n: torch.Tensor, out_nh: torch.Tensor) -> None:
         """Rows `src[index]` (in send order) -> their planned rows of `out` on the destination ranks."""
+        self._land_rows(h, self._start_rows(h, src_nh, index_n), out_nh)
+
+    def _start_rows(self, h: EPHandle, src_nh: torch.Tensor, index_n: torch.Tensor) -> dist.Work:
+        """First half of `_pairs_to_rows`: pack and start the all_to_all into the staging buffer."""
         send = self._src_nh[: index_n.numel()]
         torch.index_select(src_nh, 0, index_n, out=send)
         recv = self._dst_nh[: h.recv_row_n.numel()]
-        dist.all_to_all_single(recv, send, list(h.recv_splits), list(h.send_splits), group=self.group)
-        out_nh.index_copy_(0, h.recv_row_n, recv)
+        return dist.all_to_all_single(recv, send, list(h.recv_splits), list(h.send_splits), group=self.group,
+                                      async_op=True)
+
+    def _land_rows(self, h: EPHandle, work: dist.Work, out_nh: torch.Tensor) -> None:
+        """Second half: wait for the all_to_all and scatter the staged rows into their planned rows."""
+        work.wait()
+        out_nh.index_copy_(0, h.recv_row_n, self._dst_nh[: h.recv_row_n.numel()])
 
     def _rows_to_pairs(self, h: EPHandle, rows_nh: torch.Tensor) -> torch.Tensor:
         """Planned rows of `rows` on the destination ranks -> `[n_send, H]` back on the source, in send order."""
@@ -308,18 +410,22 @@ class EPBuffer:
         return dict(zip(names, out[: len(names)], strict=True)), dict(zip(names, out[len(names):], strict=True))
 
     def _check_weights(self, weights: Mapping[str, torch.Tensor], what: str) -> None:
-        epn = self.experts_per_rank
+        # Home weights hold this rank's home experts (epn or epn - 1 of them with uneven homes);
+        # replica slots and their gradients always epn.
+        rows = self.homes.count(self.rank) if what == "home_weights" else self.experts_per_rank
         for name, w in weights.items():
-            if w.dim() < 1 or w.shape[0] != epn:
-                raise ValueError(f"{what}[{name!r}] must be [epn={epn}, ...], got {list(w.shape)}")
+            if w.dim() < 1 or w.shape[0] != rows:
+                raise ValueError(f"{what}[{name!r}] must be [{rows}, ...] (this rank's "
+                                 f"{'home experts' if what == 'home_weights' else 'replica slots'}), "
+                                 f"got {list(w.shape)}")
         if not self._replicas:
             if what != "home_weights":
                 raise ValueError(f"EPBuffer: {what} given before any prefetch")
             for name, w in weights.items():
-                self._replicas[name] = torch.zeros_like(w, memory_format=torch.contiguous_format)
-                self._grad_stage[name] = torch.zeros_like(w, memory_format=torch.contiguous_format)
-        layout = {n: (tuple(t.shape), t.dtype) for n, t in self._replicas.items()}
-        given = {n: (tuple(t.shape), t.dtype) for n, t in weights.items()}
+                self._replicas[name] = w.new_zeros(self.experts_per_rank, *w.shape[1:])
+                self._grad_stage[name] = w.new_zeros(self.experts_per_rank, *w.shape[1:])
+        layout = {n: (tuple(t.shape[1:]), t.dtype) for n, t in self._replicas.items()}
+        given = {n: (tuple(t.shape[1:]), t.dtype) for n, t in weights.items()}
         if given != layout:
             raise ValueError(f"{what} must match the first prefetch's weights {layout}, got {given}")
 
@@ -327,9 +433,9 @@ class EPBuffer:
         """`[c, 4]` (destination rank, slot, expert, home rank) of every replica, sorted by (home, dest, slot)."""
         dest, slot = torch.nonzero(p.replicas >= 0, as_tuple=True)
         expert = p.replicas[dest, slot]
-        home = expert // self.experts_per_rank
+        home = self.homes.rank_of(expert)
         key = (home * self.world + dest) * self.experts_per_rank + slot
-        return torch.stack([dest, slot, expert, home], 1)[key.argsort()]
+        return torch.stack([dest, slot, expert, home], 1)[key.argsort()].cpu()  # host tables: p2p schedule
 
     def _fill_replicas(self, h: EPHandle, home: list[torch.Tensor], names: list[str]) -> None:
         ops = []
@@ -339,7 +445,7 @@ class EPBuffer:
             for i, name in enumerate(names):
                 tag = slot * len(names) + i
                 if src == self.rank:
-                    w = home[i][expert % self.experts_per_rank]
+                    w = home[i][self.homes.local(expert)]
                     ops.append(dist.P2POp(dist.isend, w.contiguous(), group=self.group, tag=tag, group_peer=dest))
                 elif dest == self.rank:
                     ops.append(dist.P2POp(dist.irecv, self._replicas[name][slot], group=self.group, tag=tag,
@@ -354,13 +460,15 @@ class EPBuffer:
             grads: name -> `[epn, ...]` gradients of this rank's replica slots.
 
         Returns:
-            name -> `[epn, ...]` the sum, over every replica of each home expert on any rank, of its
+            name -> `[homes, ...]` (this rank's home experts, epn or epn - 1 with uneven homes) the
+            sum, over every replica of each home expert on any rank, of its
             gradient (zeros for experts without replicas); add it to the home weights' gradients.
             (Prefetch's backward hands the sums to autograd as sparse rows instead, see `_Prefetch`.)
         """
         self._check_handle(handle, "reduce_grads")
         self._check_weights(grads, "grads")
-        out = {n: torch.zeros_like(g, memory_format=torch.contiguous_format) for n, g in grads.items()}
+        homes = self.homes.count(self.rank)
+        out = {n: g.new_zeros(homes, *g.shape[1:]) for n, g in grads.items()}
         received = self._send_grads_home(handle, grads)
         if received is not None:
             experts, sums = received
@@ -385,7 +493,7 @@ class EPBuffer:
         # Position of each copy among its home rank's copies (copies are sorted by home).
         position = torch.arange(len(copies)) - torch.searchsorted(home_r, home_r, side="left")
         mine = home_r == self.rank
-        experts, landing = torch.unique(copies[mine, 2] % epn, return_inverse=True)  # copy -> its sum's row
+        experts, landing = torch.unique(self.homes.local(copies[mine, 2]), return_inverse=True)  # copy -> its sum's row
         sums = {name: g.new_zeros(len(experts), *g.shape[1:]) for name, g in grads.items()} if mine.any() else None
         rounds = int(position.max()) // epn + 1 if len(copies) else 0
         involved = mine | (copies[:, 0] == self.rank)  # rounds count every copy; ops only this rank's
@@ -417,21 +525,46 @@ def _run_p2p(ops: list[dist.P2POp]) -> None:
             req.wait()
 
 
+class PendingDispatch:
+    """A dispatch whose token rows are in flight (`EPBuffer.dispatch(..., async_op=True)`).
+
+    Work placed between the dispatch and `wait()` (a shared expert, another micro-batch's attention)
+    overlaps the transfer. Until `wait()`, the buffer's staging is in use: no other call on the same
+    EPBuffer, and `x` must not change in place.
+    """
+
+    def __init__(self, buf: EPBuffer, x: torch.Tensor, handle: EPHandle, work: dist.Work) -> None:
+        self._buf, self._x, self._work = buf, x, work
+        self.handle = handle
+        self._result: tuple[torch.Tensor, torch.Tensor, torch.Tensor, EPHandle] | None = None
+
+    def wait(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, EPHandle]:
+        """Complete the dispatch: (recv_x, recv_w, cu_seqlens, handle) as `EPBuffer.dispatch` returns them."""
+        if self._result is None:
+            buf, h = self._buf, self.handle
+            recv_x = _Dispatch.apply(self._x, buf, h, self._work)
+            self._result = (recv_x, buf._recv_w_n, h.plan.cu_seqlens[h.rank], h)
+        return self._result
+
+
 class _Dispatch(torch.autograd.Function):
-    """x `[s, H]` -> the static receive buffer `[buffer_rows, H]`; backward: the inverse transfer, summed over k."""
+    """x `[s, H]` -> the static receive buffer `[buffer_rows, H]`; backward: the inverse transfer, summed over k.
+
+    The forward transfer was started by `dispatch` (`work`); the forward lands it.
+    """
 
     @staticmethod
-    def forward(ctx, x_sh: torch.Tensor, buf: EPBuffer, handle: EPHandle) -> torch.Tensor:
+    def forward(ctx, x_sh: torch.Tensor, buf: EPBuffer, handle: EPHandle, work: dist.Work) -> torch.Tensor:
         ctx.buf, ctx.handle = buf, handle
-        buf._pairs_to_rows(handle, x_sh, handle.send_token_n, buf._recv_x_nh)
+        buf._land_rows(handle, work, buf._recv_x_nh)
         return buf._recv_x_nh.view_as(buf._recv_x_nh)
 
     @staticmethod
-    def backward(ctx, grad_nh: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+    def backward(ctx, grad_nh: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         buf, h = ctx.buf, ctx.handle
         back_nh = buf._rows_to_pairs(h, grad_nh.contiguous())
         grad_sh = torch.zeros(h.num_tokens, buf.hidden, dtype=grad_nh.dtype, device=grad_nh.device)
-        return grad_sh.index_add_(0, h.send_token_n, back_nh), None, None
+        return grad_sh.index_add_(0, h.send_token_n, back_nh), None, None, None
 
 
 class _Combine(torch.autograd.Function):
@@ -441,7 +574,10 @@ class _Combine(torch.autograd.Function):
     def forward(ctx, expert_out_nh: torch.Tensor, buf: EPBuffer, handle: EPHandle) -> torch.Tensor:
         ctx.buf, ctx.handle = buf, handle
         back_nh = buf._rows_to_pairs(handle, expert_out_nh.contiguous())
-        y_nh = torch.empty(handle.num_tokens * buf.top_k, buf.hidden, dtype=back_nh.dtype, device=back_nh.device)
+        pairs = handle.num_tokens * buf.top_k
+        # "No expert" pairs get no row back: zeros, which their zeroed weights multiply.
+        make = torch.empty if back_nh.shape[0] == pairs else torch.zeros
+        y_nh = make(pairs, buf.hidden, dtype=back_nh.dtype, device=back_nh.device)
         return y_nh.index_copy_(0, handle.send_pair_n, back_nh).view(handle.num_tokens, buf.top_k, buf.hidden)
 
     @staticmethod
@@ -497,7 +633,7 @@ class _Prefetch(torch.autograd.Function):
         experts, sums = received
         source_grads = []
         for name, g in zip(names, home_grads, strict=True):
-            shape = buf._replicas[name].shape
+            shape = (buf.homes.count(h.rank), *buf._replicas[name].shape[1:])  # the home weights'
             if g is None:  # nothing to add to: a sparse gradient alone would make the weight's .grad sparse
                 source_grads.append(sums[name].new_zeros(shape).index_copy_(0, experts, sums[name]))
             else:

@@ -15,6 +15,12 @@ from k3sys.ep.planner import Plan
 __all__ = ["combine_reference", "dispatch_reference", "prefetch_reference", "reduce_grads_reference"]
 
 
+def _slots(p: Plan, rank: int, ids_sk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # EPBuffer plans every token-k pair as a token of a top-1 routing (see `EPBuffer._plan`).
+    dst_rank, dst_row = p.slots(rank, ids_sk.reshape(-1, p.top_k))
+    return dst_rank.view_as(ids_sk), dst_row.view_as(ids_sk)
+
+
 def dispatch_reference(
     p: Plan, xs: list[torch.Tensor], topk_ids: list[torch.Tensor], topk_weights: list[torch.Tensor]
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -27,7 +33,7 @@ def dispatch_reference(
     recv_x = [xs[0].new_zeros(p.buffer_rows, H) for _ in range(R)]
     recv_w = [torch.zeros(p.buffer_rows) for _ in range(R)]
     for src, (x_sh, ids_sk, w_sk) in enumerate(zip(xs, topk_ids, topk_weights, strict=True)):
-        dst_rank_sk, dst_row_sk = p.slots(src, ids_sk)
+        dst_rank_sk, dst_row_sk = _slots(p, src, ids_sk)
         token_sk = torch.arange(x_sh.shape[0]).view(-1, 1).expand_as(ids_sk)
         for dst in range(R):
             at = dst_rank_sk == dst
@@ -42,7 +48,7 @@ def combine_reference(
     """Each rank's `[s, H]`: `sum_k w[t, k] * expert_outs[dst_rank][dst_row]` for its pairs."""
     outs = []
     for src, (ids_sk, w_sk) in enumerate(zip(topk_ids, topk_weights, strict=True)):
-        dst_rank_sk, dst_row_sk = p.slots(src, ids_sk)
+        dst_rank_sk, dst_row_sk = _slots(p, src, ids_sk)
         y_skh = torch.stack(expert_outs)[dst_rank_sk, dst_row_sk]
         outs.append(weighted_sum(w_sk, y_skh))
     return outs

@@ -1,4 +1,4 @@
-"""Which home group sends how many pairs to which rank: the two planner strategies, on the host.
+"""Which home group sends how many pairs to which rank: the two host planner strategies (`host_alloc`).
 
 Both see R numbers (each home group's load against its limit), so they run as plain Python over at
 most a few R matching rounds after one small device-to-host copy. They return quotas[h] = {d: pairs}
@@ -21,6 +21,11 @@ most a few R matching rounds after one small device-to-host copy. They return qu
 from __future__ import annotations
 
 import heapq
+from collections import Counter
+
+import torch
+
+from k3sys.ep.homes import Homes
 
 Quotas = list[dict[int, int]]
 
@@ -167,18 +172,52 @@ def match_quotas(
 
 def cut_quotas(quotas: Quotas, expert_load: list[list[int]]) -> list[tuple[int, int, int]]:
     """(expert, rank, pairs) pieces: each group's quotas, largest first, cut from its largest remaining
-    expert (MoonEP's rule; an expert that covers a quota gives one piece)."""
-    epn = len(expert_load[0]) if expert_load else 0
+    expert (MoonEP's rule; an expert that covers a quota gives one piece). `expert_load[h]` lists group
+    h's experts in id order; groups may differ in size (uneven homes)."""
+    first = [0]
+    for loads in expert_load:
+        first.append(first[-1] + len(loads))
     pieces = []
     for h, quota in enumerate(quotas):
         left = list(expert_load[h])
         for d, q in sorted(quota.items(), key=lambda dq: (-dq[1], dq[0])):
             while q > 0:
-                i = max(range(epn), key=left.__getitem__)
+                i = max(range(len(left)), key=left.__getitem__)
                 n = min(q, left[i])
                 if n == 0:
                     raise AssertionError(f"group {h}'s quotas exceed its load {expert_load[h]}")
-                pieces.append((h * epn + i, d, n))
+                pieces.append((first[h] + i, d, n))
                 left[i] -= n
                 q -= n
     return pieces
+
+
+def host_alloc(
+    load: torch.Tensor, cap: torch.Tensor, limit: torch.Tensor, strategy: str, exact: bool, ranks_per_node: int | None
+) -> tuple[torch.Tensor, str]:
+    """The host strategies ("match", "greedy"): alloc `[E, R]` from `[E]` expert loads, and the strategy
+    that produced it (syncs: R-sized host loops)."""
+    R, E = cap.numel(), load.numel()
+    homes = Homes(E, R)
+    loads = load.tolist()
+    expert_load = [loads[homes.start(r) : homes.start(r + 1)] for r in range(R)]
+    group_load = [sum(g) for g in expert_load]
+    pieces = None
+    # A tolerance so small that it leaves almost no slack can make the inexact match run out of
+    # room; the exact match then still beats the greedy fallback.
+    attempts = [(limit, exact)] + ([] if exact else [(cap, True)])
+    while strategy == "match" and pieces is None and attempts:
+        bound, exact_caps = attempts.pop(0)
+        quotas = match_quotas(group_load, bound.tolist(), homes.epn, exact_caps, ranks_per_node)
+        pieces = None if quotas is None else cut_quotas(quotas, expert_load)
+        if pieces and max(Counter(d for _, d, _ in pieces).values()) > homes.epn:
+            pieces = None  # a quota split over several experts overfilled a rank's slots
+    used = strategy if pieces is not None else "greedy"
+    if pieces is None:
+        pieces = cut_quotas(greedy_quotas(group_load, cap.tolist()), expert_load)
+    e, d, n = torch.tensor(pieces, dtype=torch.long, device=load.device).view(-1, 3).unbind(1)
+    alloc = torch.zeros(E, R, dtype=torch.long, device=load.device)
+    experts = torch.arange(E, device=load.device)
+    alloc[experts, homes.rank_of(experts)] = load - torch.zeros_like(load).index_add_(0, e, n)
+    alloc.view(-1).index_add_(0, e * R + d, n)
+    return alloc, used

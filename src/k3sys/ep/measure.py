@@ -32,6 +32,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from k3sys.ep.layer import MoELayer
+from k3sys.ep.parallelize import apply_ep
 from k3sys.ep.routing import make_routing
 
 __all__ = ["MALLOC_ENV", "METHODS", "StepSetup", "hot_on_rank0", "measure_step"]
@@ -94,7 +95,7 @@ def _worker(rank: int, c: StepSetup, methods: tuple[str, ...], port: int, out_fi
     layers = {}
     for m in methods:
         torch.manual_seed(0)  # same weights for every method
-        layers[m] = MoELayer(c.hidden, c.ffn, c.experts, c.top_k, group=dist.group.WORLD, capacity=c.tokens,
+        layers[m] = apply_ep(MoELayer(c.hidden, c.ffn, c.experts, c.top_k), dist.group.WORLD, c.tokens,
                              tolerance=0.0 if m == "ours" else c.ranks - 1)
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(c.tokens, c.hidden, generator=g).requires_grad_()

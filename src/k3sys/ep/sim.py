@@ -38,13 +38,14 @@ import torch
 
 from k3sys.ep import baselines
 from k3sys.ep.baselines import Placement
+from k3sys.ep.homes import Homes
 from k3sys.ep.planner import plan
 from k3sys.ep.routing import balancedness, make_routing, tokens_per_expert
 from k3sys.ep.routing import maxvio as _maxvio_of
 
 __all__ = [
     "H200", "K3_MOE", "MOONEP", "Comparison", "Hardware", "MoEShape", "Schedule", "StepCost", "break_even_tolerance",
-    "compare", "pad_experts", "step_cost",
+    "compare", "step_cost",
 ]
 
 
@@ -169,24 +170,6 @@ def break_even_tolerance(tokens_per_rank: int, top_k: int, shape: MoEShape = K3_
     return pairs / (tokens_per_rank * top_k)
 
 
-def pad_experts(tpe: torch.Tensor, num_ranks: int) -> torch.Tensor:
-    """`[R, ceil(E/R) * R]`: tpe with zero-load columns so every rank has ceil(E/R) expert slots.
-
-    E = 896 over R = 256 ranks is 3.5 experts per rank: ranks 0, 2, 4, ... hold 4 real experts, the
-    others 3 real and one empty slot (real experts stay in order).
-    """
-    R_src, E = tpe.shape
-    per = -(-E // num_ranks)
-    real = torch.full((num_ranks,), E // num_ranks)
-    extra = E % num_ranks
-    real[torch.arange(extra) * num_ranks // max(extra, 1)] += 1  # spread the fuller ranks evenly
-    first = torch.cumsum(real, 0) - real
-    col = torch.repeat_interleave(torch.arange(num_ranks) * per - first, real) + torch.arange(E)
-    out = tpe.new_zeros(R_src, num_ranks * per)
-    out[:, col] = tpe
-    return out
-
-
 def _perfect(R: int, tokens_per_rank: int, top_k: int) -> Placement:
     """Every rank computes s*K pairs and sends s*K/R to every rank, nothing fetched."""
     pairs = tokens_per_rank * top_k
@@ -245,18 +228,17 @@ def compare(
         return tokens_per_expert(ids, E)
 
     now = window(0, hot_shift)
-    padded = pad_experts(now, R)
     methods: dict[str, Placement] = {
-        "static": baselines.static(padded),
-        "eplb": baselines.eplb(now, window(1, 0.0).sum(0), 2 * padded.shape[1] // R,
+        "static": baselines.static(now),
+        "eplb": baselines.eplb(now, window(1, 0.0).sum(0), 2 * Homes(E, R).epn,
                                previous_load=window(2, 0.0).sum(0)),
-        "capacity": baselines.capacity(padded, capacity_factor),
+        "capacity": baselines.capacity(now, capacity_factor),
     }
     plans = {
-        "greedy": plan(padded, K, strategy="greedy"),
-        "ours": plan(padded, K),
-        "ours_node": plan(padded, K, ranks_per_node=hw.ranks_per_node),
-        "ours_tol": plan(padded, K, tolerance=tolerance, ranks_per_node=hw.ranks_per_node),
+        "greedy": plan(now, K, strategy="greedy"),
+        "ours": plan(now, K),
+        "ours_node": plan(now, K, ranks_per_node=hw.ranks_per_node),
+        "ours_tol": plan(now, K, tolerance=tolerance, ranks_per_node=hw.ranks_per_node),
     }
     methods |= {name: baselines.from_plan(p) for name, p in plans.items()}
     serial = replace(schedule, prefetch_overlap=0.0)
@@ -281,4 +263,4 @@ def compare(
             out[name]["moved_copies"] = int(placement.rebalance.sum())
     for name, p in plans.items():
         out[name] |= {"copies": p.num_copies, "moved_tokens": p.moved_tokens, "lower_bound": p.moved_lower_bound}
-    return Comparison(maxvio=_maxvio_of(now.sum(0)), methods=out, tpe=padded)
+    return Comparison(maxvio=_maxvio_of(now.sum(0)), methods=out, tpe=now)

@@ -21,14 +21,18 @@ class MoEFFN(nn.Module):
         super().__init__()
         d, latent = cfg.hidden_size, cfg.moe_latent_size
         self.down = nn.Linear(d, latent, bias=False) if latent else nn.Identity()
-        self.experts = MoELayer(latent or d, cfg.expert_ffn_size, cfg.num_experts, cfg.top_k, router=cfg.router)
+        self.experts = MoELayer(latent or d, cfg.expert_ffn_size, cfg.num_experts, cfg.top_k, router=cfg.router,
+                                score_bias=cfg.router_score_bias, routed_scale=cfg.routed_scaling_factor)
         self.up = nn.Linear(latent, d, bias=False) if latent else nn.Identity()
         shared = cfg.num_shared_experts * cfg.expert_ffn_size
         self.shared = SwiGLU(d, shared) if shared else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.up(self.experts(self.down(x)))
-        return y + self.shared(x) if self.shared is not None else y
+        work = self.experts.start(self.down(x))
+        # Between the routed halves: under expert parallelism (`apply_ep`) the tokens are in flight.
+        shared = self.shared(x) if self.shared is not None else None
+        y = self.up(self.experts.finish(work))
+        return y + shared if shared is not None else y
 
     def routed_expert_params(self) -> int:
         """Weights of all routed experts (a token uses top_k / num_experts of them)."""
