@@ -258,8 +258,9 @@ class _Facade:
         return self._then(self._rt.checkpoint(self.id), lambda info: self._checkpoint._of(info, self._rt))
 
     def fork(self, n: int = 1) -> Any:
-        """`n` new running sandboxes, each with this one's processes, memory and files as of now."""
-        return self._then(self._rt.fork(self.id, n), lambda r: [type(self)(self._rt, k.id) for k in r[1]])
+        """`n` new running sandboxes, each with this one's processes, memory and files as of now.
+        Nothing is added to the store (`checkpoint` first to keep this state)."""
+        return self._then(self._rt.fork(self.id, n), lambda kids: [type(self)(self._rt, k.id) for k in kids])
 
     def hibernate(self) -> Any:
         """Checkpoint, then stop: memory and CPU released, state "hibernated"; `resume` restores it."""

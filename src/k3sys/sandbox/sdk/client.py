@@ -230,10 +230,9 @@ class _Routes:
         return self._do(_Call("POST", f"/sandboxes/{sid}/prefetch", json={"ttl_s": ttl_s},
                               parse=lambda r: r.json()["staged"]))
 
-    def fork(self, sid: str, n: int = 1) -> tuple[CheckpointInfo, list[SandboxInfo]]:
-        def parse(r: httpx.Response) -> tuple[CheckpointInfo, list[SandboxInfo]]:
-            d = r.json()
-            return checkpoint_info(d["checkpoint"]), [sandbox_info(s) for s in d["sandboxes"]]
+    def fork(self, sid: str, n: int = 1) -> list[SandboxInfo]:
+        def parse(r: httpx.Response) -> list[SandboxInfo]:
+            return [sandbox_info(s) for s in r.json()["sandboxes"]]
 
         check_number("n", n, 1, MAX_FORK, "children", integer=True)  # named as the SDK names it, not `count`
         return self._do(_Call("POST", f"/sandboxes/{sid}/fork", json={"count": n}, parse=parse))

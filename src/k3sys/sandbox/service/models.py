@@ -10,7 +10,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
 from k3sys.sandbox.spec import MAX_FORK, SandboxSpec
-from k3sys.sandbox.types import CheckpointInfo, SandboxInfo
+from k3sys.sandbox.types import SandboxInfo
 
 _STRICT = ConfigDict(extra="forbid", strict=True)
 # The create body is SandboxSpec's fields (defaults from there) plus an optional id.
@@ -66,7 +66,6 @@ class CommandStatus(BaseModel):
 
 
 class Forked(BaseModel):
-    checkpoint: CheckpointInfo
     sandboxes: list[SandboxInfo]
 
 

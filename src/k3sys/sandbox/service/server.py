@@ -13,7 +13,7 @@ Resources (all but /health need `Authorization: Bearer <key>`; see `_auth.py` fo
     POST   /sandboxes/{id}/hibernate          checkpoint + stop        -> CheckpointInfo
     POST   /sandboxes/{id}/prefetch {"ttl_s"} stage a hibernated one's images for a resume -> {"staged"}
     POST   /sandboxes/{id}/checkpoints        checkpoint               -> 201 CheckpointInfo
-    POST   /sandboxes/{id}/fork  {"count": n} n copies                 -> 201 {"checkpoint", "sandboxes"}
+    POST   /sandboxes/{id}/fork  {"count": n} n copies                 -> 201 {"sandboxes"}
     POST   /sandboxes/{id}/commands           run (or start, with "background": true)
     GET    /commands/{cid}                    running?, output so far
     GET    /commands/{cid}/events             output as server-sent events (stdout, stderr, end)
@@ -168,8 +168,8 @@ async def checkpoint(svc: Svc, sid: str) -> Any:
 
 @router.post("/sandboxes/{sid}/fork", status_code=201, response_model=Forked, tags=["life cycle"])
 async def fork(svc: Svc, sid: str, body: Fork | None = None) -> Any:
-    ck, kids = await svc.call("fork", svc.fork, sid, (body or Fork()).count)
-    return {"checkpoint": ck, "sandboxes": kids}
+    kids = await svc.call("fork", svc.fork, sid, (body or Fork()).count)
+    return {"sandboxes": kids}
 
 
 @router.post("/sandboxes/{sid}/commands", tags=["commands"], status_code=200,
