@@ -46,6 +46,16 @@ class CheckpointInfo:
 
 
 @dataclass(frozen=True)
+class FilesystemEvent:
+    """One change seen by `files.watch_dir`: `type` "create" (also a name moved in), "write",
+    "remove", "rename" (a name moved away) or "chmod"; `path` absolute in the sandbox."""
+
+    type: str
+    path: str
+    is_dir: bool = False
+
+
+@dataclass(frozen=True)
 class EntryInfo:
     """One entry of `files.list`: `size` in bytes, `mtime` in seconds since the epoch."""
 

@@ -188,6 +188,12 @@ class Files:
     def exists(self, path: str) -> bool:
         return self._sbx._rt.exists(self._sbx.id, path)
 
+    def watch_dir(self, path: str, recursive: bool = False) -> Any:
+        """Watch a directory (with `recursive`, its whole tree) for changes, as E2B's SDK does: the
+        handle's `get_new_events()` gives the `FilesystemEvent`s since the last call, `stop()` ends
+        it. Embedded runtimes only for now (the HTTP service does not stream watches yet)."""
+        return self._sbx._rt.watch_dir(self._sbx.id, path, recursive)
+
 
 class _Facade:
     """What `Sandbox` and `AsyncSandbox` share: constructors, life cycle, `.commands`, `.files`."""

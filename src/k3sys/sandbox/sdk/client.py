@@ -23,7 +23,7 @@ import threading
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, NoReturn
 
 import httpx
 
@@ -211,6 +211,9 @@ class _Routes:
 
     def exists(self, sid: str, path: str) -> bool:
         return self._do(_Call("HEAD", f"/sandboxes/{sid}/files", params={"path": path}, raw=True, parse=_exists))
+
+    def watch_dir(self, sid: str, path: str, recursive: bool = False) -> NoReturn:
+        raise InvalidArgumentError("files.watch_dir is not served over HTTP yet: it needs an embedded Runtime")
 
     # --- life cycle -----------------------------------------------------------------------------
 
