@@ -31,7 +31,7 @@ from k3sys.sandbox.errors import NotFoundError
 from k3sys.sandbox.sdk.backend import Backend
 from k3sys.sandbox.sdk.connection import ConnectionConfig, ConnectionOpts, default_runtime
 from k3sys.sandbox.spec import CommandResult, SandboxSpec
-from k3sys.sandbox.types import CheckpointInfo, EntryInfo, SandboxInfo
+from k3sys.sandbox.types import CheckpointInfo, EntryInfo, ProcessInfo, SandboxInfo
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -119,6 +119,11 @@ class _CommandHandleBase:
         """(stdout, stderr) written so far."""
         return self._rt.command_output(self.id)
 
+    @property
+    def pid(self) -> Any:
+        """The command's pid inside the sandbox (what `commands.connect` takes in a fork or restore)."""
+        return self._rt.command_pid(self.id)
+
     def stream(self) -> Iterator[tuple[str, str]]:
         """`("stdout" | "stderr", text)` pieces as the command writes them, from its start until it
         ends; `wait` gives the exit code afterwards."""
@@ -156,6 +161,17 @@ class Commands:
         if background:
             return sbx._then(rt.start_command(sbx.id, cmd, cwd, env, data), lambda cid: sbx._handle(rt, cid))
         return rt.run(sbx.id, cmd, timeout, cwd, env, data)
+
+    def list(self) -> list[ProcessInfo]:
+        """The processes the sandbox's agent started and still holds (running, or ended and not yet
+        collected), by pid."""
+        return self._sbx._rt.processes(self._sbx.id)
+
+    def connect(self, pid: int) -> Any:
+        """A CommandHandle on process `pid` (from `list` or a handle's `pid`): a background command
+        seen again in a fork or a restored sandbox, with its earlier and new output."""
+        sbx = self._sbx
+        return sbx._then(sbx._rt.connect_command(sbx.id, pid), lambda cid: sbx._handle(sbx._rt, cid))
 
 
 class Files:

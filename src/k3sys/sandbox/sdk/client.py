@@ -38,7 +38,7 @@ from k3sys.sandbox._wire import (
 from k3sys.sandbox.errors import InvalidArgumentError, SandboxFileNotFoundError, UnavailableError
 from k3sys.sandbox.sdk.backend import AsyncBackend
 from k3sys.sandbox.spec import MAX_FORK, CommandResult, SandboxSpec, check_number
-from k3sys.sandbox.types import CheckpointInfo, EntryInfo, SandboxInfo
+from k3sys.sandbox.types import CheckpointInfo, EntryInfo, ProcessInfo, SandboxInfo
 
 DEFAULT_TIMEOUT = httpx.Timeout(600.0, connect=10.0)  # life-cycle calls (a fork of many) may take minutes
 _MARGIN = 30.0  # extra seconds the HTTP read waits beyond a command's own timeout
@@ -184,6 +184,17 @@ class _Routes:
 
     def kill_command(self, cid: str) -> None:
         return self._do(_Call("DELETE", f"/commands/{cid}"))
+
+    def processes(self, sid: str) -> list[ProcessInfo]:
+        return self._do(_Call("GET", f"/sandboxes/{sid}/processes",
+                              parse=lambda r: [ProcessInfo(**p) for p in r.json()]))
+
+    def connect_command(self, sid: str, pid: int) -> str:
+        return self._do(_Call("POST", f"/sandboxes/{sid}/processes/{int(pid)}/connect",
+                              parse=lambda r: r.json()["id"]))
+
+    def command_pid(self, cid: str) -> int:
+        return self._do(_Call("GET", f"/commands/{cid}", parse=lambda r: r.json()["pid"]))
 
     # --- files ----------------------------------------------------------------------------------
 

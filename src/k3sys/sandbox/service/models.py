@@ -60,6 +60,7 @@ class CommandStarted(BaseModel):
 
 class CommandStatus(BaseModel):
     id: str
+    pid: int  # inside the sandbox
     running: bool
     stdout: str
     stderr: str

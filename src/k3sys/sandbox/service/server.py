@@ -80,7 +80,7 @@ from k3sys.sandbox.service.models import (
     Written,
 )
 from k3sys.sandbox.spec import CommandResult, OutputPieces, SandboxSpec
-from k3sys.sandbox.types import CheckpointInfo, EntryInfo, SandboxInfo
+from k3sys.sandbox.types import CheckpointInfo, EntryInfo, ProcessInfo, SandboxInfo
 
 __all__ = ["ServiceConfig", "create_app", "serve"]
 KEEP_ALIVE_S = 75  # seconds an idle connection stays open (clients must drop theirs sooner)
@@ -188,12 +188,23 @@ async def run_command(svc: Svc, sid: str, body: RunCommand) -> Any:
                                              io=True))
 
 
+@router.get("/sandboxes/{sid}/processes", response_model=list[ProcessInfo], tags=["commands"])
+async def processes(svc: Svc, sid: str) -> Any:
+    return await svc.call("processes", svc.rt.processes, sid, io=True)
+
+
+@router.post("/sandboxes/{sid}/processes/{pid}/connect", status_code=201, response_model=CommandStarted,
+             tags=["commands"])
+async def connect_command(svc: Svc, sid: str, pid: int) -> Any:
+    return {"id": await svc.call("connect_command", svc.rt.connect_command, sid, pid, io=True)}
+
+
 @router.get("/commands/{cid}", response_model=CommandStatus, tags=["commands"])
 async def command_status(svc: Svc, cid: str) -> Any:
     # Off the loop: output is fetched from the sandbox's agent (a checkpoint in progress holds it).
     running = await anyio.to_thread.run_sync(svc.rt.command_running, cid, limiter=svc.io)
     out, err = await anyio.to_thread.run_sync(svc.rt.command_output, cid, limiter=svc.io)
-    return {"id": cid, "running": running, "stdout": out, "stderr": err}
+    return {"id": cid, "running": running, "stdout": out, "stderr": err, "pid": svc.rt.command_pid(cid)}
 
 
 @router.get("/commands/{cid}/events", tags=["commands"],
