@@ -1,4 +1,5 @@
-/* k3sys-agent: the sandbox's PID 1 (main.c), its output rings (ring.c) and file workers (files.c). */
+/* k3sys-agent: the sandbox's PID 1 (main.c, proc.c, requests.c; loop.h), its output rings (ring.c) and
+ * file workers (files.c, watch.c). */
 #ifndef K3SYS_AGENT_H
 #define K3SYS_AGENT_H
 
@@ -29,6 +30,16 @@ void ring_append(struct ring *r, char stream, const char *p, size_t n);
 /* The chunk holding offset `pos` (>= r->start, < r->end), or NULL. */
 struct chunk *ring_find(struct ring *r, uint64_t pos);
 void ring_free(struct ring *r);
+
+/* A list of owned strings (paths), grown by names_push (files.c). */
+struct names {
+	char **v;
+	size_t n, cap;
+};
+void names_push(struct names *s, const char *name);
+
+/* Stream changes under directory `path` to the connection `fd` until the client leaves (watch.c). */
+int op_watch(int fd, struct obuf *o, const char *path, int recursive);
 
 /* Run one file request (read, write, stat, list, mkdir, move, remove) on the connection `fd`. */
 int file_op(int fd, const char *op, const struct fields *req);

@@ -280,12 +280,7 @@ static int op_write(int fd, struct obuf *o, const char *path, long long mode, in
 	return 0;
 }
 
-struct names {
-	char **v;
-	size_t n, cap;
-};
-
-static void names_push(struct names *s, const char *name)
+void names_push(struct names *s, const char *name)
 {
 	if (s->n == s->cap) {
 		s->cap = s->cap ? s->cap * 2 : 64;
@@ -483,6 +478,8 @@ int file_op(int fd, const char *op, const struct fields *req)
 		r = op_move(&o, path, field_get(req, "to", NULL));
 	else if (!strcmp(op, "remove"))
 		r = op_remove(&o, path);
+	else if (!strcmp(op, "watch"))
+		r = op_watch(fd, &o, path, field_num(req, "recursive", 0) != 0);
 	else {
 		ob_error(&o, EINVAL, "unknown operation %s", op);
 		r = -1;

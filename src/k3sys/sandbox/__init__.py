@@ -42,7 +42,7 @@ from k3sys.sandbox.sdk.api import Backend, Checkpoint, CommandHandle, Sandbox, d
 from k3sys.sandbox.sdk.client import AsyncHTTPBackend, HTTPBackend
 from k3sys.sandbox.sdk.connection import ConnectionConfig
 from k3sys.sandbox.spec import CommandResult, SandboxSpec
-from k3sys.sandbox.types import CheckpointInfo, EntryInfo, SandboxInfo
+from k3sys.sandbox.types import CheckpointInfo, EntryInfo, FilesystemEvent, ProcessInfo, SandboxInfo
 
 __all__ = [
     "AsyncCheckpoint",
@@ -63,11 +63,13 @@ __all__ = [
     "CorruptStoreError",
     "DriverError",
     "EntryInfo",
+    "FilesystemEvent",
     "HTTPBackend",
     "InvalidArgumentError",
     "InvalidStateError",
     "NotFoundError",
     "PathEscapeError",
+    "ProcessInfo",
     "Runtime",
     "RuntimeLockedError",
     "Sandbox",

@@ -46,6 +46,29 @@ class CheckpointInfo:
 
 
 @dataclass(frozen=True)
+class ProcessInfo:
+    """One process the sandbox's agent started and still holds (`commands.list`): its pid inside,
+    the command (argv joined by spaces), the client's tag, and its exit code once ended (128 + N
+    after signal N)."""
+
+    pid: int
+    cmd: str
+    tag: str
+    running: bool
+    exit_code: int | None = None
+
+
+@dataclass(frozen=True)
+class FilesystemEvent:
+    """One change seen by `files.watch_dir`: `type` "create" (also a name moved in), "write",
+    "remove", "rename" (a name moved away) or "chmod"; `path` absolute in the sandbox."""
+
+    type: str
+    path: str
+    is_dir: bool = False
+
+
+@dataclass(frozen=True)
 class EntryInfo:
     """One entry of `files.list`: `size` in bytes, `mtime` in seconds since the epoch."""
 

@@ -85,6 +85,31 @@ def test_forks_are_independent(sbx):
             k.kill()
 
 
+def test_fork_stores_nothing_and_its_children_stand_alone(rt, sbx):
+    """A fork adds no checkpoint to the store and its children need none: each runs commands,
+    checkpoints, hibernates (dropping the fork's shared layer once both have) and resumes intact."""
+    sbx.files.write("/root/f", "v1")
+    ck = sbx.checkpoint()
+    before = [c.id for c in rt.checkpoints()]
+    kids = sbx.fork(2)
+    try:
+        assert [c.id for c in rt.checkpoints()] == before
+        # Their latest stored ancestor is the source's head, which the fork did not move.
+        assert sbx.info.head == ck.id and [k.info.head for k in kids] == [ck.id, ck.id]
+        for i, k in enumerate(kids):
+            k.files.write("/root/k", str(i))
+            assert k.commands.run("cat /root/f /root/k").stdout == f"v1{i}"
+            assert k.checkpoint().parent == ck.id
+            k.hibernate()
+        for i, k in enumerate(kids):
+            k.resume()
+            assert k.commands.run("cat /root/f /root/k").stdout == f"v1{i}"
+        assert len(rt.checkpoints()) == len(before) + 4  # the children's own, none of the fork's
+    finally:
+        for k in kids:
+            k.kill()
+
+
 def test_restore_from_the_store_alone(private_root):
     """A checkpoint survives its runtime: another runtime (no cached layers) restores it from the store."""
     root = private_root

@@ -205,7 +205,7 @@ def test_failed_dump_leaves_the_sandbox_as_it_was(private_root, tmp_path, monkey
 @pytest.mark.embedded
 def test_fork_whose_child_fails_leaves_no_child_and_no_checkpoint(private_root, monkeypatch):
     """One of three children fails to restore: the fork raises, the children that did start are
-    gone, the checkpoint it committed for them is deleted, and the source runs on as before."""
+    gone, nothing is stored, the fork's layer is collected, and the source runs on as before."""
     spawn, calls = Runtime._spawn, []
 
     def flaky(self, *args, **kwargs):
@@ -224,6 +224,7 @@ def test_fork_whose_child_fails_leaves_no_child_and_no_checkpoint(private_root, 
         assert len(calls) == 3
         assert [s.id for s in Sandbox.list(runtime=rt)] == [sbx.id] and sbx.state == "running"
         assert rt.checkpoints() == [] and sbx.info.head is None
+        assert list((private_root / "layers").iterdir()) == []
         assert_counting(sbx, n)
         rt.kill_all()
 

@@ -250,6 +250,31 @@ def test_prefetch_stages_images_for_resume(rt, sbx):
     assert sbx.files.read_text("/tmp/pid") == pid
 
 
+def test_commands_list_and_connect_in_a_fork(sbx):
+    """`commands.list` shows a background command; `commands.connect(pid)` in a fork is a handle on
+    the copy of that process, with the output from before the fork; the source's stays alive."""
+    h = sbx.commands.run("echo before; sleep 1000", background=True)
+    deadline = time.monotonic() + 10
+    while h.output()[0] != "before\n":
+        assert time.monotonic() < deadline, h.output()
+        time.sleep(0.05)
+    procs = {p.pid: p for p in sbx.commands.list()}
+    assert procs[h.pid].running and procs[h.pid].exit_code is None and "sleep 1000" in procs[h.pid].cmd
+    (kid,) = sbx.fork(1)
+    try:
+        kh = kid.commands.connect(h.pid)
+        assert kh.running and kh.pid == h.pid and kh.output() == ("before\n", "")
+        kh.kill()
+        assert kh.wait(10).exit_code == 128 + 9
+        assert h.running
+        with pytest.raises(NotFoundError):
+            kid.commands.connect(99999)
+    finally:
+        kid.kill()
+    h.kill()
+    assert h.wait(10).exit_code == 128 + 9
+
+
 def test_restore_and_fork_give_new_sandboxes(sbx):
     sbx.files.write("/root/f", "v1")
     ck = sbx.checkpoint()

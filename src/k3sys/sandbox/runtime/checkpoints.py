@@ -3,7 +3,8 @@ the store, hibernate, restore, fork, prefetch for a coming resume, and the colle
 layers no sandbox stands on.
 
 A snapshot freezes the sandbox, dumps it and (checkpoint, fork) thaws it at once; the store packs the
-memory images while CRIU writes them (`Store.follow`). Every operation rolls the record back on
+memory images while CRIU writes them (`Store.follow`). A fork stores nothing: its images and sealed
+fs live only as long as its children need them. Every operation rolls the record back on
 failure, so the caller sees the sandbox in its previous state.
 """
 
@@ -38,7 +39,7 @@ class _Snapshot:
     images: Path
     fs: Path
     t: dict[str, float]
-    follower: Follower
+    follower: Follower | None
 
 
 @dataclass(frozen=True)
@@ -55,20 +56,21 @@ class Checkpoints(Table):
 
     _staged: dict[str, _Staged]
 
-    def _snapshot(self, rec: Record, transitional: State, *, thaw: bool) -> _Snapshot:
+    def _snapshot(self, rec: Record, transitional: State, *, thaw: bool, store: bool = True) -> _Snapshot:
         """Freeze-consistent images + sealed fs of a live sandbox into staging; marks the record
-        `transitional` with `prev` and `pending` set. The store packs the memory images while CRIU
-        writes them (`Store.follow`); `_commit` finishes that, and a caller that does not commit
-        must `abort` the follower."""
+        `transitional` with `prev` and `pending` set. With `store`, the store packs the memory images
+        while CRIU writes them (`Store.follow`); `_commit` finishes that, and a caller that does not
+        commit must `abort` the follower."""
         ck = _new_id("ck")
         images, fs = self._staging(ck)
         self._set(rec, transitional, prev=rec.state, pending=ck)
-        follower = self.store.follow(images)
+        follower = self.store.follow(images) if store else None
         try:
             t = self.driver.snapshot(rec.id, self._dirs(rec.id), images, fs, self._layer_dir(rec.layer),
                                      thaw=thaw, network=rec.spec.network)
         except BaseException:
-            follower.abort()
+            if follower is not None:
+                follower.abort()
             _rmtree(images)
             _rmtree(fs)
             self._set(rec, rec.prev, prev=None, pending=None)
@@ -101,7 +103,8 @@ class Checkpoints(Table):
             m = self._commit(rec, snap)
             t["store"] = time.perf_counter() - t1
         except BaseException:
-            snap.follower.abort()
+            if snap.follower is not None:
+                snap.follower.abort()
             _rmtree(snap.images)
             _rmtree(snap.fs)
             self._set(rec, rec.state, pending=None)
@@ -192,13 +195,16 @@ class Checkpoints(Table):
         spec = SandboxSpec.from_json(m.meta.get("spec", {}))
         if timeout_s is not None:
             spec = SandboxSpec(**{**spec.to_json(), "timeout_s": timeout_s})
-        return self._spawn(spec, ck, id)
+        return self._spawn(spec, ck, ck, id)
 
-    def _spawn(self, spec: SandboxSpec, ck: str, id: str | None = None, images: Path | None = None) -> SandboxInfo:
+    def _spawn(self, spec: SandboxSpec, ck: str, head: str | None, id: str | None = None,
+               images: Path | None = None) -> SandboxInfo:
+        """A new sandbox restored from snapshot `ck` (its layer; its images from the store unless
+        given), whose latest stored checkpoint is `head`."""
         sid = self._claim_id(id)
         now = time.time()
         rec = Record(sid, spec, State.CREATING, now, deadline=now + spec.timeout_s if spec.timeout_s else None,
-                     head=ck, layer=ck)
+                     head=head, layer=ck)
         self._register(rec)
         with self._locked(sid):
             self._save(rec)
@@ -210,58 +216,52 @@ class Checkpoints(Table):
             self._set(rec, State.RUNNING)
             return self._info(rec)
 
-    def fork(self, sid: str, n: int = 1) -> tuple[CheckpointInfo, list[SandboxInfo]]:
+    def fork(self, sid: str, n: int = 1) -> list[SandboxInfo]:
         """`n` new running sandboxes, each a copy of this one now (processes, memory, files).
 
-        One checkpoint serves all of them: its images stay on tmpfs and its sealed fs becomes their
-        shared lower layer, so the store is written once (in parallel with the restores) and never read.
+        One snapshot serves all of them and nothing is stored: its images stay on tmpfs until the
+        children are restored, and its sealed fs becomes their shared lower layer (kept while any of
+        them stands on it). Each child's `head` is this sandbox's: the latest stored checkpoint it
+        descends from. Checkpoint the source first to keep its state in the store.
         """
         check_number("n", n, 1, MAX_FORK, "children", integer=True)
         with self._locked(sid) as rec:
             self._require(rec, "fork", *LIVE)
             t0 = time.perf_counter()
-            snap = self._snapshot(rec, State.CHECKPOINTING, thaw=True)
+            snap = self._snapshot(rec, State.CHECKPOINTING, thaw=True, store=False)
             ck, images, fs, t = snap.ck, snap.images, snap.fs, snap.t
             kids: list[SandboxInfo] = []
-            m: Manifest | None = None
             try:
                 # `pending` stays set until the end: it keeps the new layer from being collected.
                 self._set(rec, rec.prev, prev=None)
                 os.rename(fs, self._layer_dir(ck))
                 private = [self._private_images(images, i) for i in range(n)]  # before any child starts
                 t1 = time.perf_counter()
-                with ThreadPoolExecutor(max_workers=min(n, 8) + 1) as pool:
-                    commit = pool.submit(self._commit, rec, snap, self._layer_dir(ck))
-                    spawns = [pool.submit(self._spawn, rec.spec, ck, None, d) for d in private]
+                with ThreadPoolExecutor(max_workers=min(n, 8)) as pool:
+                    spawns = [pool.submit(self._spawn, rec.spec, ck, rec.head, None, d) for d in private]
                     failures = []
                     for f in spawns:
                         try:
                             kids.append(f.result())
                         except Exception as e:
                             failures.append(e)
-                    t["restore+store"] = time.perf_counter() - t1  # children restored while the store commits
-                    m = commit.result()
+                    t["restore"] = time.perf_counter() - t1
                 if failures:
                     raise failures[0]
             except BaseException:
-                snap.follower.abort()  # in case the commit never ran
                 for kid in kids:
                     with contextlib.suppress(SandboxError):
                         self.kill(kid.id)
-                if m is not None:  # a fork that failed leaves no checkpoint behind
-                    with contextlib.suppress(SandboxError):
-                        self.store.delete(ck)
-                self._set(rec, rec.state, pending=None)
-                self._gc_layers()
                 raise
             finally:
                 for d in images.parent.glob(f"{images.name}*"):
                     self._cleaner.submit(_rmtree, d)
                 _rmtree(fs)  # only there if the rename did not happen
-            self._set(rec, rec.state, head=ck, pending=None)
+                self._set(rec, rec.state, pending=None)
+                self._gc_layers()  # the layer goes unless a child stands on it
             t["total"] = time.perf_counter() - t0
             self._timings[sid] = t
-            return CheckpointInfo.from_manifest(m, t), kids
+            return kids
 
     @staticmethod
     def _private_images(images: Path, i: int) -> Path:

@@ -29,6 +29,7 @@ from k3sys.sandbox.runtime.agent_protocol import Exit, Gap
 from k3sys.sandbox.runtime.state import State
 from k3sys.sandbox.runtime.table import Table, _new_id
 from k3sys.sandbox.spec import CommandResult, OutputPieces
+from k3sys.sandbox.types import ProcessInfo
 
 _log = logging.getLogger(__name__)
 WINDOW = 16 << 20  # bytes of a command's output the host keeps per stream, at most
@@ -128,9 +129,11 @@ class Commands(Table):
             raise NotFoundError(f"no process {pid} in sandbox {sid}")
         return self._register_command(sid, pid)
 
-    def processes(self, sid: str) -> list[dict[str, str]]:
-        """The processes the sandbox's agent started and still holds (pid, cmd, running, exit...)."""
-        return self._retrying(sid, lambda a: a.processes())
+    def processes(self, sid: str) -> list[ProcessInfo]:
+        """The processes the sandbox's agent started and still holds, by pid."""
+        procs = self._retrying(sid, lambda a: a.processes())
+        return sorted((ProcessInfo(int(p["pid"]), p.get("cmd", ""), p.get("tag", ""), p.get("running") == "1",
+                                   int(p["exit"]) if "exit" in p else None) for p in procs), key=lambda p: p.pid)
 
     def command_pid(self, cid: str) -> int:
         """The command's pid inside its sandbox (for `connect_command` in a fork or restore)."""

@@ -19,6 +19,7 @@ from k3sys.sandbox.errors import (
 from k3sys.sandbox.runtime.agent import Agent
 from k3sys.sandbox.runtime.state import State
 from k3sys.sandbox.runtime.table import Table
+from k3sys.sandbox.runtime.watch import MAX_EVENTS, WatchHandle
 from k3sys.sandbox.types import EntryInfo
 
 _KINDS = {"file", "dir", "symlink"}
@@ -168,3 +169,12 @@ class Files(Table):
         except SandboxFileNotFoundError:
             return False
         return True
+
+    def watch_dir(self, sid: str, path: str, recursive: bool = False, max_events: int = MAX_EVENTS) -> WatchHandle:
+        """Watch directory `path` (and, with `recursive`, every directory below it) for changes;
+        returns once the watch is in place. `get_new_events()` on the handle drains what happened
+        since, `stop()` ends it; at most `max_events` wait unread, later ones are counted in
+        `dropped` (watch.py)."""
+        path = sandbox_path(path)
+        self._files(sid, "watch files of")
+        return WatchHandle(self._agent(sid), path, recursive, max_events)

@@ -31,7 +31,7 @@ from k3sys.sandbox.errors import NotFoundError
 from k3sys.sandbox.sdk.backend import Backend
 from k3sys.sandbox.sdk.connection import ConnectionConfig, ConnectionOpts, default_runtime
 from k3sys.sandbox.spec import CommandResult, SandboxSpec
-from k3sys.sandbox.types import CheckpointInfo, EntryInfo, SandboxInfo
+from k3sys.sandbox.types import CheckpointInfo, EntryInfo, ProcessInfo, SandboxInfo
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -119,6 +119,11 @@ class _CommandHandleBase:
         """(stdout, stderr) written so far."""
         return self._rt.command_output(self.id)
 
+    @property
+    def pid(self) -> Any:
+        """The command's pid inside the sandbox (what `commands.connect` takes in a fork or restore)."""
+        return self._rt.command_pid(self.id)
+
     def stream(self) -> Iterator[tuple[str, str]]:
         """`("stdout" | "stderr", text)` pieces as the command writes them, from its start until it
         ends; `wait` gives the exit code afterwards."""
@@ -157,6 +162,17 @@ class Commands:
             return sbx._then(rt.start_command(sbx.id, cmd, cwd, env, data), lambda cid: sbx._handle(rt, cid))
         return rt.run(sbx.id, cmd, timeout, cwd, env, data)
 
+    def list(self) -> list[ProcessInfo]:
+        """The processes the sandbox's agent started and still holds (running, or ended and not yet
+        collected), by pid."""
+        return self._sbx._rt.processes(self._sbx.id)
+
+    def connect(self, pid: int) -> Any:
+        """A CommandHandle on process `pid` (from `list` or a handle's `pid`): a background command
+        seen again in a fork or a restored sandbox, with its earlier and new output."""
+        sbx = self._sbx
+        return sbx._then(sbx._rt.connect_command(sbx.id, pid), lambda cid: sbx._handle(sbx._rt, cid))
+
 
 class Files:
     """`sbx.files`: the sandbox's file system. Paths are the sandbox's own; none can leave its root."""
@@ -187,6 +203,12 @@ class Files:
 
     def exists(self, path: str) -> bool:
         return self._sbx._rt.exists(self._sbx.id, path)
+
+    def watch_dir(self, path: str, recursive: bool = False) -> Any:
+        """Watch a directory (with `recursive`, its whole tree) for changes, as E2B's SDK does: the
+        handle's `get_new_events()` gives the `FilesystemEvent`s since the last call, `stop()` ends
+        it. Embedded runtimes only for now (the HTTP service does not stream watches yet)."""
+        return self._sbx._rt.watch_dir(self._sbx.id, path, recursive)
 
 
 class _Facade:
@@ -258,8 +280,9 @@ class _Facade:
         return self._then(self._rt.checkpoint(self.id), lambda info: self._checkpoint._of(info, self._rt))
 
     def fork(self, n: int = 1) -> Any:
-        """`n` new running sandboxes, each with this one's processes, memory and files as of now."""
-        return self._then(self._rt.fork(self.id, n), lambda r: [type(self)(self._rt, k.id) for k in r[1]])
+        """`n` new running sandboxes, each with this one's processes, memory and files as of now.
+        Nothing is added to the store (`checkpoint` first to keep this state)."""
+        return self._then(self._rt.fork(self.id, n), lambda kids: [type(self)(self._rt, k.id) for k in kids])
 
     def hibernate(self) -> Any:
         """Checkpoint, then stop: memory and CPU released, state "hibernated"; `resume` restores it."""

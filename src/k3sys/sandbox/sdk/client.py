@@ -23,7 +23,7 @@ import threading
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, NoReturn
 
 import httpx
 
@@ -38,7 +38,7 @@ from k3sys.sandbox._wire import (
 from k3sys.sandbox.errors import InvalidArgumentError, SandboxFileNotFoundError, UnavailableError
 from k3sys.sandbox.sdk.backend import AsyncBackend
 from k3sys.sandbox.spec import MAX_FORK, CommandResult, SandboxSpec, check_number
-from k3sys.sandbox.types import CheckpointInfo, EntryInfo, SandboxInfo
+from k3sys.sandbox.types import CheckpointInfo, EntryInfo, ProcessInfo, SandboxInfo
 
 DEFAULT_TIMEOUT = httpx.Timeout(600.0, connect=10.0)  # life-cycle calls (a fork of many) may take minutes
 _MARGIN = 30.0  # extra seconds the HTTP read waits beyond a command's own timeout
@@ -185,6 +185,17 @@ class _Routes:
     def kill_command(self, cid: str) -> None:
         return self._do(_Call("DELETE", f"/commands/{cid}"))
 
+    def processes(self, sid: str) -> list[ProcessInfo]:
+        return self._do(_Call("GET", f"/sandboxes/{sid}/processes",
+                              parse=lambda r: [ProcessInfo(**p) for p in r.json()]))
+
+    def connect_command(self, sid: str, pid: int) -> str:
+        return self._do(_Call("POST", f"/sandboxes/{sid}/processes/{int(pid)}/connect",
+                              parse=lambda r: r.json()["id"]))
+
+    def command_pid(self, cid: str) -> int:
+        return self._do(_Call("GET", f"/commands/{cid}", parse=lambda r: r.json()["pid"]))
+
     # --- files ----------------------------------------------------------------------------------
 
     def read_file(self, sid: str, path: str) -> bytes:
@@ -212,6 +223,9 @@ class _Routes:
     def exists(self, sid: str, path: str) -> bool:
         return self._do(_Call("HEAD", f"/sandboxes/{sid}/files", params={"path": path}, raw=True, parse=_exists))
 
+    def watch_dir(self, sid: str, path: str, recursive: bool = False) -> NoReturn:
+        raise InvalidArgumentError("files.watch_dir is not served over HTTP yet: it needs an embedded Runtime")
+
     # --- life cycle -----------------------------------------------------------------------------
 
     def pause(self, sid: str) -> None:
@@ -230,10 +244,9 @@ class _Routes:
         return self._do(_Call("POST", f"/sandboxes/{sid}/prefetch", json={"ttl_s": ttl_s},
                               parse=lambda r: r.json()["staged"]))
 
-    def fork(self, sid: str, n: int = 1) -> tuple[CheckpointInfo, list[SandboxInfo]]:
-        def parse(r: httpx.Response) -> tuple[CheckpointInfo, list[SandboxInfo]]:
-            d = r.json()
-            return checkpoint_info(d["checkpoint"]), [sandbox_info(s) for s in d["sandboxes"]]
+    def fork(self, sid: str, n: int = 1) -> list[SandboxInfo]:
+        def parse(r: httpx.Response) -> list[SandboxInfo]:
+            return [sandbox_info(s) for s in r.json()["sandboxes"]]
 
         check_number("n", n, 1, MAX_FORK, "children", integer=True)  # named as the SDK names it, not `count`
         return self._do(_Call("POST", f"/sandboxes/{sid}/fork", json={"count": n}, parse=parse))

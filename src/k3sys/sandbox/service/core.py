@@ -23,7 +23,7 @@ from k3sys.sandbox.runtime.state import State
 from k3sys.sandbox.service import metrics as _metrics
 from k3sys.sandbox.service.limits import Admission
 from k3sys.sandbox.spec import ON_TIMEOUT, SandboxSpec
-from k3sys.sandbox.types import CheckpointInfo, SandboxInfo
+from k3sys.sandbox.types import SandboxInfo
 
 T = TypeVar("T")
 ON_SHUTDOWN = ("hibernate", "keep", "kill")
@@ -139,7 +139,7 @@ class Service:
         with self.admission.admit(1, int(spec.get("memory_mb", 0))):
             return self.rt.restore(ck, id, timeout_s)
 
-    def fork(self, sid: str, n: int) -> tuple[CheckpointInfo, list[SandboxInfo]]:
+    def fork(self, sid: str, n: int) -> list[SandboxInfo]:
         with self.admission.admit(n, self.rt.info(sid).spec.memory_mb):
             return self.rt.fork(sid, n)
 

@@ -10,7 +10,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
 from k3sys.sandbox.spec import MAX_FORK, SandboxSpec
-from k3sys.sandbox.types import CheckpointInfo, SandboxInfo
+from k3sys.sandbox.types import SandboxInfo
 
 _STRICT = ConfigDict(extra="forbid", strict=True)
 # The create body is SandboxSpec's fields (defaults from there) plus an optional id.
@@ -60,13 +60,13 @@ class CommandStarted(BaseModel):
 
 class CommandStatus(BaseModel):
     id: str
+    pid: int  # inside the sandbox
     running: bool
     stdout: str
     stderr: str
 
 
 class Forked(BaseModel):
-    checkpoint: CheckpointInfo
     sandboxes: list[SandboxInfo]
 
 

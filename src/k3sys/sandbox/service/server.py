@@ -13,7 +13,7 @@ Resources (all but /health need `Authorization: Bearer <key>`; see `_auth.py` fo
     POST   /sandboxes/{id}/hibernate          checkpoint + stop        -> CheckpointInfo
     POST   /sandboxes/{id}/prefetch {"ttl_s"} stage a hibernated one's images for a resume -> {"staged"}
     POST   /sandboxes/{id}/checkpoints        checkpoint               -> 201 CheckpointInfo
-    POST   /sandboxes/{id}/fork  {"count": n} n copies                 -> 201 {"checkpoint", "sandboxes"}
+    POST   /sandboxes/{id}/fork  {"count": n} n copies                 -> 201 {"sandboxes"}
     POST   /sandboxes/{id}/commands           run (or start, with "background": true)
     GET    /commands/{cid}                    running?, output so far
     GET    /commands/{cid}/events             output as server-sent events (stdout, stderr, end)
@@ -80,7 +80,7 @@ from k3sys.sandbox.service.models import (
     Written,
 )
 from k3sys.sandbox.spec import CommandResult, OutputPieces, SandboxSpec
-from k3sys.sandbox.types import CheckpointInfo, EntryInfo, SandboxInfo
+from k3sys.sandbox.types import CheckpointInfo, EntryInfo, ProcessInfo, SandboxInfo
 
 __all__ = ["ServiceConfig", "create_app", "serve"]
 KEEP_ALIVE_S = 75  # seconds an idle connection stays open (clients must drop theirs sooner)
@@ -168,8 +168,8 @@ async def checkpoint(svc: Svc, sid: str) -> Any:
 
 @router.post("/sandboxes/{sid}/fork", status_code=201, response_model=Forked, tags=["life cycle"])
 async def fork(svc: Svc, sid: str, body: Fork | None = None) -> Any:
-    ck, kids = await svc.call("fork", svc.fork, sid, (body or Fork()).count)
-    return {"checkpoint": ck, "sandboxes": kids}
+    kids = await svc.call("fork", svc.fork, sid, (body or Fork()).count)
+    return {"sandboxes": kids}
 
 
 @router.post("/sandboxes/{sid}/commands", tags=["commands"], status_code=200,
@@ -188,12 +188,23 @@ async def run_command(svc: Svc, sid: str, body: RunCommand) -> Any:
                                              io=True))
 
 
+@router.get("/sandboxes/{sid}/processes", response_model=list[ProcessInfo], tags=["commands"])
+async def processes(svc: Svc, sid: str) -> Any:
+    return await svc.call("processes", svc.rt.processes, sid, io=True)
+
+
+@router.post("/sandboxes/{sid}/processes/{pid}/connect", status_code=201, response_model=CommandStarted,
+             tags=["commands"])
+async def connect_command(svc: Svc, sid: str, pid: int) -> Any:
+    return {"id": await svc.call("connect_command", svc.rt.connect_command, sid, pid, io=True)}
+
+
 @router.get("/commands/{cid}", response_model=CommandStatus, tags=["commands"])
 async def command_status(svc: Svc, cid: str) -> Any:
     # Off the loop: output is fetched from the sandbox's agent (a checkpoint in progress holds it).
     running = await anyio.to_thread.run_sync(svc.rt.command_running, cid, limiter=svc.io)
     out, err = await anyio.to_thread.run_sync(svc.rt.command_output, cid, limiter=svc.io)
-    return {"id": cid, "running": running, "stdout": out, "stderr": err}
+    return {"id": cid, "running": running, "stdout": out, "stderr": err, "pid": svc.rt.command_pid(cid)}
 
 
 @router.get("/commands/{cid}/events", tags=["commands"],

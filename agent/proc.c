@@ -1,0 +1,324 @@
+/* The processes the agent starts (op_start), their output pipes or PTYs read into rings, users
+ * looked up in the sandbox's /etc/passwd, and reaping (loop.h). */
+#define _GNU_SOURCE
+#include "loop.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <grp.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/epoll.h>
+#include <sys/ioctl.h>
+#include <sys/prctl.h>
+#include <sys/signalfd.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/time.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <termios.h>
+#include <time.h>
+#include <unistd.h>
+
+void proc_close_fd(struct proc *p, int *fd)
+{
+	if (*fd >= 0) {
+		if (fd != &p->in_fd)
+			epoll_ctl(ep, EPOLL_CTL_DEL, *fd, NULL);
+		close(*fd);
+		*fd = -1;
+	}
+}
+
+void proc_free(struct proc *p)
+{
+	for (struct proc **l = &procs; *l; l = &(*l)->next)
+		if (*l == p) {
+			*l = p->next;
+			break;
+		}
+	proc_close_fd(p, &p->out_fd);
+	proc_close_fd(p, &p->err_fd);
+	proc_close_fd(p, &p->in_fd);
+	ring_free(&p->ring);
+	free(p->cmd);
+	free(p->tag);
+	free(p);
+}
+
+/* Read what a process's pipe or PTY holds into its ring; returns 0 at end of file. At most `budget`
+ * bytes, so one busy writer cannot starve the loop. */
+int drain(struct proc *p, int *fd, char stream, size_t budget)
+{
+	while (budget) {
+		ssize_t n = read(*fd, readbuf, sizeof(readbuf));
+		if (n < 0 && errno == EINTR)
+			continue;
+		if (n < 0 && errno == EAGAIN)
+			return 1;
+		if (n <= 0) { /* EOF, or EIO from a PTY whose other side is all closed */
+			proc_close_fd(p, fd);
+			return 0;
+		}
+		ring_append(&p->ring, stream, readbuf, (size_t)n);
+		budget = (size_t)n > budget ? 0 : budget - (size_t)n;
+	}
+	return 1;
+}
+
+/* Look `user` (a name or a number) up in the sandbox's /etc/passwd: no NSS in a static binary. */
+static int lookup_user(const char *user, uid_t *uid, gid_t *gid, char *home, size_t home_len)
+{
+	char line[1024], *end;
+	long num = strtol(user, &end, 10);
+	int numeric = *user && !*end;
+	FILE *f = fopen("/etc/passwd", "re");
+
+	snprintf(home, home_len, "/");
+	if (f) {
+		while (fgets(line, sizeof(line), f)) {
+			char *fld[7] = {0};
+			char *s = line;
+			for (int i = 0; i < 7 && s; i++) {
+				fld[i] = s;
+				s = strchr(s, ':');
+				if (s)
+					*s++ = 0;
+			}
+			if (!fld[5])
+				continue;
+			if (numeric ? atol(fld[2]) == num : !strcmp(fld[0], user)) {
+				*uid = (uid_t)atol(fld[2]);
+				*gid = (gid_t)atol(fld[3]);
+				snprintf(home, home_len, "%s", fld[5]);
+				fclose(f);
+				return 0;
+			}
+		}
+		fclose(f);
+	}
+	if (!numeric)
+		return -1;
+	*uid = (uid_t)num;
+	*gid = (gid_t)num;
+	return 0;
+}
+
+int become(const char *user, char *home, size_t home_len)
+{
+	uid_t uid;
+	gid_t gid;
+
+	if (lookup_user(user, &uid, &gid, home, home_len) < 0) {
+		errno = EINVAL;
+		return -1;
+	}
+	if (setgroups(1, &gid) < 0 || setresgid(gid, gid, gid) < 0 || setresuid(uid, uid, uid) < 0)
+		return -1;
+	return 0;
+}
+
+/* A forked child's fresh start: default signals, nothing of the agent's open but `keep` fds
+ * (moved to 3, 4, ...). */
+void child_reset(const int *keep, int n)
+{
+	struct sigaction dfl = {.sa_handler = SIG_DFL};
+	for (int s = 1; s < NSIG; s++)
+		sigaction(s, &dfl, NULL);
+	sigprocmask(SIG_UNBLOCK, &handled, NULL);
+	int moved[4];
+	for (int i = 0; i < n; i++)
+		moved[i] = fcntl(keep[i], F_DUPFD_CLOEXEC, 16 + i);
+	for (int i = 0; i < n; i++)
+		dup2(moved[i], 3 + i);
+	close_range(3 + (unsigned)n, ~0U, 0);
+}
+
+static void exec_child(const struct fields *f, int report)
+{
+	const char *argv[1024];
+	int argc = 0;
+	const char *v, *it = NULL;
+	char home[512] = "/";
+	const char *user = field_get(f, "user", NULL);
+	int err;
+
+	if (user && *user && become(user, home, sizeof(home)) < 0)
+		goto fail;
+	if (user && *user) {
+		setenv("HOME", home, 1);
+		setenv("USER", user, 1);
+	}
+	while ((v = field_get(f, "env", &it)))
+		putenv((char *)v);
+	v = field_get(f, "cwd", NULL);
+	if (v && *v ? chdir(v) < 0 : chdir(home) < 0 && chdir("/") < 0) /* a home may not exist */
+		goto fail;
+	if ((v = field_get(f, "cmd", NULL))) {
+		argv[argc++] = "/bin/sh";
+		argv[argc++] = "-c";
+		argv[argc++] = v;
+	} else {
+		it = NULL;
+		while (argc < 1023 && (v = field_get(f, "arg", &it)))
+			argv[argc++] = v;
+	}
+	argv[argc] = NULL;
+	if (argc == 0) {
+		errno = EINVAL;
+		goto fail;
+	}
+	execvp(argv[0], (char *const *)argv);
+fail:
+	err = errno;
+	(void)!write(report, &err, sizeof(err));
+	_exit(127);
+}
+
+void op_start(struct conn *c)
+{
+	int out[2] = {-1, -1}, errp[2] = {-1, -1}, in[2] = {-1, -1}, report[2];
+	int master = -1, use_stdin = field_num(&c->f, "stdin", 0) != 0;
+	const char *pty = field_get(&c->f, "pty", NULL);
+	struct winsize ws = {.ws_row = 24, .ws_col = 80};
+	char msg[256], slave_name[64] = "";
+
+	if (pty) {
+		/* Only the master here: the child opens the slave itself, after setsid, so the terminal is
+		 * its session's own (CRIU refuses to dump a controlling terminal its session inherited). */
+		sscanf(pty, "%hux%hu", &ws.ws_row, &ws.ws_col);
+		master = posix_openpt(O_RDWR | O_NOCTTY | O_CLOEXEC);
+		if (master < 0 || grantpt(master) < 0 || unlockpt(master) < 0 ||
+		    ptsname_r(master, slave_name, sizeof(slave_name)) != 0 || ioctl(master, TIOCSWINSZ, &ws) < 0) {
+			int e = errno;
+			if (master >= 0)
+				close(master);
+			snprintf(msg, sizeof(msg), "cannot open a pty: %s", strerror(e));
+			reply_error(c, e, msg);
+			return;
+		}
+	} else {
+		if (pipe2(out, O_CLOEXEC) < 0 || pipe2(errp, O_CLOEXEC) < 0 || (use_stdin && pipe2(in, O_CLOEXEC) < 0)) {
+			reply_error(c, errno, "cannot make pipes");
+			return;
+		}
+	}
+	if (pipe2(report, O_CLOEXEC) < 0) {
+		reply_error(c, errno, "cannot make a pipe");
+		return;
+	}
+	pid_t pid = fork();
+	if (pid == 0) {
+		/* stdio first (the pipes and PTY are >= 3 in the agent), then a process group of its own,
+		 * so a signal to the group reaches what it starts. Only a PTY process gets a session (its
+		 * terminal needs one): a session whose leader died is one CRIU must fake with a helper task,
+		 * and with one the restore of the agent's bound socket fails (setns EINVAL); a process group
+		 * in the agent's session is what `cmd &` orphans are left in. */
+		int nul = open("/dev/null", O_RDWR), slave = -1;
+		if (pty) {
+			setsid();
+			slave = open(slave_name, O_RDWR); /* a session leader's first tty: its controlling one */
+			if (slave < 0) {
+				int e = errno;
+				(void)!write(report[1], &e, sizeof(e));
+				_exit(127);
+			}
+		} else {
+			setpgid(0, 0);
+		}
+		dup2(slave >= 0 ? slave : in[0] >= 0 ? in[0] : nul, 0);
+		dup2(slave >= 0 ? slave : out[1], 1);
+		dup2(slave >= 0 ? slave : errp[1], 2);
+		int keep[] = {report[1]};
+		child_reset(keep, 1);
+		fcntl(3, F_SETFD, FD_CLOEXEC); /* closed by a successful exec: the agent's sign */
+		exec_child(&c->f, 3);
+	}
+	close(report[1]);
+	if (out[1] >= 0)
+		close(out[1]);
+	if (errp[1] >= 0)
+		close(errp[1]);
+	if (in[0] >= 0)
+		close(in[0]);
+	int err = 0;
+	ssize_t got = pid < 0 ? 0 : read(report[0], &err, sizeof(err)); /* EOF: it exec'd */
+	close(report[0]);
+	if (pid < 0 || got == (ssize_t)sizeof(err)) {
+		int e = pid < 0 ? errno : err;
+		snprintf(msg, sizeof(msg), "cannot start the process: %s", strerror(e));
+		close(master);
+		close(out[0]);
+		close(errp[0]);
+		close(in[1]);
+		if (pid > 0)
+			waitpid(pid, NULL, 0);
+		reply_error(c, e, msg);
+		return;
+	}
+	struct proc *p = calloc(1, sizeof(*p));
+	p->pid = pid;
+	const char *cmd = field_get(&c->f, "cmd", NULL);
+	p->cmd = strdup(cmd ? cmd : field_get(&c->f, "arg", NULL));
+	const char *tag = field_get(&c->f, "tag", NULL);
+	p->tag = strdup(tag ? tag : "");
+	p->pty = pty != NULL;
+	p->out_fd = pty ? master : out[0];
+	p->err_fd = pty ? -1 : errp[0];
+	p->in_fd = pty ? fcntl(master, F_DUPFD_CLOEXEC, 0) : in[1];
+	p->release = field_num(&c->f, "release", 0) != 0;
+	long long cap = field_num(&c->f, "ring", (long long)ring_default);
+	p->ring.cap = cap > 0 ? (size_t)cap : ring_default;
+	p->ring.tail_link = &p->ring.head;
+	p->out_w = (struct watch){K_OUT, p};
+	p->err_w = (struct watch){K_ERR, p};
+	fcntl(p->out_fd, F_SETFL, O_NONBLOCK);
+	watch_fd(p->out_fd, &p->out_w, EPOLLIN, EPOLL_CTL_ADD);
+	if (p->err_fd >= 0) {
+		fcntl(p->err_fd, F_SETFL, O_NONBLOCK);
+		watch_fd(p->err_fd, &p->err_w, EPOLLIN, EPOLL_CTL_ADD);
+	}
+	p->next = procs;
+	procs = p;
+
+	size_t mark;
+	ob_fields_begin(&c->out, field_num(&c->f, "follow", 0) ? F_INFO : F_RESULT, &mark);
+	ob_field(&c->out, "pid", "%d", pid);
+	ob_fields_end(&c->out, mark);
+	if (field_num(&c->f, "follow", 0)) {
+		c->state = C_STREAM;
+		c->pid = pid;
+		c->pos = 0;
+		c->output = 1;
+		pump(c);
+	} else {
+		finish(c);
+	}
+}
+
+void reaped(pid_t pid, int status)
+{
+	for (struct conn *c = conns; c; c = c->next)
+		if (c->state == C_WORKER && c->worker == pid) {
+			conn_close(c);
+			return;
+		}
+	struct proc *p = find_proc(pid);
+	if (!p)
+		return; /* an orphan re-parented to us: reaping it was the point */
+	/* What it wrote before exiting is in the pipe already: take it before announcing the end. */
+	if (p->out_fd >= 0)
+		drain(p, &p->out_fd, F_STDOUT, 1u << 20);
+	if (p->err_fd >= 0)
+		drain(p, &p->err_fd, F_STDERR, 1u << 20);
+	p->exited = 1;
+	p->status = status;
+	p->exit_time = time(NULL);
+	pump_followers(pid);
+	if ((p = find_proc(pid)) && p->release && !followed(pid))
+		proc_free(p);
+}

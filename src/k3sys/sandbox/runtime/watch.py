@@ -1,0 +1,107 @@
+"""Watching a directory inside a sandbox: the agent's `watch` (inotify, docs/sandbox-agent.md)
+streamed by a reader thread into a bounded queue that `get_new_events` drains.
+
+A sandbox that floods events cannot grow host memory without bound: past `max_events` queued, new
+events are dropped and counted (`dropped`); the agent's own inotify queue overflowing is counted in
+`overflows`. A checkpoint cuts the watch's connection like any call's: the reader watches again once
+the sandbox reopens (after the thaw, a resume from hibernation), so changes made meanwhile (none,
+while it is frozen or hibernated) are not reported. Killing the sandbox ends the watch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+from collections import deque
+
+from k3sys.sandbox.errors import AgentInterruptedError, SandboxError
+from k3sys.sandbox.runtime.agent import Agent
+from k3sys.sandbox.runtime.agent_protocol import encode, parse_fields
+from k3sys.sandbox.types import FilesystemEvent
+
+MAX_EVENTS = 100_000  # queued events per watch (about 200 bytes each)
+
+
+class WatchHandle:
+    """Changes under one directory of a sandbox (see the module docstring); `stop()` ends it."""
+
+    def __init__(self, agent: Agent, path: str, recursive: bool, max_events: int = MAX_EVENTS,
+                 ready_timeout: float = 30.0) -> None:
+        self.path, self.recursive = path, recursive
+        self.dropped = 0  # events lost because the queue was full
+        self.overflows = 0  # times the sandbox's inotify queue overflowed (events lost inside)
+        self._agent, self._max = agent, max_events
+        self._events: deque[FilesystemEvent] = deque()
+        self._mu = threading.Lock()
+        self._ready = threading.Event()
+        self._stopped = threading.Event()
+        self._sock: socket.socket | None = None
+        self._error: SandboxError | None = None
+        self._thread = threading.Thread(target=self._run, name=f"watch {path}", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(ready_timeout):
+            self.stop()
+            raise AgentInterruptedError(f"watch {path}: not in place within {ready_timeout} s")
+        if self._error is not None:
+            raise self._error
+
+    def _run(self) -> None:
+        while not self._stopped.is_set():
+            try:
+                with self._agent._call(None) as st:
+                    with self._mu:
+                        self._sock = st.sock
+                    if self._stopped.is_set():
+                        return
+                    st.send(encode("watch", [("path", self.path), ("recursive", self.recursive), ("timeout", 0)]))
+                    for _, payload in st.frames():
+                        self._take(parse_fields(payload))
+                return  # the agent ended the stream without an error: nothing more will come
+            except AgentInterruptedError:
+                continue  # cut by a checkpoint: watch again once the sandbox reopens
+            except SandboxError as e:
+                if not self._stopped.is_set():
+                    self._error = e
+                self._ready.set()
+                return
+            finally:
+                with self._mu:
+                    self._sock = None
+
+    def _take(self, f: dict[str, str]) -> None:
+        if "ready" in f:
+            self._ready.set()
+            return
+        with self._mu:
+            if f.get("type") == "overflow":
+                self.overflows += 1
+            elif len(self._events) >= self._max:
+                self.dropped += 1
+            else:
+                self._events.append(FilesystemEvent(f["type"], f["path"], f.get("dir") == "1"))
+
+    def get_new_events(self) -> list[FilesystemEvent]:
+        """The events since the last call, oldest first. Raises the error that ended the watch (the
+        sandbox was killed, the directory is not there) once its events are drained."""
+        with self._mu:
+            out = list(self._events)
+            self._events.clear()
+        if not out and self._error is not None:
+            raise self._error
+        return out
+
+    def stop(self) -> None:
+        """End the watch (the agent's watcher goes with the connection)."""
+        self._stopped.set()
+        with self._mu:
+            if self._sock is not None:
+                with contextlib.suppress(OSError):
+                    self._sock.shutdown(socket.SHUT_RDWR)
+        self._thread.join(10)
+
+    def __enter__(self) -> WatchHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,144 @@
+"""files.watch_dir: the agent's inotify watch streamed to the host, against real sandboxes: the
+event kinds, recursion (into directories made later too), stop, the bound on queued events, and a
+watch that carries on across a checkpoint and a hibernation."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from k3sys.sandbox import (
+    FilesystemEvent,
+    InvalidArgumentError,
+    Sandbox,
+    SandboxFileNotFoundError,
+    WrongFileTypeError,
+)
+from k3sys.sandbox.errors import AgentError
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def collect(w, until: FilesystemEvent, seen: list[FilesystemEvent] | None = None,
+            timeout: float = 20) -> list[FilesystemEvent]:
+    """Events from `w` (after `seen`) up to and including `until`."""
+    seen = [] if seen is None else seen
+    deadline = time.monotonic() + timeout
+    while until not in seen:
+        assert time.monotonic() < deadline, f"no {until} within {timeout} s; got {seen}"
+        seen += w.get_new_events()
+        time.sleep(0.02)
+    return seen
+
+
+def squash(events: list[FilesystemEvent]) -> list[tuple[str, str]]:
+    """(type, path) with repeats in a row folded (inotify merges unread identical events)."""
+    out: list[tuple[str, str]] = []
+    for e in events:
+        if not out or out[-1] != (e.type, e.path):
+            out.append((e.type, e.path))
+    return out
+
+
+@pytest.mark.embedded
+def test_watch_reports_each_kind_of_change_and_stops(sbx):
+    sbx.files.make_dir("/root/w")
+    sbx.files.write("/root/w/old", "x")
+    w = sbx.files.watch_dir("/root/w")
+    sbx.commands.run("echo a > /root/w/f; echo b >> /root/w/f; mv /root/w/f /root/w/g; rm /root/w/g;"
+                     " chmod 600 /root/w/old; mkdir /root/w/sub; echo deep > /root/w/sub/deep")
+    events = collect(w, FilesystemEvent("create", "/root/w/sub", True))
+    assert squash(events) == [("create", "/root/w/f"), ("write", "/root/w/f"), ("rename", "/root/w/f"),
+                              ("create", "/root/w/g"), ("remove", "/root/w/g"), ("chmod", "/root/w/old"),
+                              ("create", "/root/w/sub")]
+    assert [e.is_dir for e in events if e.path == "/root/w/sub"] == [True]
+    time.sleep(0.3)
+    assert w.get_new_events() == []  # not recursive: nothing from inside sub
+    w.stop()
+    sbx.files.write("/root/w/after", "x")
+    time.sleep(0.3)
+    assert w.get_new_events() == []
+    assert (w.dropped, w.overflows) == (0, 0)
+
+
+@pytest.mark.embedded
+def test_recursive_watch_follows_new_directories(sbx):
+    sbx.commands.run("mkdir -p /root/r/a/b")
+    with sbx.files.watch_dir("/root/r", recursive=True) as w:
+        sbx.files.write("/root/r/a/b/x", "1")
+        collect(w, FilesystemEvent("create", "/root/r/a/b/x"))
+        sbx.files.make_dir("/root/r/new")
+        collect(w, FilesystemEvent("create", "/root/r/new", True))
+        sbx.commands.run("mv /root/r/a /root/r/new/a2 && : > /root/r/new/a2/b/y")
+        events = collect(w, FilesystemEvent("create", "/root/r/new/a2/b/y"))
+        assert ("rename", "/root/r/a") in squash(events) and ("create", "/root/r/new/a2") in squash(events)
+
+
+@pytest.mark.embedded
+def test_watch_stop_ends_the_agents_worker(sbx):
+    def agent_processes() -> int:
+        return int(sbx.commands.run("ps -o comm | grep -c '^agent' || true").stdout)
+
+    idle = agent_processes()
+    w = sbx.files.watch_dir("/tmp")
+    assert agent_processes() == idle + 1
+    w.stop()
+    deadline = time.monotonic() + 10
+    while agent_processes() != idle:
+        assert time.monotonic() < deadline, "the watch's worker outlived stop()"
+        time.sleep(0.05)
+
+
+@pytest.mark.embedded
+def test_a_flood_is_bounded_and_counted(rt, sbx):
+    sbx.files.make_dir("/root/flood")
+    w = rt.watch_dir(sbx.id, "/root/flood", max_events=100)
+    try:
+        sbx.commands.run("i=0; while [ $i -lt 500 ]; do : > /root/flood/f$i; i=$((i+1)); done")
+        deadline = time.monotonic() + 20
+        while w.dropped < 400:
+            assert time.monotonic() < deadline, f"only {w.dropped} dropped"
+            time.sleep(0.05)
+        events = w.get_new_events()
+        assert [e.path for e in events] == [f"/root/flood/f{i}" for i in range(100)]  # the first, in order
+        assert w.dropped == 400 and w.overflows == 0
+    finally:
+        w.stop()
+
+
+@pytest.mark.embedded
+def test_watch_goes_on_across_checkpoint_and_hibernation_and_ends_with_the_sandbox(rt):
+    s = Sandbox.create(runtime=rt, memory_mb=256)
+    try:
+        w = s.files.watch_dir("/tmp")
+        s.checkpoint()
+        s.files.write("/tmp/after-checkpoint", "1")
+        collect(w, FilesystemEvent("create", "/tmp/after-checkpoint"))
+        s.hibernate()
+        s.resume()
+        s.files.write("/tmp/after-resume", "1")
+        collect(w, FilesystemEvent("create", "/tmp/after-resume"))
+    finally:
+        s.kill()
+    deadline = time.monotonic() + 10
+    with pytest.raises(AgentError):
+        while time.monotonic() < deadline:
+            w.get_new_events()
+            time.sleep(0.05)
+
+
+@pytest.mark.embedded
+def test_watch_refuses_a_missing_path_or_a_file(sbx):
+    with pytest.raises(SandboxFileNotFoundError, match="/nope"):
+        sbx.files.watch_dir("/nope")
+    sbx.files.write("/root/file", "x")
+    with pytest.raises(WrongFileTypeError):
+        sbx.files.watch_dir("/root/file")
+
+
+def test_watch_over_http_is_refused_clearly(rt, sbx):
+    if hasattr(rt, "store"):
+        pytest.skip("the embedded runtime serves watches (the tests above)")
+    with pytest.raises(InvalidArgumentError, match="not served over HTTP"):
+        sbx.files.watch_dir("/tmp")
