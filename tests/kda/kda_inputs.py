@@ -82,10 +82,23 @@ def make_raw_inputs(B: int, T: int, H: int, HV: int, K: int, V: int, option_set:
     if opts.get("use_gate_in_kernel"):
         g = f
         opts["dt_bias"] = (0.5 * randn(HV * K) if flat_dt_bias else 0.5 * randn(HV, K)).float()
-        if with_A_log:
-            opts["A_log"] = (0.5 * randn(HV)).float()
+        if with_A_log:  # rates around e^-1: the softplus gate then stays inside the safe range the Triton kernels need
+            opts["A_log"] = (0.5 * randn(HV) - 1.0).float()
     else:
         g = kda_gate(f, 0.5 * randn(HV), 0.5 * randn(HV, K), lower_bound=-5.0)
     beta = 2 * randn(B, T, HV) if opts.get("use_beta_sigmoid_in_kernel") else torch.rand(
         B, T, HV, generator=gen, dtype=torch.float64)
     return [x.to(dtype) for x in (q, k, v, g, beta)], opts
+
+
+def option_grads(fn, xs: list[torch.Tensor], opts: dict, S0: torch.Tensor, cu: torch.Tensor | None, seed: int = 7,
+                 **kw):
+    """(o, final state, gradients of q, k, v, g, beta, initial_state and the option tensors A_log, dt_bias)."""
+    leaves = [x.clone().requires_grad_() for x in (*xs, S0)]
+    tensors = {name: opts[name].to(S0.dtype).requires_grad_() for name in ("A_log", "dt_bias") if name in opts}
+    o, S = fn(*leaves[:5], initial_state=leaves[5], output_final_state=True, cu_seqlens=cu, **{**opts, **tensors}, **kw)
+    gen = torch.Generator().manual_seed(seed)
+    loss = (o.double() * torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o.device)).sum() + (
+        S.double() * torch.randn(S.shape, generator=gen, dtype=torch.float64).to(S.device)).sum()
+    return o, S, dict(zip(("q", "k", "v", "g", "beta", "initial_state", *tensors),
+                          torch.autograd.grad(loss, [*leaves, *tensors.values()]), strict=True))

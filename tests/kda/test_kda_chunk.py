@@ -2,7 +2,7 @@ import functools
 
 import pytest
 import torch
-from kda_inputs import OPTION_SETS, make_inputs, make_raw_inputs, rel_rms
+from kda_inputs import OPTION_SETS, make_inputs, make_raw_inputs, option_grads, rel_rms
 
 from k3sys.kda import kda_chunk, kda_naive
 from k3sys.kda.chunk import SUB_CHUNK, _max_half_span
@@ -196,18 +196,6 @@ def test_chunk_rejects_big_heads_and_bad_chunk_size():
             kda_chunk(**_args(), chunk_size=bad)
 
 
-def _option_grads(fn, xs, opts, S0, cu, seed=7, **kw):
-    """(o, final state, gradients of q, k, v, g, beta, initial_state and the option tensors A_log, dt_bias)."""
-    leaves = [x.clone().requires_grad_() for x in (*xs, S0)]
-    tensors = {name: opts[name].double().requires_grad_() for name in ("A_log", "dt_bias") if name in opts}
-    o, S = fn(*leaves[:5], initial_state=leaves[5], output_final_state=True, cu_seqlens=cu, **{**opts, **tensors}, **kw)
-    gen = torch.Generator().manual_seed(seed)
-    loss = (o * torch.randn(o.shape, generator=gen, dtype=o.dtype)).sum() + (
-        S * torch.randn(S.shape, generator=gen, dtype=S.dtype)).sum()
-    return o, S, dict(zip(("q", "k", "v", "g", "beta", "initial_state", *tensors),
-                          torch.autograd.grad(loss, [*leaves, *tensors.values()]), strict=True))
-
-
 @pytest.mark.parametrize("cu", [None, (0, 0, 20, 20, 37, 45, 45)], ids=["batch", "varlen-empty"])
 @pytest.mark.parametrize("option_set", list(OPTION_SETS))
 def test_options_match_naive_fp64_gva(option_set, cu):
@@ -216,8 +204,8 @@ def test_options_match_naive_fp64_gva(option_set, cu):
     N = len(cu) - 1 if cu else B
     S0 = torch.randn(N, HV, *((V, K) if opts.get("state_v_first") else (K, V)), dtype=F64)
     cu_t = None if cu is None else torch.tensor(cu)
-    o_ref, S_ref, ref = _option_grads(kda_naive, xs, opts, S0, cu_t)
-    o, S, got = _option_grads(kda_chunk, xs, opts, S0, cu_t, chunk_size=32 if cu else 16)
+    o_ref, S_ref, ref = option_grads(kda_naive, xs, opts, S0, cu_t)
+    o, S, got = option_grads(kda_chunk, xs, opts, S0, cu_t, chunk_size=32 if cu else 16)
     assert o.shape == (B, 45, HV, V) and S.shape == S0.shape
     assert rel_rms(o, o_ref) <= 1e-10 and rel_rms(S, S_ref) <= 1e-10
     assert set(got) == set(ref) and len(got) == 6 + ("A_log" in opts) + ("dt_bias" in opts)
@@ -228,8 +216,8 @@ def test_options_match_naive_fp64_gva(option_set, cu):
 def test_head_dims_512_with_gradients():
     xs, opts = make_raw_inputs(1, 20, 1, 1, 512, 512, "l2norm")
     S0 = torch.randn(1, 1, 512, 512, dtype=F64)
-    o_ref, S_ref, ref = _option_grads(kda_naive, xs, opts, S0, None)
-    o, S, got = _option_grads(kda_chunk, xs, opts, S0, None)
+    o_ref, S_ref, ref = option_grads(kda_naive, xs, opts, S0, None)
+    o, S, got = option_grads(kda_chunk, xs, opts, S0, None)
     assert rel_rms(o, o_ref) <= 1e-10 and rel_rms(S, S_ref) <= 1e-10
     assert all(rel_rms(got[n], ref[n]) <= 1e-10 for n in got)
 
