@@ -53,10 +53,12 @@ def kda_gate(
                          f"got {list(dt_bias.shape)}")
     check_lower_bound(lower_bound, safe)
     dt = torch.promote_types(f.dtype, torch.float32)  # fp32, or fp64 in oracle mode
-    x = f.to(dt) if dt_bias is None else f.to(dt) + dt_bias.to(dt).view(H, K)
-    A = None if A_log is None else A_log.to(dt).exp().unsqueeze(-1)
-    if A is None:  # fla's bounded gate without a rate
-        return lower_bound * torch.sigmoid(x)
+    f = f.to(dt)
+    A = None if A_log is None else A_log.to(dt).exp().unsqueeze(-1)  # [H, 1]
+    b = None if dt_bias is None else dt_bias.to(dt).view(H, K)
     if lower_bound is None:
-        return -A * F.softplus(x)
-    return lower_bound * torch.sigmoid(A * x)
+        return -A * F.softplus(f if b is None else f + b)
+    if A is not None and b is not None:  # A (f + b) as A f + (A b): one fused pass over f, A b is only [H, K]
+        return lower_bound * torch.sigmoid(torch.addcmul(A * b, f, A))
+    z = f if b is None else f + b
+    return lower_bound * torch.sigmoid(z if A is None else A * z)
