@@ -25,7 +25,7 @@ class KimiDeltaAttention(nn.Module):
     Args:
         hidden_size: model width D.
         num_heads: H.
-        head_dim: K = V per head (<= 256).
+        head_dim: K = V per head (<= 512, the op's MAX_HEAD_DIM).
         conv_size: short convolution width (>= 1; the state keeps `conv_size - 1` steps).
         lower_bound: safe-gate bound in [-5, 0), or None for the plain, unbounded gate.
         norm_eps: epsilon of the per-head output RMSNorm.
