@@ -1,5 +1,6 @@
 import pytest
 import torch
+from fla_reference import fla_layer_reference, fla_shapes, random_state_dict
 
 from k3sys.kda import KDAState, KimiDeltaAttention, kda_state_bytes
 
@@ -112,3 +113,158 @@ def test_layer_rejects_bad_input_and_state():
         layer(torch.randn(2, 5, 32), state)
     with pytest.raises(ValueError, match=r"state.recurrent must have shape \[2, 2, 8, 8\]"):
         layer(torch.randn(2, 5, 32), KDAState(conv=torch.zeros(2, 3, 48), recurrent=torch.zeros(2, 2, 8, 7)))
+
+
+# ---- fla interop: weights, options, padding, packed sequences, state layout ----------------------------
+FLA_CASES = {  # fla constructor arguments (and the gate it implies)
+    "fla-default": dict(),
+    "gva": dict(num_v_heads=4),
+    "no-conv": dict(use_short_conv=False),
+    "safe-gate-conv-bias-neg-eig": dict(safe_gate=True, lower_bound=-5.0, conv_bias=True, allow_neg_eigval=True),
+    "expand-v-gva-w2": dict(expand_v=2, num_v_heads=4, conv_size=2),
+}
+
+
+def fla_layer(case, **extra):
+    kw = {"hidden_size": 32, "num_heads": 2, "head_dim": 8, **FLA_CASES[case], **extra}
+    layer = KimiDeltaAttention.from_fla_config(**kw).double()
+    H, K = kw["num_heads"], kw["head_dim"]
+    HV, V = kw.get("num_v_heads") or H, int(K * kw.get("expand_v", 1))
+    shapes = fla_shapes(32, H, K, HV, V, kw.get("conv_size", 4), kw.get("use_short_conv", True),
+                        kw.get("conv_bias", False))
+    return layer, shapes, kw
+
+
+@pytest.mark.parametrize("case", FLA_CASES, ids=list(FLA_CASES))
+def test_fla_state_dict_round_trip(case):
+    layer, shapes, _ = fla_layer(case)
+    sd = random_state_dict(shapes, seed=1)
+    layer.load_fla_state_dict(sd)
+    back = layer.fla_state_dict()
+    assert set(back) == set(sd) and all(torch.equal(back[n], sd[n]) for n in sd)
+    again, _, _ = fla_layer(case)
+    again.load_fla_state_dict(back)  # and ours -> fla -> ours is the identity too
+    assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), layer.state_dict().values(), strict=True))
+
+
+@pytest.mark.parametrize("case", FLA_CASES, ids=list(FLA_CASES))
+def test_layer_with_fla_weights_matches_fla_reference(case):
+    layer, shapes, kw = fla_layer(case)
+    sd = random_state_dict(shapes, seed=2)
+    layer.load_fla_state_dict(sd)
+    x = torch.randn(2, 37, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    y, state = layer(x)
+    y_ref, S_ref = fla_layer_reference(sd, x, kw["num_heads"], kw["head_dim"], lower_bound=kw.get("lower_bound"),
+                                       allow_neg_eigval=kw.get("allow_neg_eigval", False))
+    assert state.recurrent.shape == S_ref.shape  # fla's [N, HV, V, K]
+    assert ((y - y_ref).norm() / y_ref.norm()).item() <= 5e-7
+    assert ((state.recurrent - S_ref).norm() / S_ref.norm()).item() <= 5e-7
+    y_tok, state_tok = token_by_token(layer, x)  # the decode path, in fla's layout, agrees as well
+    assert ((y_tok - y_ref).norm() / y_ref.norm()).item() <= 5e-7
+    assert ((state_tok.recurrent - S_ref).norm() / S_ref.norm()).item() <= 5e-7
+
+
+def test_fla_init_and_defaults():
+    layer = KimiDeltaAttention.from_fla_config(hidden_size=32, num_heads=2, head_dim=8)
+    assert layer.lower_bound is None and layer.state_layout == "vk" and layer.g_proj[1].bias is not None
+    dt = torch.nn.functional.softplus(layer.dt_bias.detach())
+    assert dt.min() >= 1e-4 * 0.999 and dt.max() <= 0.1 * 1.001 and dt.std() > 0
+    assert torch.all((layer.A_log.exp() >= 1) & (layer.A_log.exp() <= 16))
+    safe = KimiDeltaAttention.from_fla_config(hidden_size=32, num_heads=2, head_dim=8, safe_gate=True, lower_bound=-5)
+    assert torch.equal(safe.A_log.detach(), torch.zeros(2)) and safe.lower_bound == -5
+
+
+@pytest.mark.parametrize("case", ["fla-default", "gva"])
+def test_attention_mask_equals_each_sequence_alone(case):
+    layer, shapes, kw = fla_layer(case)
+    layer.load_fla_state_dict(random_state_dict(shapes, seed=4))
+    T = 23
+    x = torch.randn(4, T, 32, dtype=torch.float64)
+    mask = torch.ones(4, T + 5, dtype=torch.long)  # HF passes [B, past + T]: only the last T columns count
+    mask[0, 5:5 + 6] = 0  # left padding
+    mask[1, -4:] = 0  # right padding
+    mask[2, 5 + 10:5 + 12] = 0  # a hole
+    mask[3] = 0  # nothing at all
+    state0 = layer.init_state(4)
+    state0.recurrent.normal_()
+    state0.conv.normal_()
+    y, state = layer(x, state0, attention_mask=mask)
+    for b in range(4):
+        keep = mask[b, 5:].bool()
+        assert torch.equal(y[b, ~keep], torch.zeros_like(y[b, ~keep]))
+        if keep.any():
+            s_b = KDAState(conv=state0.conv[b:b + 1], recurrent=state0.recurrent[b:b + 1])
+            y_b, st_b = layer(x[b:b + 1, keep], s_b)
+            assert torch.allclose(y[b, keep], y_b[0], rtol=0, atol=1e-12)
+            assert torch.allclose(state.recurrent[b], st_b.recurrent[0], rtol=0, atol=1e-12)
+            assert torch.allclose(state.conv[b], st_b.conv[0], rtol=0, atol=1e-12)
+        else:  # an all-padding row leaves its state as it was
+            assert torch.equal(state.recurrent[3], state0.recurrent[3]) and torch.equal(state.conv[3], state0.conv[3])
+
+
+def test_cu_seqlens_equals_separate_calls_with_states():
+    layer = make_layer(conv_size=4, num_v_heads=4)
+    lengths = [7, 0, 2, 19]  # an empty sequence, and one shorter than the conv window
+    xs = [torch.randn(1, n, 32, dtype=torch.float64) for n in lengths]
+    state0 = layer.init_state(4)
+    state0.recurrent.normal_()
+    state0.conv.normal_()
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    y, state = layer(torch.cat(xs, dim=1), state0, cu_seqlens=cu)
+    for n, x_n in enumerate(xs):
+        if lengths[n] == 0:
+            assert torch.equal(state.recurrent[n], state0.recurrent[n]) and torch.equal(state.conv[n], state0.conv[n])
+            continue
+        y_n, s_n = layer(x_n, KDAState(conv=state0.conv[n:n + 1], recurrent=state0.recurrent[n:n + 1]))
+        assert torch.allclose(y[:, cu[n]:cu[n + 1]], y_n, rtol=0, atol=1e-12)
+        assert torch.allclose(state.recurrent[n], s_n.recurrent[0], rtol=0, atol=1e-12)
+        assert torch.allclose(state.conv[n], s_n.conv[0], rtol=0, atol=1e-12)
+    y0, same = layer(x_n[:, :0], state0, cu_seqlens=torch.zeros(5, dtype=torch.long))  # nothing at all: T = 0
+    assert y0.shape == (1, 0, 32) and torch.equal(same.recurrent, state0.recurrent)
+    assert torch.equal(same.conv, state0.conv)
+
+
+def test_state_layouts_hold_the_same_state_transposed():
+    kv = make_layer(num_v_heads=4)
+    vk = make_layer(num_v_heads=4, state_layout="vk")
+    vk.load_state_dict(kv.state_dict())
+    x = torch.randn(2, 20, 32, dtype=torch.float64)
+    y_kv, s_kv = kv(x)
+    y_vk, s_vk = vk(x)
+    assert torch.equal(y_kv, y_vk) and torch.equal(s_kv.recurrent, s_vk.recurrent.transpose(-1, -2))
+    assert vk.init_state(2).recurrent.shape == (2, 4, 8, 8) and s_vk.nbytes() == s_kv.nbytes()
+    y1, _ = vk(x[:, :1], s_vk)  # decode continues from the vk state
+    y2, _ = kv(x[:, :1], s_kv)
+    assert torch.allclose(y1, y2, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"num_v_heads": 3}, r"num_v_heads \(3\) must be a multiple of num_heads \(2\)"),
+    ({"state_layout": "kk"}, r"state_layout must be one of \['kv', 'vk'\], got 'kk'"),
+    ({"init": "xavier"}, r"init must be 'k3sys' or 'fla', got 'xavier'"),
+])
+def test_layer_rejects_bad_options(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        KimiDeltaAttention(**{"hidden_size": 32, "num_heads": 2, "head_dim": 8, **kwargs})
+
+
+def test_bad_fla_weights_masks_and_packing_are_named():
+    layer, shapes, _ = fla_layer("fla-default")
+    sd = random_state_dict(shapes)
+    with pytest.raises(ValueError, match=r"missing \['q_conv1d.weight'\], unexpected \['q_conv.weight'\]"):
+        layer.load_fla_state_dict({**{n: t for n, t in sd.items() if n != "q_conv1d.weight"},
+                                   "q_conv.weight": sd["q_conv1d.weight"]})
+    with pytest.raises(ValueError, match=r"dt_bias has shape \[15\], this layer needs \[2, 8\]"):
+        layer.load_fla_state_dict({**sd, "dt_bias": sd["dt_bias"][:15]})
+    with pytest.raises(ValueError, match=r"safe_gate=True needs lower_bound"):
+        KimiDeltaAttention.from_fla_config(hidden_size=32, num_heads=2, head_dim=8, safe_gate=True)
+    x = torch.randn(2, 5, 32, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"attention_mask must be \[B, >= T\] = \[2, >= 5\], got \[2, 4\]"):
+        layer(x, attention_mask=torch.ones(2, 4))
+    with pytest.raises(ValueError, match="not both"):
+        layer(x[:1], attention_mask=torch.ones(1, 5), cu_seqlens=torch.tensor([0, 5]))
+    with pytest.raises(ValueError, match=r"cu_seqlens must be 1-D int \[N \+ 1\] with x \[1, T, D\]"):
+        layer(x, cu_seqlens=torch.tensor([0, 5]))
+    with pytest.raises(ValueError, match=r"state.recurrent must have shape \[2, 2, 8, 8\]"):
+        layer(x[:1], KDAState(conv=torch.zeros(2, 3, 48), recurrent=torch.zeros(2, 4, 8, 8)),
+              cu_seqlens=torch.tensor([0, 2, 5]))

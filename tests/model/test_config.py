@@ -46,7 +46,9 @@ BAD = {
     "negative-shared-experts": (dict(num_shared_experts=-1), "num_shared_experts"),
     "missing-dense-layers": (dict(first_dense_layers=None), "first_dense_layers"),
     "missing-rope-dim": (dict(qk_rope_head_dim=None), "qk_rope_head_dim"),
-    "missing-gate-bound": (dict(kda_lower_bound=None), "kda_lower_bound"),
+    "string-gate-bound": (dict(kda_lower_bound="-5"), "kda_lower_bound"),
+    "routed-scale": (dict(routed_scaling_factor=0.0), "routed_scaling_factor"),
+    "non-bool-gate": (dict(mla_output_gate=1), "mla_output_gate"),
 }
 
 

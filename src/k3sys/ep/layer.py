@@ -76,6 +76,9 @@ class MoELayer(nn.Module):
             keeps all experts local (the reference path).
         capacity: most tokens a rank sends per step (S); required with a group, sizes the static buffers.
         router: "softmax" (default) or "sigmoid" scores; the top-K scores are renormalised to sum to 1.
+        score_bias: a per-expert bias `score_bias [E]` added to the scores to choose the top-K but not to
+            weigh them (DeepSeek-V3's `e_score_correction_bias`; zeros, not trained by backward).
+        routed_scale: the renormalised top-K weights are multiplied by this (`routed_scaling_factor`).
         token_padding: rows of each expert group are padded to a multiple of this (GEMM tile). Default 1.
         tolerance: the planner's imbalance allowance (see `EPBuffer`); R - 1 turns balancing off.
 
@@ -96,6 +99,8 @@ class MoELayer(nn.Module):
         token_padding: int = 1,
         *,
         tolerance: float = 0.0,
+        score_bias: bool = False,
+        routed_scale: float = 1.0,
     ) -> None:
         super().__init__()
         for name, value in (("hidden", hidden), ("ffn_hidden", ffn_hidden), ("num_experts", num_experts),
@@ -120,6 +125,8 @@ class MoELayer(nn.Module):
             self.buffer = self._make_buffer(torch.get_default_dtype(), None)
             num_local = self.buffer.experts_per_rank
         self.router = nn.Linear(hidden, num_experts, bias=False)
+        self.score_bias = nn.Parameter(torch.zeros(num_experts), requires_grad=False) if score_bias else None
+        self.routed_scale = routed_scale
         self.w_gate = nn.Parameter(torch.empty(num_local, hidden, ffn_hidden))
         self.w_up = nn.Parameter(torch.empty(num_local, hidden, ffn_hidden))
         self.w_down = nn.Parameter(torch.empty(num_local, ffn_hidden, hidden))
@@ -148,12 +155,17 @@ class MoELayer(nn.Module):
             self.shared.reset_parameters()
 
     def route(self, x_sh: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Top-K routing: x `[s, h]` -> (topk_ids `[s, K]` int64, topk_weights `[s, K]` summing to 1)."""
+        """Top-K routing: x `[s, h]` -> (topk_ids `[s, K]` int64, topk_weights `[s, K]` summing to `routed_scale`)."""
         # Scores in at least fp32: top-K and the normalisation are where bf16 ties and drift hurt.
         scores_se = self.router(x_sh).to(torch.promote_types(x_sh.dtype, torch.float32))
         scores_se = scores_se.softmax(-1) if self.router_kind == "softmax" else scores_se.sigmoid()
-        weights_sk, ids_sk = scores_se.topk(self.top_k, dim=-1)
-        return ids_sk, (weights_sk / weights_sk.sum(-1, keepdim=True)).to(x_sh.dtype)
+        if self.score_bias is None:
+            weights_sk, ids_sk = scores_se.topk(self.top_k, dim=-1)
+        else:  # the bias steers the choice only; the weights are the unbiased scores
+            ids_sk = (scores_se + self.score_bias.to(scores_se.dtype)).topk(self.top_k, dim=-1).indices
+            weights_sk = scores_se.gather(-1, ids_sk)
+        weights_sk = weights_sk / weights_sk.sum(-1, keepdim=True) * self.routed_scale
+        return ids_sk, weights_sk.to(x_sh.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.hidden:

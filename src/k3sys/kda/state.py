@@ -6,14 +6,18 @@ from dataclasses import dataclass
 
 import torch
 
+# "kv": S is [K, V] per head (ours, o = S^T q); "vk": [V, K] (fla's state_v_first, FlashKDA's oracle).
+STATE_LAYOUTS = ("kv", "vk")
+
 
 @dataclass(frozen=True)
 class KDAState:
     """One KDA layer's decode state for B sequences.
 
     conv: `[B, conv_size - 1, channels]` the last projected q/k/v inputs of the short convolution,
-        oldest first (channels = 3 * H * head_dim), in the layer's (or cache's) dtype.
-    recurrent: `[B, H, K, V]` the KDA state S, fp32 (fp64 for an fp64 layer).
+        oldest first (channels = 2 * H * K + HV * V), in the layer's (or cache's) dtype.
+    recurrent: the KDA state S, `[B, HV, K, V]` (layout "kv", ours) or `[B, HV, V, K]` (layout "vk",
+        fla's `state_v_first`), fp32 (fp64 for an fp64 layer). HV = V heads (= H without GVA).
     """
 
     conv: torch.Tensor
@@ -29,11 +33,22 @@ class KDAState:
         conv_dtype: torch.dtype = torch.float32,
         recurrent_dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
+        *,
+        num_v_heads: int | None = None,
+        head_v_dim: int | None = None,
+        layout: str = "kv",
     ) -> KDAState:
-        """A fresh state (what a layer assumes when given None); `device="meta"` sizes it for free."""
-        H, D = num_heads, head_dim
-        return cls(conv=torch.zeros(batch, conv_size - 1, 3 * H * D, dtype=conv_dtype, device=device),
-                   recurrent=torch.zeros(batch, H, D, D, dtype=recurrent_dtype, device=device))
+        """A fresh state (what a layer assumes when given None); `device="meta"` sizes it for free.
+
+        `num_v_heads` / `head_v_dim` default to `num_heads` / `head_dim`; `layout` is "kv" or "vk".
+        """
+        H, K = num_heads, head_dim
+        HV, V = num_v_heads or H, head_v_dim or K
+        if layout not in STATE_LAYOUTS:
+            raise ValueError(f"layout must be one of {list(STATE_LAYOUTS)}, got {layout!r}")
+        shape = (batch, HV, K, V) if layout == "kv" else (batch, HV, V, K)
+        return cls(conv=torch.zeros(batch, conv_size - 1, 2 * H * K + HV * V, dtype=conv_dtype, device=device),
+                   recurrent=torch.zeros(shape, dtype=recurrent_dtype, device=device))
 
     def nbytes(self) -> int:
         """Bytes held by the state's tensors."""

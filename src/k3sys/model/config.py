@@ -63,7 +63,8 @@ class ModelConfig:
     kda_num_heads: int
     kda_head_dim: int | None = None
     kda_conv_size: int = 4
-    kda_lower_bound: float = -5.0
+    kda_lower_bound: float | None = -5.0  # None: the plain softplus gate (fla's default, Kimi Linear's)
+    kda_output_gate_bias: bool = True  # bias of the KDA output gate's up-projection (Kimi Linear: none)
     # Gated MLA
     mla_num_heads: int = 1
     q_lora_rank: int | None = None
@@ -73,6 +74,7 @@ class ModelConfig:
     v_head_dim: int | None = None
     mla_use_rope: bool = False  # False = NoPE: the rope slice exists but is not rotated (Kimi Linear)
     rope_theta: float = 10000.0
+    mla_output_gate: bool = True  # sigmoid output gate (K3's gated MLA); Kimi Linear's MLA has none
     # FFN / MoE
     first_dense_layers: int = 1
     dense_ffn_size: int = 0
@@ -82,6 +84,8 @@ class ModelConfig:
     expert_ffn_size: int = 0
     moe_latent_size: int | None = None
     router: str = "sigmoid"
+    router_score_bias: bool = False  # a per-expert bias added to the scores for selection only (DeepSeek-V3's)
+    routed_scaling_factor: float = 1.0  # the routed experts' weights (summing to 1) are scaled by this
     # misc
     norm_eps: float = 1e-5
     max_context: int = 1 << 20
@@ -108,8 +112,14 @@ class ModelConfig:
         if self.q_lora_rank is not None:
             _positive("q_lora_rank", self.q_lora_rank)
         lb = self.kda_lower_bound
-        if isinstance(lb, bool) or not isinstance(lb, int | float) or not -5.0 <= lb < 0.0:
-            raise ValueError(f"kda_lower_bound must be in [-5, 0), got {self.kda_lower_bound}")
+        if lb is not None and (isinstance(lb, bool) or not isinstance(lb, int | float) or not -5.0 <= lb < 0.0):
+            raise ValueError(f"kda_lower_bound must be None or in [-5, 0), got {self.kda_lower_bound}")
+        for field in ("kda_output_gate_bias", "mla_output_gate", "router_score_bias"):
+            if not isinstance(getattr(self, field), bool):
+                raise ValueError(f"{field} must be a bool, got {getattr(self, field)!r}")
+        rs = self.routed_scaling_factor
+        if isinstance(rs, bool) or not isinstance(rs, int | float) or not rs > 0:
+            raise ValueError(f"routed_scaling_factor must be a number > 0, got {rs!r}")
         if self.first_dense_layers > self.num_layers:
             raise ValueError(f"first_dense_layers must be in [0, {self.num_layers}], got {self.first_dense_layers}")
         if any(not self.is_moe_layer(i) for i in range(self.num_layers)):
@@ -195,7 +205,8 @@ PRESETS: dict[str, ModelConfig] = {
         kda_num_heads=32,  # [KL] linear_attn_config.num_heads
         kda_head_dim=128,  # [KL] linear_attn_config.head_dim
         kda_conv_size=4,  # [KL] short_conv_kernel_size
-        kda_lower_bound=-5.0,  # assumption: the safe gate bound this project uses ([KL] uses the plain gate)
+        kda_lower_bound=None,  # [KL] no gate_lower_bound: the plain softplus gate
+        kda_output_gate_bias=False,  # [KL] g_b_proj has no bias (HF modeling_kimi.py, vLLM kimi_linear)
         mla_num_heads=32,  # [KL] num_attention_heads
         q_lora_rank=None,  # [KL] q_lora_rank: null
         kv_lora_rank=512,  # [KL] kv_lora_rank
@@ -203,6 +214,7 @@ PRESETS: dict[str, ModelConfig] = {
         qk_rope_head_dim=64,  # [KL] qk_rope_head_dim
         v_head_dim=128,  # [KL] v_head_dim (DeepSeek-V3 convention, = qk_nope_head_dim)
         mla_use_rope=False,  # [KL] mla_use_nope: true
+        mla_output_gate=False,  # [KL] KimiMLAAttention has no output gate
         first_dense_layers=1,  # [KL] first_k_dense_replace
         dense_ffn_size=9216,  # [KL] intermediate_size
         num_experts=256,  # [KL] num_experts
@@ -211,6 +223,8 @@ PRESETS: dict[str, ModelConfig] = {
         expert_ffn_size=1024,  # [KL] moe_intermediate_size
         moe_latent_size=None,  # [KL] experts act on the full hidden state
         router="sigmoid",  # [KL] moe_router_activation_func
+        router_score_bias=True,  # [KL] block_sparse_moe.gate.e_score_correction_bias
+        routed_scaling_factor=2.446,  # [KL] routed_scaling_factor
         norm_eps=1e-5,  # [KL] rms_norm_eps
         max_context=1 << 20,  # [KL] model_max_length 1048576
     ),

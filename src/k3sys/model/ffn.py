@@ -21,7 +21,8 @@ class MoEFFN(nn.Module):
         super().__init__()
         d, latent = cfg.hidden_size, cfg.moe_latent_size
         self.down = nn.Linear(d, latent, bias=False) if latent else nn.Identity()
-        self.experts = MoELayer(latent or d, cfg.expert_ffn_size, cfg.num_experts, cfg.top_k, router=cfg.router)
+        self.experts = MoELayer(latent or d, cfg.expert_ffn_size, cfg.num_experts, cfg.top_k, router=cfg.router,
+                                score_bias=cfg.router_score_bias, routed_scale=cfg.routed_scaling_factor)
         self.up = nn.Linear(latent, d, bias=False) if latent else nn.Identity()
         shared = cfg.num_shared_experts * cfg.expert_ffn_size
         self.shared = SwiGLU(d, shared) if shared else None

@@ -43,11 +43,13 @@ class GatedMLA(nn.Module):
         use_rope: rotate the dr slice (False = NoPE, as Kimi Linear; the slice is still learnt).
         rope_theta: rotary base.
         norm_eps: epsilon of the RMSNorms on the query and KV latents.
+        gated: the sigmoid output gate (`g_proj`); False is plain MLA (Kimi Linear's).
     """
 
     def __init__(self, hidden_size: int, num_heads: int, kv_lora_rank: int, qk_nope_head_dim: int,
                  qk_rope_head_dim: int, v_head_dim: int, q_lora_rank: int | None = None,
-                 use_rope: bool = False, rope_theta: float = 10000.0, norm_eps: float = 1e-5) -> None:
+                 use_rope: bool = False, rope_theta: float = 10000.0, norm_eps: float = 1e-5,
+                 gated: bool = True) -> None:
         super().__init__()
         self.num_heads, self.kv_lora_rank = num_heads, kv_lora_rank
         self.dn, self.dr, self.dv = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
@@ -63,7 +65,7 @@ class GatedMLA(nn.Module):
         self.kv_a_proj = nn.Linear(hidden_size, kv_lora_rank + qk_rope_head_dim, bias=False)
         self.kv_a_norm = nn.RMSNorm(kv_lora_rank, eps=norm_eps)
         self.kv_b_proj = nn.Linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), bias=False)
-        self.g_proj = nn.Linear(hidden_size, num_heads * v_head_dim, bias=False)
+        self.g_proj = nn.Linear(hidden_size, num_heads * v_head_dim, bias=False) if gated else None
         self.o_proj = nn.Linear(num_heads * v_head_dim, hidden_size, bias=False)
 
     def latent(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -85,8 +87,8 @@ class GatedMLA(nn.Module):
         if cache is not None:
             kv = cache.append(kv).to(x.dtype)  # a no-op unless the cache is stored narrower than the model
         o = self._expanded(q, kv) if past == 0 else self._absorbed(q, kv, past)
-        gate = torch.sigmoid(self.g_proj(x))
-        return self.o_proj(o.reshape(B, T, -1) * gate)
+        o = o.reshape(B, T, -1)
+        return self.o_proj(o * torch.sigmoid(self.g_proj(x)) if self.g_proj is not None else o)
 
     def _expanded(self, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
         """Causal attention over freshly expanded keys/values. q `[B, T, H, dn+dr]`, kv `[B, T, r+dr]`."""

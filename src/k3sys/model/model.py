@@ -4,6 +4,8 @@ norm, LM head. One forward serves training-style full sequences, prefill and dec
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from torch import nn
 
@@ -19,10 +21,11 @@ def build_attention(cfg: ModelConfig, kind: str) -> nn.Module:
     if kind == "kda":
         return KimiDeltaAttention(cfg.hidden_size, cfg.kda_num_heads, cfg.kda_head_dim,
                                   conv_size=cfg.kda_conv_size, lower_bound=cfg.kda_lower_bound,
-                                  norm_eps=cfg.norm_eps)
+                                  norm_eps=cfg.norm_eps, output_gate_bias=cfg.kda_output_gate_bias)
     return GatedMLA(cfg.hidden_size, cfg.mla_num_heads, cfg.kv_lora_rank, cfg.qk_nope_head_dim,
                     cfg.qk_rope_head_dim, cfg.v_head_dim, q_lora_rank=cfg.q_lora_rank,
-                    use_rope=cfg.mla_use_rope, rope_theta=cfg.rope_theta, norm_eps=cfg.norm_eps)
+                    use_rope=cfg.mla_use_rope, rope_theta=cfg.rope_theta, norm_eps=cfg.norm_eps,
+                    gated=cfg.mla_output_gate)
 
 
 class Block(nn.Module):
@@ -59,6 +62,14 @@ class HybridModel(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
         self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, device: torch.device | str = "cpu",
+                        dtype: torch.dtype | None = None) -> HybridModel:
+        """The model of a Kimi-Linear-style Hugging Face checkpoint directory, weights loaded (`k3sys.model.hf`)."""
+        from k3sys.model.hf import load_pretrained  # hf imports this module
+
+        return load_pretrained(path, device=device, dtype=dtype)
 
     def forward(self, ids: torch.Tensor, cache: HybridCache | None = None, logits_to_keep: int = 0) -> torch.Tensor:
         """ids `[B, T]` int64 -> logits `[B, T, vocab]`. With `cache`, ids continue the cached tokens.
