@@ -18,6 +18,7 @@ Only `kda_chunk`'s public interface is used, so its backend choice (Triton on CU
 from __future__ import annotations
 
 import bisect
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -57,6 +58,32 @@ class _Tie(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return grad, grad.new_zeros(ctx.anchor_shape, dtype=ctx.anchor_dtype)
+
+
+def cp_lengths(T: int, group: dist.ProcessGroup, device: torch.device) -> list[int]:
+    """Every rank's slice length, in rank order (one small all-gather)."""
+    lengths = [torch.zeros(1, dtype=torch.long, device=device) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(lengths, torch.tensor([T], device=device), group=group)
+    return torch.cat(lengths).tolist()
+
+
+def gather_sequence(x: torch.Tensor, lengths: list[int], group: dist.ProcessGroup) -> torch.Tensor:
+    """This rank's `[B, T_r, ...]` -> the whole sequence `[B, sum(lengths), ...]` on every rank, differentiable
+    (slices of unequal `lengths` are padded to the longest for the all-gather)."""
+    pad = max(lengths) - x.shape[1]
+    if pad:
+        x = torch.cat([x, x.new_zeros(x.shape[0], pad, *x.shape[2:])], dim=1)
+    parts = _AllGather.apply(x, group)
+    return torch.cat([p[:, :n] for p, n in zip(parts, lengths, strict=True)], dim=1)
+
+
+def from_previous_rank(x: torch.Tensor, group: dist.ProcessGroup, first: torch.Tensor) -> torch.Tensor:
+    """The previous rank's `x` (rank 0 gets `first`); its gradient goes back to the sender.
+
+    The short convolution's halo: a rank's first tokens read the previous rank's last ones.
+    """
+    parts, rank = _AllGather.apply(x, group), dist.get_rank(group)
+    return _Tie.apply(first, parts) if rank == 0 else parts[rank - 1]
 
 
 @dataclass(frozen=True)
@@ -161,9 +188,7 @@ def kda_chunk_cp(
     V = v.shape[-1]
     cu, start = None, 0
     if cu_seqlens is not None:
-        lengths = [torch.zeros(1, dtype=torch.long, device=q.device) for _ in range(R)]
-        dist.all_gather(lengths, torch.tensor([T], device=q.device), group=group)
-        offsets = [0, *torch.cat(lengths).cumsum(0).tolist()]
+        offsets = [0, *itertools.accumulate(cp_lengths(T, group, q.device))]
         cu = cu_seqlens.tolist()
         if B != 1 or cu[0] != 0 or cu[-1] != offsets[-1] or any(b <= a for a, b in zip(cu, cu[1:], strict=False)):
             raise ValueError(f"cu_seqlens must increase from 0 to the total length {offsets[-1]} over the ranks, "

@@ -10,10 +10,12 @@ x -> fused q/k/v projection -> depthwise causal short conv + SiLU -> L2-normalis
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from k3sys.kda.chunk import MAX_HEAD_DIM, kda_chunk
+from k3sys.kda.cp import from_previous_rank, kda_chunk_cp
 from k3sys.kda.gate import check_lower_bound, kda_gate
 from k3sys.kda.state import KDAState
 from k3sys.kda.step import step_unchecked
@@ -94,23 +96,34 @@ class KimiDeltaAttention(nn.Module):
             out = out.addcmul_(window[:, i:i + T], w[:, i])
         return out
 
-    def forward(self, x: torch.Tensor, state: KDAState | None = None) -> tuple[torch.Tensor, KDAState]:
+    def forward(self, x: torch.Tensor, state: KDAState | None = None,
+                cp_group: dist.ProcessGroup | None = None) -> tuple[torch.Tensor, KDAState]:
         """x `[B, T, D]` -> (y `[B, T, D]`, the state after the last token).
 
         `state` None means a fresh sequence. T > 1 runs the chunked op, T = 1 the decode step; one call
         over a sequence and token-by-token calls threading the state give the same y.
+        With `cp_group`, x is this rank's slice (T >= conv_size - 1) of a sequence split over the group in
+        rank order (`kda.cp`); `state` is the sequence's start (read on rank 0), the state returned its
+        state after this slice.
         """
         self._check(x, state)
         B, T, _ = x.shape
         H, D, W = self.num_heads, self.head_dim, self.conv_size
         state = self.init_state(B, x.device) if state is None else state
-        window = torch.cat([state.conv.to(x.dtype), self.qkv_proj(x)], dim=1)  # [B, W - 1 + T, channels]
+        proj, conv = self.qkv_proj(x), state.conv.to(x.dtype)
+        if cp_group is not None and W > 1:  # the conv's halo: the previous rank's last W - 1 projections
+            if T < W - 1:
+                raise ValueError(f"under context parallelism each rank needs T >= conv_size - 1 = {W - 1}, got {T}")
+            conv = from_previous_rank(proj[:, T - (W - 1):], cp_group, first=conv)
+        window = torch.cat([conv, proj], dim=1)  # [B, W - 1 + T, channels]
         qkv = F.silu(self._short_conv(window, T))
         q, k, v = qkv.view(B, T, 3, H, D).unbind(2)
         q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
         g = kda_gate(self.f_proj(x).view(B, T, H, D), self.A_log, self.dt_bias, self.lower_bound)
         beta = torch.sigmoid(self.b_proj(x))
-        if T == 1:
+        if cp_group is not None:
+            o, S = kda_chunk_cp(q, k, v, g, beta, cp_group, initial_state=state.recurrent, output_final_state=True)
+        elif T == 1:
             # Shapes are the layer's own and kda_gate keeps g in range: no per-token validation sync.
             o, S = step_unchecked(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state.recurrent)
             o = o[:, None]
