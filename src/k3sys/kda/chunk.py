@@ -37,6 +37,7 @@ Phase 1's output, phase 2's input (`ChunkWorkspace`):
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -46,6 +47,11 @@ from k3sys.kda.validate import check_inputs, compute_dtype
 
 MAX_HEAD_DIM = 256
 BACKENDS = ("auto", "torch", "triton")
+# Phase 1 runs on blocks of chunk steps of about this many (slot, head, position) rows, each block followed
+# by its phase-2 steps: a block's workspace (~1 MB per tensor at K = 128) stays in cache and is recycled by
+# the allocator, where whole-sequence temporaries (> 32 MB from T = 16K on, H = 4) were fresh mmap pages,
+# faulted in on every call, and made the cost per token grow with T (bench/kda_scaling.py).
+PHASE1_ROWS = 2048
 # Block size for the intra-chunk decay products: FlashKDA's tile; inside it the factorised form is safe
 # for the bounded gate (16 steps of at most -5 span exp(+-40)).
 SUB_CHUNK = 16
@@ -251,6 +257,18 @@ def intra_chunk(
                           decay=decay_in[..., -1, :])
 
 
+def step_blocks(active: list[int], rows_per_step: int, max_rows: int = PHASE1_ROWS) -> list[tuple[int, int]]:
+    """Split the chunk steps (slot counts `active`, `rows_per_step` rows per slot) into `[a, b)` ranges of
+    at most `max_rows` rows each (a single step may exceed it)."""
+    blocks, a, rows = [], 0, 0
+    for c, n in enumerate(active):
+        if rows and rows + n * rows_per_step > max_rows:
+            blocks.append((a, c))
+            a, rows = c, 0
+        rows += n * rows_per_step
+    return [*blocks, (a, len(active))]
+
+
 def inter_chunk_step(S: torch.Tensor, ws: ChunkWorkspace) -> tuple[torch.Tensor, torch.Tensor]:
     """One chunk step, (sequence, head) pairs flattened: S `[A*H, K, V]`, ws `heads_flat()` over A slots.
 
@@ -349,10 +367,15 @@ def kda_chunk(
         cu = cu_seqlens.to(device=device, dtype=torch.long)
         lengths, starts = cu[1:] - cu[:-1], cu[:-1]
     layout = chunk_layout(lengths, starts, chunk_size, dims.H)
-    ws = intra_chunk(*(to_slots(x, layout, dt) for x in (q, k, v, g)), to_slots(beta[..., None], layout, dt)[..., 0],
-                     scale)
-    S0 = (initial_state.to(dt)[layout.order] if initial_state is not None
-          else torch.zeros(dims.N, dims.H, dims.K, dims.V, dtype=dt, device=device))
-    O, S = inter_chunk(ws, layout.active, S0)
+    xs = [to_slots(x, layout, dt) for x in (q, k, v, g)] + [to_slots(beta[..., None], layout, dt)[..., 0]]
+    S = (initial_state.to(dt)[layout.order] if initial_state is not None
+         else torch.zeros(dims.N, dims.H, dims.K, dims.V, dtype=dt, device=device))
+    offsets = [0, *itertools.accumulate(layout.active)]
+    outs = []
+    for a, b in step_blocks(layout.active, dims.H * chunk_size):  # the slots of steps [a, b) are contiguous
+        ws = intra_chunk(*(x[offsets[a]:offsets[b]] for x in xs), scale)
+        O, S = inter_chunk(ws, layout.active[a:b], S)
+        outs.append(O)
+    O = torch.cat(outs) if len(outs) > 1 else outs[0]
     o = from_slots(O, layout, dims.B, dims.T).to(v.dtype)
     return o, (S[torch.argsort(layout.order)] if output_final_state else None)
