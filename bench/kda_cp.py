@@ -5,7 +5,9 @@ per rank in the forward, whatever T.
 
 R = 1, 2, 4 gloo ranks on 127.0.0.1, 1 thread each, B=1, H=2, K=V=128, fp32, forward (no grad). R = 1 is
 plain `kda_chunk`. Each rank times its own call (barrier before each); the step's time is the slowest
-rank's. Writes bench/results/kda_cp.json.
+rank's. Beside the wall times (which, on a machine whose cores are shared with other jobs, also count
+waiting for a core), each rank's CPU time: the largest over 1 rank's is the work fraction, the
+load-independent counterpart of (1 + c) / R. Writes bench/results/kda_cp.json.
 
     PYTHONPATH=src python bench/kda_cp.py [--quick]
 """
@@ -26,7 +28,6 @@ import torch.nn.functional as F
 from rich.console import Console
 from rich.table import Table
 
-from _timing import median_ms
 from k3sys.kda import kda_chunk, kda_gate
 from k3sys.kda.cp import _transition_call, kda_chunk_cp
 
@@ -58,24 +59,25 @@ def _rank(rank: int, world: int, port: int, T: int, repeats: int, out: mp.Queue)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     n = T // world
     xs = _inputs(T, rank * n, (rank + 1) * n)
-    times = []
+    times, cpu = [], []
     with torch.no_grad():
         for i in range(repeats + 1):
             dist.barrier()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             if world == 1:
                 kda_chunk(*xs, chunk_size=C, backend="torch", output_final_state=True)
             else:
                 kda_chunk_cp(*xs, group=dist.group.WORLD, chunk_size=C, backend="torch", output_final_state=True)
             if i:
                 times.append(time.perf_counter() - t0)
-    out.put((rank, times))
+                cpu.append(time.process_time() - c0)
+    out.put((rank, (times, cpu)))
     dist.destroy_process_group()
 
 
 def measured_correction(T: int, repeats: int) -> float:
     """c measured in one process (immune to ranks sharing cores): a receiving rank's work on T tokens
-    (the widened call and the qt S0 product) over the plain op's, 1 thread."""
+    (the widened call and the qt S0 product) over the plain op's, in CPU time, 1 thread."""
     xs = _inputs(T, 0, T)
     S0 = torch.randn(1, H, K, V)
 
@@ -83,13 +85,22 @@ def measured_correction(T: int, repeats: int) -> float:
         o_loc, qt, _, _ = _transition_call(*xs, None, C, "torch")
         o_loc + torch.einsum("bthk,bhkv->bthv", qt, S0)
 
+    def cpu_s(fn) -> float:  # median CPU seconds after a warm-up call: immune to waiting for a core
+        fn()
+        times = []
+        for _ in range(repeats):
+            c0 = time.process_time()
+            fn()
+            times.append(time.process_time() - c0)
+        return sorted(times)[len(times) // 2]
+
+    torch.set_num_threads(1)
     with torch.no_grad():
-        plain = median_ms(lambda: kda_chunk(*xs, chunk_size=C, backend="torch"), repeats, threads=1)
-        return median_ms(receiving, repeats, threads=1) / plain - 1
+        return cpu_s(receiving) / cpu_s(lambda: kda_chunk(*xs, chunk_size=C, backend="torch")) - 1
 
 
-def run(world: int, T: int, repeats: int) -> list[list[float]]:
-    """Per rank, the seconds of each timed call."""
+def run(world: int, T: int, repeats: int) -> list[tuple[list[float], list[float]]]:
+    """Per rank, the wall and CPU seconds of each timed call."""
     ctx = mp.get_context("spawn")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -114,20 +125,25 @@ def main() -> None:
     rows = []
     for R in (1, 2, 4):
         per_rank = run(R, T, repeats)
-        steps = sorted(max(ts) for ts in zip(*per_rank, strict=True))  # a step ends when its slowest rank does
+        # a step ends when its slowest rank does
+        steps = sorted(max(ts) for ts in zip(*(wall for wall, _ in per_rank), strict=True))
         rows.append(dict(ranks=R, ms=1e3 * steps[len(steps) // 2],
-                         rank_ms=[1e3 * sorted(ts)[len(ts) // 2] for ts in per_rank],
+                         rank_ms=[1e3 * sorted(wall)[len(wall) // 2] for wall, _ in per_rank],
+                         rank_cpu_ms=[1e3 * sorted(cpu)[len(cpu) // 2] for _, cpu in per_rank],
                          bytes_received_per_rank=(R - 1) * element, theory=1.0 if R == 1 else (1 + c) / R))
         print(f"R={R}: {rows[-1]['ms']:.0f} ms (per rank {[round(x) for x in rows[-1]['rank_ms']]})", flush=True)
     base = rows[0]["ms"]
     table = Table(title=f"kda_chunk_cp forward, T={T}, B=1, H={H}, K=V={K}, C={C}, fp32, 1 thread per rank")
-    for col in ("ranks", "ms", "per-rank ms", "speedup", "time / 1 rank", "theory (1+c)/R", "bytes in / rank"):
+    for col in ("ranks", "wall ms", "per-rank wall ms", "speedup", "wall / 1 rank", "per-rank CPU ms",
+                "max CPU / 1 rank", "theory (1+c)/R", "bytes in / rank"):
         table.add_column(col, justify="right")
+    base_cpu = rows[0]["rank_cpu_ms"][0]
     for r in rows:
         r["speedup"], r["fraction"] = base / r["ms"], r["ms"] / base
+        r["cpu_fraction"] = max(r["rank_cpu_ms"]) / base_cpu
         table.add_row(str(r["ranks"]), f"{r['ms']:.0f}", " ".join(f"{x:.0f}" for x in r["rank_ms"]),
-                      f"{r['speedup']:.2f}", f"{r['fraction']:.2f}", f"{r['theory']:.2f}",
-                      f"{r['bytes_received_per_rank']:,}")
+                      f"{r['speedup']:.2f}", f"{r['fraction']:.2f}", " ".join(f"{x:.0f}" for x in r["rank_cpu_ms"]),
+                      f"{r['cpu_fraction']:.2f}", f"{r['theory']:.2f}", f"{r['bytes_received_per_rank']:,}")
     Console(width=140).print(table)
     c_measured = measured_correction(T // 4, repeats)
     print(f"correction c = {c:.3f} (flop model, K=V={K}, C={C}), {c_measured:.3f} measured on T/4 tokens in one "

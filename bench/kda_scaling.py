@@ -10,7 +10,9 @@ off (MALLOC_MMAP_MAX_=0: freed memory is reused, no page faults); if only the al
 the gap, the cost was allocation, not memory traffic. Then `kda_chunk` as it is now (phase 1 in blocks
 of `PHASE1_ROWS` rows, each followed by its phase-2 steps) with the default allocator.
 
-Every (variant, T) runs in a fresh process (so the peak RSS is its own): peak memory = the process's
+Times are CPU times of the one-thread process (user + system, so page faults count), wall times beside
+them: on this shared machine the wall time also counts waiting for a core. Every (variant, T) runs in a
+fresh process (so the peak RSS is its own): peak memory = the process's
 max RSS minus its RSS before the call. Writes bench/results/kda_scaling.json. (The issue asked for this
 in bench/kda.py; it is its own script because bench/kda.py was being rewritten at the same time.)
 
@@ -51,17 +53,17 @@ def _inputs(T: int) -> tuple[torch.Tensor, ...]:
 def _whole_sequence(q, k, v, g, beta, phases: dict[str, float]) -> torch.Tensor:
     """The previous form of `kda_chunk` (phase 1 over all chunks at once), timing each phase into `phases`."""
     T = q.shape[1]
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     layout = chunk_layout(torch.tensor([T]), torch.tensor([0]), C, H)
     xs = [to_slots(x, layout, torch.float32) for x in (q, k, v, g)] + [to_slots(beta[..., None], layout,
                                                                                  torch.float32)[..., 0]]
-    t1 = time.perf_counter()
+    t1 = time.process_time()
     ws = intra_chunk(*xs, scale=K**-0.5)
-    t2 = time.perf_counter()
+    t2 = time.process_time()
     O, _ = inter_chunk(ws, layout.active, torch.zeros(1, H, K, V))
-    t3 = time.perf_counter()
+    t3 = time.process_time()
     o = from_slots(O, layout, 1, T)
-    t4 = time.perf_counter()
+    t4 = time.process_time()
     for name, dt in (("gather", t1 - t0), ("phase 1", t2 - t1), ("phase 2", t3 - t2), ("scatter", t4 - t3)):
         phases[name] = phases.get(name, 0.0) + dt
     return o
@@ -73,25 +75,30 @@ def _rss_kb() -> int:
 
 
 def _measure(variant: str, T: int, repeats: int) -> dict:
-    """In a fresh process: median time of one forward (after a warm-up), phases, peak extra RSS."""
+    """In a fresh process: median CPU and wall time of one forward (after a warm-up), phases, peak extra RSS.
+
+    CPU time (user + system of this one-thread process, page faults included) is the measure: on a machine
+    shared with other jobs the wall time also counts the time spent waiting for a core.
+    """
     torch.set_num_threads(1)
     xs = _inputs(T)
     before = _rss_kb()
     phases: dict[str, float] = {}
-    times = []
+    cpu, wall = [], []
     with torch.no_grad():
         for i in range(repeats + 1):
-            t0 = time.perf_counter()
+            c0, w0 = time.process_time(), time.perf_counter()
             if variant == "kda_chunk":
                 kda_chunk(*xs, chunk_size=C, backend="torch")
             else:
                 _whole_sequence(*xs, phases if i else {})
             if i:
-                times.append(time.perf_counter() - t0)
+                cpu.append(time.process_time() - c0)
+                wall.append(time.perf_counter() - w0)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before  # KiB on Linux
-    times.sort()
-    ms = 1e3 * times[len(times) // 2]
-    return dict(variant=variant, T=T, ms=ms, us_per_token=1e3 * ms / T, peak_mb=peak / 1024,
+    ms = 1e3 * sorted(cpu)[len(cpu) // 2]
+    return dict(variant=variant, T=T, ms=ms, wall_ms=1e3 * sorted(wall)[len(wall) // 2], us_per_token=1e3 * ms / T,
+                peak_mb=peak / 1024,
                 peak_bytes_per_token=1024 * peak / T,
                 phases_us_per_token={n: 1e6 * t / repeats / T for n, t in phases.items()})
 
@@ -135,7 +142,8 @@ def main() -> None:
             rows.append(dict(_run(variant, T, repeats, env), label=label))
             print(f"{label:16s} T={T:7d} {rows[-1]['us_per_token']:8.1f} us/token", flush=True)
     table = Table(title=f"kda_chunk forward per token (B=1, H={H}, K=V={K}, C={C}, fp32, 1 thread)")
-    for col in ("variant", "T", "ms", "us/token", "x 1K", "peak B/token", "gather", "phase 1", "phase 2"):
+    for col in ("variant", "T", "CPU ms", "wall ms", "CPU us/token", "x 1K", "peak B/token", "gather",
+                "phase 1", "phase 2"):
         table.add_column(col, justify="right")
     for label in VARIANTS:
         mine = [r for r in rows if r["label"] == label]
@@ -143,11 +151,12 @@ def main() -> None:
         for r in mine:
             r["ratio_to_1k"] = r["us_per_token"] / base
             ph = r["phases_us_per_token"]
-            table.add_row(label, str(r["T"]), f"{r['ms']:.0f}", f"{r['us_per_token']:.1f}", f"{r['ratio_to_1k']:.2f}",
+            table.add_row(label, str(r["T"]), f"{r['ms']:.0f}", f"{r['wall_ms']:.0f}", f"{r['us_per_token']:.1f}",
+                          f"{r['ratio_to_1k']:.2f}",
                           f"{r['peak_bytes_per_token']:.0f}", *(f"{ph[n]:.1f}" if n in ph else "-"
                                                                 for n in ("gather", "phase 1", "phase 2")))
         spread = max(r["us_per_token"] for r in mine) / min(r["us_per_token"] for r in mine)
-        print(f"{label}: max/min time per token {spread:.2f} ({'flat' if spread <= FLAT else 'NOT flat'} "
+        print(f"{label}: max/min CPU time per token {spread:.2f} ({'flat' if spread <= FLAT else 'NOT flat'} "
               f"within {FLAT - 1:.0%})")
     Console(width=140).print(table)
     RESULTS.mkdir(exist_ok=True)

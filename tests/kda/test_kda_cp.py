@@ -3,6 +3,7 @@ states and every input gradient, for even and uneven splits and sequences crossi
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -37,11 +38,13 @@ def _loss_weights(o: torch.Tensor, S: torch.Tensor, seed: int) -> tuple[torch.Te
 
 
 def _check_rank(world: dist.ProcessGroup, sizes: list[int], B: int, H: int, K: int, V: int, cu: list[int] | None,
-                dtype: torch.dtype, chunk_size: int) -> dict[str, float] | None:
+                dtype: torch.dtype, chunk_size: int, backend: str = "torch") -> dict[str, float] | None:
     """Run the CP op on this rank's slice and the single-process op on the whole; relative errors of this rank."""
     group = _group(world, len(sizes))
     if group is None:
         return None
+    if backend == "triton" and not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # read when k3sys.kda.triton is first imported
     rank, T = dist.get_rank(group), sum(sizes)
     start, end = sum(sizes[:rank]), sum(sizes[:rank + 1])
     inputs = make_inputs(B, T, H, K, V, dtype=dtype, seed=3)
@@ -51,13 +54,13 @@ def _check_rank(world: dist.ProcessGroup, sizes: list[int], B: int, H: int, K: i
     cu_t = None if cu is None else torch.tensor(cu)
     ref_in = [x.clone().requires_grad_() for x in (*inputs, h0)]
     o_ref, S_ref = kda_chunk(*ref_in[:5], initial_state=ref_in[5], output_final_state=True, cu_seqlens=cu_t,
-                             chunk_size=chunk_size, backend="torch")
+                             chunk_size=chunk_size, backend=backend)
     w_o, w_s = _loss_weights(o_ref, S_ref, seed=5)
     ((o_ref.double() * w_o).sum() + (S_ref.double() * w_s).sum()).backward()
 
     cp_in = [x[:, start:end].clone().requires_grad_() for x in inputs] + [h0.clone().requires_grad_()]
     o, S = kda_chunk_cp(*cp_in[:5], group=group, initial_state=cp_in[5], output_final_state=True, cu_seqlens=cu_t,
-                        chunk_size=chunk_size, backend="torch")
+                        chunk_size=chunk_size, backend=backend)
     # the local pieces: sequences [first, first + N_r), the last of which may carry on to the next rank
     first = 0 if cu is None else [n for n in range(N) if cu[n] <= start < cu[n + 1]][0]
     ends_here = [n for n in range(first, first + S.shape[0]) if (end == T if cu is None else cu[n + 1] <= end)]
@@ -118,6 +121,14 @@ def test_cp_wide_heads_and_larger_chunks(pool: RankPool) -> None:
     results = pool.run(_check_rank, [40, 29], 1, 1, 136, 136, None, torch.float64, 32, ranks=2)
     for rank, errors in enumerate(results):
         assert max(errors.values()) < 1e-12, f"rank {rank}: {errors}"
+
+
+def test_cp_inherits_the_triton_backend(pool: RankPool) -> None:
+    """backend="triton" (Triton's interpreter on CPU): every kda_chunk call of the CP op runs the kernels."""
+    pytest.importorskip("triton", reason="triton is not installed")
+    results = pool.run(_check_rank, [23, 26], 1, 1, 16, 16, [0, 9, 49], torch.float32, 16, "triton", ranks=2)
+    for rank, errors in enumerate(results):
+        assert max(errors.values()) < 2e-6, f"rank {rank}: {errors}"
 
 
 def _bad_cu(world: dist.ProcessGroup) -> None:
