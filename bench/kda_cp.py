@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from rich.console import Console
 from rich.table import Table
 
+from _timing import median_ms
 from k3sys.kda import kda_chunk, kda_gate
 from k3sys.kda.cp import _transition_call, kda_chunk_cp
 
@@ -85,18 +86,9 @@ def measured_correction(T: int, repeats: int) -> float:
         o_loc, qt, _, _ = _transition_call(*xs, None, C, "torch")
         o_loc + torch.einsum("bthk,bhkv->bthv", qt, S0)
 
-    def cpu_s(fn) -> float:  # median CPU seconds after a warm-up call: immune to waiting for a core
-        fn()
-        times = []
-        for _ in range(repeats):
-            c0 = time.process_time()
-            fn()
-            times.append(time.process_time() - c0)
-        return sorted(times)[len(times) // 2]
-
-    torch.set_num_threads(1)
-    with torch.no_grad():
-        return cpu_s(receiving) / cpu_s(lambda: kda_chunk(*xs, chunk_size=C, backend="torch")) - 1
+    with torch.no_grad():  # CPU time: immune to waiting for a core
+        plain = median_ms(lambda: kda_chunk(*xs, chunk_size=C, backend="torch"), repeats, 1, time.process_time)
+        return median_ms(receiving, repeats, 1, time.process_time) / plain - 1
 
 
 def run(world: int, T: int, repeats: int) -> list[tuple[list[float], list[float]]]:
