@@ -37,6 +37,7 @@ Phase 1's output, phase 2's input (`ChunkWorkspace`):
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -50,6 +51,11 @@ MAX_HEAD_DIM = 512
 # the pairwise path, whose segment sums never subtract it.
 RESET_LOG_DECAY = -1.0e4
 BACKENDS = ("auto", "torch", "triton")
+# Phase 1 runs on blocks of chunk steps of about this many (slot, head, position) rows, each block followed
+# by its phase-2 steps: a block's workspace (~1 MB per tensor at K = 128) stays in cache and is recycled by
+# the allocator, where whole-sequence temporaries (> 32 MB from T = 16K on, H = 4) were fresh mmap pages,
+# faulted in on every call, and made the cost per token grow with T (bench/kda_scaling.py).
+PHASE1_ROWS = 2048
 # Block size for the intra-chunk decay products: FlashKDA's tile; inside it the factorised form is safe
 # for the bounded gate (16 steps of at most -5 span exp(+-40)).
 SUB_CHUNK = 16
@@ -260,6 +266,18 @@ def intra_chunk(
                           decay=decay_in[..., -1, :])
 
 
+def step_blocks(active: list[int], rows_per_step: int, max_rows: int = PHASE1_ROWS) -> list[tuple[int, int]]:
+    """Split the chunk steps (slot counts `active`, `rows_per_step` rows per slot) into `[a, b)` ranges of
+    at most `max_rows` rows each (a single step may exceed it)."""
+    blocks, a, rows = [], 0, 0
+    for c, n in enumerate(active):
+        if rows and rows + n * rows_per_step > max_rows:
+            blocks.append((a, c))
+            a, rows = c, 0
+        rows += n * rows_per_step
+    return [*blocks, (a, len(active))]
+
+
 def inter_chunk_step(S: torch.Tensor, ws: ChunkWorkspace) -> tuple[torch.Tensor, torch.Tensor]:
     """One chunk step, (sequence, head) pairs flattened: S `[A*H, K, V]`, ws `heads_flat()` over A slots.
 
@@ -395,12 +413,18 @@ def _two_phases(
     # an exact reset (g = -inf) as a finite step whose exp is 0 in fp32 and fp64: -inf would make the
     # in-chunk differences G_i - G_j NaN; the clamp's gradient there is 0, as exp(-inf)'s is
     g = p.g.clamp(min=RESET_LOG_DECAY)
-    ws = intra_chunk(*(to_slots(x, layout, p.v.dtype) for x in (p.q, p.k, p.v, g)),
-                     to_slots(p.beta[..., None], layout, p.v.dtype)[..., 0], p.scale)
-    O, S, entering = inter_chunk(ws, layout.active, S0[layout.order], keep_states)
-    o = from_slots(O, layout, dims.B, dims.T)
+    xs = [to_slots(x, layout, p.v.dtype) for x in (p.q, p.k, p.v, g)]
+    xs.append(to_slots(p.beta[..., None], layout, p.v.dtype)[..., 0])
+    S, offsets = S0[layout.order], [0, *itertools.accumulate(layout.active)]
+    outs, entering = [], []
+    for a, b in step_blocks(layout.active, dims.HV * chunk_size):  # the slots of steps [a, b) are contiguous
+        ws = intra_chunk(*(x[offsets[a]:offsets[b]] for x in xs), p.scale)
+        O, S, states = inter_chunk(ws, layout.active[a:b], S, keep_states)
+        outs.append(O)
+        entering.append(states)
+    o = from_slots(torch.cat(outs) if len(outs) > 1 else outs[0], layout, dims.B, dims.T)
     h = None
     if keep_states:
-        h = entering.index_select(0, layout.slot_of_chunk)
+        h = torch.cat(entering).index_select(0, layout.slot_of_chunk)
         h = h.view(dims.B, -1, *h.shape[1:]) if p.cu_seqlens is None else h.unsqueeze(0)
     return o, S[torch.argsort(layout.order)], h

@@ -16,10 +16,12 @@ import math
 from typing import Literal
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from k3sys.kda.chunk import MAX_HEAD_DIM, kda_chunk
+from k3sys.kda.cp import from_previous_rank, kda_chunk_cp
 from k3sys.kda.gate import check_lower_bound, kda_gate
 from k3sys.kda.state import STATE_LAYOUTS, KDAState
 from k3sys.kda.step import step_unchecked
@@ -193,7 +195,8 @@ class KimiDeltaAttention(nn.Module):
         return out, new_tail
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, b: torch.Tensor,
-                S0: torch.Tensor, cu_seqlens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                S0: torch.Tensor, cu_seqlens: torch.Tensor | None, cp_group: dist.ProcessGroup | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         """The KDA op on pre-activation inputs, the one place the layer calls it.
 
         q, k `[B, T, H, K]` and v `[B, T, HV, V]` after conv + SiLU; f `[B, T, HV, K]` the gate projection;
@@ -210,7 +213,9 @@ class KimiDeltaAttention(nn.Module):
             q, k = (x.repeat_interleave(self.num_v_heads // self.num_heads, dim=2) for x in (q, k))
         vk = self.state_layout == "vk"
         S0 = S0.transpose(-1, -2) if vk else S0
-        if cu_seqlens is None and q.shape[1] == 1:
+        if cp_group is not None:
+            o, S = kda_chunk_cp(q, k, v, g, beta, cp_group, initial_state=S0, output_final_state=True)
+        elif cu_seqlens is None and q.shape[1] == 1:
             # Shapes are the layer's own and kda_gate keeps g in range: no per-token validation sync.
             o, S = step_unchecked(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], S0)
             o = o[:, None]
@@ -230,7 +235,8 @@ class KimiDeltaAttention(nn.Module):
         return o, (S.transpose(-1, -2) if vk else S)
 
     def forward(self, x: torch.Tensor, state: KDAState | None = None, attention_mask: torch.Tensor | None = None,
-                cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, KDAState]:
+                cu_seqlens: torch.Tensor | None = None, cp_group: dist.ProcessGroup | None = None
+                ) -> tuple[torch.Tensor, KDAState]:
         """x `[B, T, D]` -> (y `[B, T, D]`, the state after the last token of each sequence).
 
         `state` None means fresh sequences. T > 1 runs the chunked op, T = 1 the decode step; one call
@@ -239,7 +245,12 @@ class KimiDeltaAttention(nn.Module):
         Hugging Face passes it): 1 = token, 0 = padding, anywhere in the row; padding yields y = 0 and
         leaves the state untouched. `cu_seqlens` `[N + 1]` int: x `[1, T, D]` packs N sequences (empty
         ones allowed), and the state holds N. Not both.
+        With `cp_group`, x is this rank's slice (T >= conv_size - 1) of B sequences split over the group in
+        rank order (`kda.cp`; no mask, no cu_seqlens); `state` is the sequences' start (read on rank 0), the
+        state returned their state after this slice.
         """
+        if cp_group is not None and (attention_mask is not None or cu_seqlens is not None):
+            raise ValueError("a context-parallel forward takes whole rows: no attention_mask or cu_seqlens")
         if attention_mask is not None:
             if cu_seqlens is not None:
                 raise ValueError("pass attention_mask or cu_seqlens, not both")
@@ -250,7 +261,13 @@ class KimiDeltaAttention(nn.Module):
         state = self.init_state(N, x.device) if state is None else state
         proj = self.qkv_proj(x)
         if cu_seqlens is None:
-            window = torch.cat([state.conv.to(x.dtype), proj], dim=1)  # [B, W - 1 + T, C]
+            conv = state.conv.to(x.dtype)
+            if cp_group is not None and W > 1:  # the conv's halo: the previous rank's last W - 1 projections
+                if T < W - 1:
+                    raise ValueError(f"under context parallelism each rank needs T >= conv_size - 1 = {W - 1}, "
+                                     f"got {T}")
+                conv = from_previous_rank(proj[:, T - (W - 1):], cp_group, first=conv)
+            window = torch.cat([conv, proj], dim=1)  # [B, W - 1 + T, C]
             qkv = self._short_conv(window, T)
             # A copy, not a view: a view would keep the whole prefill window's projections alive.
             conv = window[:, window.shape[1] - (W - 1):].clone()
@@ -259,7 +276,7 @@ class KimiDeltaAttention(nn.Module):
             qkv = qkv[None]
         q, k, v = F.silu(qkv).split(self.splits, dim=-1)
         o, S = self._attend(q.view(B, T, H, K), k.view(B, T, H, K), v.view(B, T, HV, V),
-                            self.f_proj(x).view(B, T, HV, K), self.b_proj(x), state.recurrent, cu_seqlens)
+                            self.f_proj(x).view(B, T, HV, K), self.b_proj(x), state.recurrent, cu_seqlens, cp_group)
         gate = self.g_proj(x).view(B, T, HV, V)
         o = o.to(S.dtype)
         o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.norm_eps) * self.o_norm_weight
