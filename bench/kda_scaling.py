@@ -61,7 +61,7 @@ def _whole_sequence(q, k, v, g, beta, phases: dict[str, float]) -> torch.Tensor:
     t1 = time.process_time()
     ws = intra_chunk(*xs, scale=K**-0.5)
     t2 = time.process_time()
-    O, _ = inter_chunk(ws, layout.active, torch.zeros(1, H, K, V))
+    O, *_ = inter_chunk(ws, layout.active, torch.zeros(1, H, K, V))
     t3 = time.process_time()
     o = from_slots(O, layout, 1, T)
     t4 = time.process_time()

@@ -3,6 +3,7 @@ import torch
 from kda_inputs import OPTION_SETS, make_inputs, make_raw_inputs, rel_rms
 
 from k3sys.kda import kda_chunk, kda_naive, kda_step
+from k3sys.kda.step import step_unchecked
 
 
 def decode(q, k, v, g, beta, state):
@@ -82,8 +83,11 @@ def test_step_rejects_bad_input(name, bad, match):
         kda_step(**args)
 
 
+@pytest.mark.parametrize("unchecked", [False, True], ids=["kda_step", "step_unchecked"])
 @pytest.mark.parametrize("option_set", list(OPTION_SETS))
-def test_step_options_and_gva_equal_naive(option_set):
+def test_step_options_and_gva_equal_naive(option_set, unchecked):
+    """kda_step, and the layer's decode path (the same without the checks), against the oracle."""
+    step = step_unchecked if unchecked else kda_step
     xs, opts = make_raw_inputs(2, 6, 1, 3, 8, 4, option_set)
     xs[3][0, 2] = -torch.inf if not opts.get("use_gate_in_kernel") else xs[3][0, 2]  # a reset on the way
     v_first = opts.get("state_v_first", False)
@@ -91,7 +95,7 @@ def test_step_options_and_gva_equal_naive(option_set):
     o_ref, S_ref = kda_naive(*xs, initial_state=S0, output_final_state=True, **opts)
     outs, S = [], S0
     for t in range(6):
-        o, S = kda_step(*(x[:, t] for x in xs), S, **opts)
+        o, S = step(*(x[:, t] for x in xs), S, **opts)
         outs.append(o)
     assert S.shape == S0.shape
     assert rel_rms(torch.stack(outs, 1), o_ref) <= 1e-12 and rel_rms(S, S_ref) <= 1e-12

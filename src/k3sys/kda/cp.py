@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from k3sys.kda.activations import kda_options
 from k3sys.kda.chunk import MAX_HEAD_DIM, kda_chunk
 from k3sys.kda.validate import compute_dtype
 
@@ -115,24 +116,25 @@ def slice_layout(cu_seqlens: list[int] | None, start: int, end: int, rank: int, 
                        carries_out=cu_seqlens[-1] > end and end not in cu_seqlens)
 
 
-def _transition_call(q, k, v, g, beta, scale, chunk_size, backend) -> tuple[torch.Tensor, ...]:
+def _transition_call(q, k, v, g, beta, scale, chunk_size, backend, options) -> tuple[torch.Tensor, ...]:
     """The head's local outputs and state from zero, and its maps: (o_loc, qt, S_loc, M), in the compute dtype.
 
     Widened value `[v | 0_K]` from `[0 | I]`, one call; two calls when V + K exceeds the op's limit.
+    `options` are the op's (states `[K, V]`: `state_v_first` is applied by the caller).
     """
-    B, T, H, K = q.shape
-    V = v.shape[-1]
+    B, T, _, K = q.shape
+    HV, V = v.shape[-2:]
     dt = compute_dtype(q, k, v, g, beta)
-    eye = torch.eye(K, dtype=dt, device=q.device).expand(B, H, K, K)
-    zeros = v.new_zeros(B, T, H, K, dtype=dt)
+    eye = torch.eye(K, dtype=dt, device=q.device).expand(B, HV, K, K)
+    zeros = v.new_zeros(B, T, HV, K, dtype=dt)
+    run = dict(chunk_size=chunk_size, backend=backend, **options)
     if V + K <= MAX_HEAD_DIM:
-        S0 = torch.cat([eye.new_zeros(B, H, K, V), eye], dim=-1)
-        o, S = kda_chunk(q, k, torch.cat([v.to(dt), zeros], dim=-1), g, beta, scale, S0, True,
-                         chunk_size=chunk_size, backend=backend)
+        S0 = torch.cat([eye.new_zeros(B, HV, K, V), eye], dim=-1)
+        o, S = kda_chunk(q, k, torch.cat([v.to(dt), zeros], dim=-1), g, beta, scale, S0, True, **run)
         (o_loc, qt), (S_loc, M) = o.split([V, K], dim=-1), S.split([V, K], dim=-1)
         return o_loc, qt, S_loc, M
-    o_loc, S_loc = kda_chunk(q, k, v.to(dt), g, beta, scale, None, True, chunk_size=chunk_size, backend=backend)
-    qt, M = kda_chunk(q, k, zeros, g, beta, scale, eye, True, chunk_size=chunk_size, backend=backend)
+    o_loc, S_loc = kda_chunk(q, k, v.to(dt), g, beta, scale, None, True, **run)
+    qt, M = kda_chunk(q, k, zeros, g, beta, scale, eye, True, **run)
     return o_loc, qt, S_loc, M
 
 
@@ -163,6 +165,7 @@ def kda_chunk_cp(
     cu_seqlens: torch.Tensor | None = None,
     chunk_size: int = 16,
     backend: str = "auto",
+    **options,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`kda_chunk` over a sequence split across the ranks of `group`, exact; differentiable.
 
@@ -170,22 +173,30 @@ def kda_chunk_cp(
     calls this (and, in training, backpropagates through its `o`: the backward runs one collective).
 
     Args:
-        q, k, g: `[B, T_r, H, K]` this rank's slice; v `[B, T_r, H, V]`; beta `[B, T_r, H]`.
+        q, k: `[B, T_r, H, K]` this rank's slice; v `[B, T_r, HV, V]`, g `[B, T_r, HV, K]`, beta
+            `[B, T_r, HV]` (HV a multiple of H, as in `kda_chunk`).
         group: the context-parallel process group (gloo or NCCL).
         scale, chunk_size, backend: as `kda_chunk`.
-        initial_state: `[N, H, K, V]`, the same on every rank; a rank reads the rows of the sequences
-            that begin in its slice (so each row's gradient lands on the rank that read it).
-        output_final_state: return the state at the end of each local piece `[N_r, H, K, V]` (N_r = B
+        initial_state: `[N, HV, K, V]` (`[N, HV, V, K]` with `state_v_first`), the same on every rank; a
+            rank reads the rows of the sequences that begin in its slice (so each row's gradient lands on
+            the rank that read it).
+        output_final_state: return the state at the end of each local piece `[N_r, HV, K, V]` (N_r = B
             without cu_seqlens): the final state of a sequence is on the rank holding its last token.
         cu_seqlens: `[N + 1]` GLOBAL offsets, the same on every rank (B must be 1); sequences may cross
             rank boundaries.
+        **options: `kda_chunk`'s (`k3sys.kda.activations.KDAOptions`): the activations are per token,
+            so each call on this rank's tokens applies them; `state_v_first` is applied here.
 
     Returns:
-        o `[B, T_r, H, V]` in v's dtype, and the local pieces' end states (compute dtype) or None.
+        o `[B, T_r, HV, V]` in v's dtype, and the local pieces' end states (compute dtype) or None.
     """
+    v_first = kda_options(**options).state_v_first  # also rejects unknown options, on every rank alike
+    options = {n: x for n, x in options.items() if n not in ("state_v_first", "transpose_state_layout")}
+    if v_first and initial_state is not None:
+        initial_state = initial_state.transpose(-1, -2)  # [N, HV, K, V] inside, the caller's layout outside
     R, rank = dist.get_world_size(group), dist.get_rank(group)
-    B, T, H, K = q.shape
-    V = v.shape[-1]
+    B, T, _, K = q.shape
+    H, V = v.shape[-2:]  # the value heads carry the state
     cu, start = None, 0
     if cu_seqlens is not None:
         offsets = [0, *itertools.accumulate(cp_lengths(T, group, q.device))]
@@ -196,8 +207,8 @@ def kda_chunk_cp(
         start = offsets[rank]
     N = B if cu is None else len(cu) - 1
     if initial_state is not None and tuple(initial_state.shape) != (N, H, K, V):
-        raise ValueError(f"initial_state must be the global [N, H, K, V] = {[N, H, K, V]}, "
-                         f"got {list(initial_state.shape)}")
+        raise ValueError(f"initial_state must be the global [N, HV, K, V] = {[N, H, K, V]} ([N, HV, V, K] with "
+                         f"state_v_first), got {list(initial_state.shape)}")
     lay = slice_layout(cu, start, start + T, rank, R)
     dt = compute_dtype(q, k, v, g, beta, initial_state)
     h = lay.head
@@ -205,13 +216,13 @@ def kda_chunk_cp(
     carry_M = carry_S = None
     if h:
         o_loc, qt, S_loc, M = _transition_call(q[:, :h], k[:, :h], v[:, :h], g[:, :h], beta[:, :h], scale,
-                                               chunk_size, backend)
+                                               chunk_size, backend, options)
     if h < T:  # the pieces that begin on this rank
         n_body = B if cu is None else len(lay.local_cu) - 1 - (h > 0)
         init = None if initial_state is None else initial_state[lay.first:lay.first + n_body]
         body_cu = None if cu is None else torch.tensor([c - h for c in lay.local_cu[(h > 0):]], device=q.device)
         o_body, S_body = kda_chunk(q[:, h:], k[:, h:], v[:, h:], g[:, h:], beta[:, h:], scale, init, True,
-                                   cu_seqlens=body_cu, chunk_size=chunk_size, backend=backend)
+                                   cu_seqlens=body_cu, chunk_size=chunk_size, backend=backend, **options)
         carry_S = S_body[-1:] if cu is not None else S_body
     elif lay.carries_out:  # the whole slice lies inside one sequence that carries on
         carry_M, carry_S = M, S_loc
@@ -233,4 +244,7 @@ def kda_chunk_cp(
         outs.append(o_body)
         states.append(S_body)
     o = _Tie.apply(torch.cat(outs, dim=1) if len(outs) > 1 else outs[0], chain)
-    return o, (torch.cat(states) if output_final_state else None)
+    if not output_final_state:
+        return o, None
+    S = torch.cat(states)
+    return o, (S.transpose(-1, -2) if v_first else S)

@@ -1,8 +1,9 @@
 """KimiDeltaAttention: the KDA token mixer as an nn.Module, with a fixed-size decode state.
 
-x -> fused q/k/v projection -> depthwise causal short conv + SiLU -> L2-normalised q, k
-  -> low-rank gate projection -> kda_gate (g) ; sigmoid(b_proj x) (beta)
-  -> kda_chunk (prefill, T > 1) or kda_step's update (decode, T = 1)
+x -> fused q/k/v projection -> depthwise causal short conv + SiLU -> q, k, v
+  -> the op with its in-kernel activations (L2-normalised q, k; the gate from the low-rank gate
+     projection, A_log and dt_bias; sigmoid(b_proj x) as beta): kda_chunk (prefill, T > 1), kda_step's
+     update (decode, T = 1) or kda_chunk_cp (a slice of a sequence split over a context-parallel group)
   -> per-head RMSNorm * sigmoid(low-rank output gate) -> output projection
 (the structure of fla's `KimiDeltaAttention`, whose weights load losslessly: `load_fla_state_dict`).
 
@@ -22,19 +23,13 @@ from torch import nn
 
 from k3sys.kda.chunk import MAX_HEAD_DIM, kda_chunk
 from k3sys.kda.cp import from_previous_rank, kda_chunk_cp
-from k3sys.kda.gate import check_lower_bound, kda_gate
+from k3sys.kda.gate import check_lower_bound
 from k3sys.kda.state import STATE_LAYOUTS, KDAState
 from k3sys.kda.step import step_unchecked
 
 # fla's layer names that map one to one onto ours (same shape); the rest are split, fused or reshaped.
 _SAME_NAMES = ("f_proj.0.weight", "f_proj.1.weight", "b_proj.weight", "A_log", "g_proj.0.weight",
                "g_proj.1.weight", "g_proj.1.bias", "o_proj.weight")
-
-
-def l2norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """`x / sqrt(sum(x^2) + eps)` over the last dim in >= fp32 (fla's `use_qk_l2norm_in_kernel` form)."""
-    x = x.to(torch.promote_types(x.dtype, torch.float32))
-    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
 
 
 class KimiDeltaAttention(nn.Module):
@@ -201,38 +196,21 @@ class KimiDeltaAttention(nn.Module):
 
         q, k `[B, T, H, K]` and v `[B, T, HV, V]` after conv + SiLU; f `[B, T, HV, K]` the gate projection;
         b `[B, T, HV]` beta logits; S0 `[N, HV, ...]` in `state_layout`. Returns (o `[B, T, HV, V]`, S in
-        `state_layout`). Here the activations (L2 norm, gate, sigmoid, 2x for negative eigenvalues) run in
-        fp32 and GVA repeats q/k per value head: with the op's in-kernel options (fla's
-        `use_qk_l2norm_in_kernel`, `use_gate_in_kernel`, `use_beta_sigmoid_in_kernel`, `allow_neg_eigval`,
-        `state_v_first`, native GVA) this whole body becomes one `kda_chunk` / `kda_step` call.
+        `state_layout`). The op applies the activations in fp32 (q/k L2 norm, the gate from A_log and
+        dt_bias, sigmoid beta, x2 for negative eigenvalues), reads q/k head j // (HV / H) for value head j,
+        keeps empty sequences' states and works in the state layout asked for.
         """
-        q, k = l2norm(q, self.l2norm_eps), l2norm(k, self.l2norm_eps)
-        g = kda_gate(f, self.A_log, self.dt_bias, self.lower_bound)
-        beta = torch.sigmoid(b.to(g.dtype)) * (2.0 if self.allow_neg_eigval else 1.0)
-        if self.num_v_heads > self.num_heads:  # value head j reads q/k head j // (HV / H), as fla's repeat
-            q, k = (x.repeat_interleave(self.num_v_heads // self.num_heads, dim=2) for x in (q, k))
-        vk = self.state_layout == "vk"
-        S0 = S0.transpose(-1, -2) if vk else S0
+        options = dict(use_qk_l2norm_in_kernel=True, l2norm_eps=self.l2norm_eps, use_gate_in_kernel=True,
+                       A_log=self.A_log, dt_bias=self.dt_bias, lower_bound=self.lower_bound,
+                       use_beta_sigmoid_in_kernel=True, allow_neg_eigval=self.allow_neg_eigval,
+                       state_v_first=self.state_layout == "vk")
         if cp_group is not None:
-            o, S = kda_chunk_cp(q, k, v, g, beta, cp_group, initial_state=S0, output_final_state=True)
-        elif cu_seqlens is None and q.shape[1] == 1:
-            # Shapes are the layer's own and kda_gate keeps g in range: no per-token validation sync.
-            o, S = step_unchecked(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], S0)
-            o = o[:, None]
-        elif cu_seqlens is None:
-            o, S = kda_chunk(q, k, v, g, beta, initial_state=S0, output_final_state=True)
-        else:
-            # The op refuses empty sequences (padding rows): run the others, keep the empty ones' state.
-            lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-            live = lengths > 0
-            S = S0.to(torch.promote_types(S0.dtype, g.dtype)).clone()
-            if not bool(live.any()):
-                return v.new_zeros(v.shape), (S.transpose(-1, -2) if vk else S)
-            cu_live = F.pad(lengths[live].cumsum(0), (1, 0))
-            o, S_live = kda_chunk(q, k, v, g, beta, initial_state=S0[live], output_final_state=True,
-                                  cu_seqlens=cu_live)
-            S[live] = S_live
-        return o, (S.transpose(-1, -2) if vk else S)
+            return kda_chunk_cp(q, k, v, f, b, cp_group, initial_state=S0, output_final_state=True, **options)
+        if cu_seqlens is None and q.shape[1] == 1:
+            # Shapes are the layer's own and its gate is in range by construction: no per-token check (sync).
+            o, S = step_unchecked(q[:, 0], k[:, 0], v[:, 0], f[:, 0], b[:, 0], S0, **options)
+            return o[:, None], S
+        return kda_chunk(q, k, v, f, b, initial_state=S0, output_final_state=True, cu_seqlens=cu_seqlens, **options)
 
     def forward(self, x: torch.Tensor, state: KDAState | None = None, attention_mask: torch.Tensor | None = None,
                 cu_seqlens: torch.Tensor | None = None, cp_group: dist.ProcessGroup | None = None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from k3sys.kda.activations import kda_options, prepare, state_out
+from k3sys.kda.activations import activate, expand_heads, kda_options, prepare, state_in, state_out
 from k3sys.kda.validate import compute_dtype
 
 
@@ -72,11 +72,15 @@ def kda_step(
 
 def step_unchecked(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
-    scale: float | None = None,
+    scale: float | None = None, **options,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`kda_step` without its input checks or options, for callers that built activated, equal-head inputs
-    themselves (the layer): the checks read g's range, which on a GPU is a device sync per layer per token."""
+    """`kda_step` (same arguments, options and results) without its input checks, for a caller whose
+    shapes are its own and whose gate is in range by construction (the layer): the checks read g's range,
+    which on a GPU is a device sync per layer per decoded token."""
+    opts = kda_options(**options)
     dt = compute_dtype(q, k, v, g, beta, state)
+    q, k, g, beta = activate(q, k, g, beta, opts, dt)
+    q, k = (expand_heads(x[:, None], v.shape[-2])[:, 0] for x in (q, k))
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    o, S = delta_update(q.to(dt) * scale, *(x.to(dt) for x in (k, v, g, beta, state)))
-    return o.to(v.dtype), S
+    o, S = delta_update(q * scale, k, v.to(dt), g, beta, state_in(state, opts).to(dt))
+    return o.to(v.dtype), state_out(S, opts)
