@@ -83,7 +83,7 @@ def measured_correction(T: int, repeats: int) -> float:
     S0 = torch.randn(1, H, K, V)
 
     def receiving() -> None:
-        o_loc, qt, _, _ = _transition_call(*xs, None, C, "torch")
+        o_loc, qt, _, _ = _transition_call(*xs, None, C, "torch", {})
         o_loc + torch.einsum("bthk,bhkv->bthv", qt, S0)
 
     with torch.no_grad():  # CPU time: immune to waiting for a core
