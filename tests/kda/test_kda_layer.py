@@ -94,7 +94,7 @@ def test_training_step_reaches_every_parameter():
     ({"lower_bound": -6.0}, r"lower_bound must be None or in \[-5, 0\), got -6.0"),
     ({"lower_bound": 0.0}, r"lower_bound must be None or in \[-5, 0\), got 0.0"),
     ({"head_dim": 0}, r"head_dim must be a positive int, got 0"),
-    ({"head_dim": 257}, r"head_dim must be <= 256, got 257"),
+    ({"head_dim": 513}, r"head_dim must be <= 512, got 513"),
     ({"conv_size": 0}, r"conv_size must be a positive int, got 0"),
 ])
 def test_layer_rejects_bad_config(kwargs, match):

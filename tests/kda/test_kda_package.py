@@ -7,8 +7,8 @@ from k3sys.kda.demo import demo
 
 def test_public_names():
     assert sorted(k3sys.kda.__all__) == sorted([
-        "KDAState", "KimiDeltaAttention", "kda_chunk", "kda_gate", "kda_naive", "kda_state_bytes", "kda_step",
-        "kv_cache_bytes",
+        "KDAState", "KimiDeltaAttention", "kda_chunk", "kda_chunk_cp", "kda_gate", "kda_naive", "kda_state_bytes",
+        "kda_step", "kv_cache_bytes",
     ])
     for name in k3sys.kda.__all__:
         assert getattr(k3sys.kda, name).__module__.startswith("k3sys.kda.")

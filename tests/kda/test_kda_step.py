@@ -1,8 +1,9 @@
 import pytest
 import torch
-from kda_inputs import make_inputs, rel_rms
+from kda_inputs import OPTION_SETS, make_inputs, make_raw_inputs, rel_rms
 
 from k3sys.kda import kda_chunk, kda_naive, kda_step
+from k3sys.kda.step import step_unchecked
 
 
 def decode(q, k, v, g, beta, state):
@@ -62,15 +63,17 @@ def _step_args(N=2, H=3, K=8, V=4):
 
 @pytest.mark.parametrize("name, bad, match", [
     ("q", torch.zeros(2, 1, 3, 8), r"q must be 3-D \[N, H, K\]"),
-    ("k", torch.zeros(2, 3, 7), r"k must have shape \[2, 3, 8\] to match q \[2, 3, 8\], got \[2, 3, 7\]"),
+    ("k", torch.zeros(2, 3, 7), r"k must have shape \[2, 3, 8\] to match q \[2, 3, 8\] and v \[2, 3, 4\], "
+                                r"got \[2, 3, 7\]"),
     ("v", torch.zeros(2, 3), r"v must be 3-D"),
     ("g", torch.zeros(2, 3, 8, 1), r"g must be 3-D"),
-    ("beta", torch.zeros(2, 3, 1), r"beta must be 2-D \[N, H\]"),
-    ("beta", torch.zeros(2, 4), r"beta must have shape \[2, 3\] to match q \[2, 3, 8\], got \[2, 4\]"),
-    ("state", torch.zeros(2, 3, 8, 5), r"state must have shape \[N, H, K, V\] = \[2, 3, 8, 4\], got \[2, 3, 8, 5\]"),
+    ("beta", torch.zeros(2, 3, 1), r"beta must be 2-D \[N, HV\]"),
+    ("beta", torch.zeros(2, 4), r"beta must have shape \[2, 3\] to match q \[2, 3, 8\] and v \[2, 3, 4\], "
+                                r"got \[2, 4\]"),
+    ("state", torch.zeros(2, 3, 8, 5), r"state must have shape \[N, HV, K, V\] = \[2, 3, 8, 4\], got \[2, 3, 8, 5\]"),
     ("state", torch.zeros(3, 8, 4), r"state must be 4-D"),
     ("state", None, r"state must be 4-D .* got NoneType"),
-    ("g", torch.full((2, 3, 8), 0.5), r"g is a log-decay and must be <= 0, got max 0.5"),
+    ("g", torch.full((2, 3, 8), 0.5), r"g is a log-decay and must be <= 0: .* got max 0.5"),
     ("q", torch.zeros(2, 3, 8, dtype=torch.long), r"q must be a floating-point tensor"),
 ])
 def test_step_rejects_bad_input(name, bad, match):
@@ -78,3 +81,21 @@ def test_step_rejects_bad_input(name, bad, match):
     args[name] = bad
     with pytest.raises(ValueError, match=match):
         kda_step(**args)
+
+
+@pytest.mark.parametrize("unchecked", [False, True], ids=["kda_step", "step_unchecked"])
+@pytest.mark.parametrize("option_set", list(OPTION_SETS))
+def test_step_options_and_gva_equal_naive(option_set, unchecked):
+    """kda_step, and the layer's decode path (the same without the checks), against the oracle."""
+    step = step_unchecked if unchecked else kda_step
+    xs, opts = make_raw_inputs(2, 6, 1, 3, 8, 4, option_set)
+    xs[3][0, 2] = -torch.inf if not opts.get("use_gate_in_kernel") else xs[3][0, 2]  # a reset on the way
+    v_first = opts.get("state_v_first", False)
+    S0 = torch.randn(2, 3, *((4, 8) if v_first else (8, 4)), dtype=torch.float64)
+    o_ref, S_ref = kda_naive(*xs, initial_state=S0, output_final_state=True, **opts)
+    outs, S = [], S0
+    for t in range(6):
+        o, S = step(*(x[:, t] for x in xs), S, **opts)
+        outs.append(o)
+    assert S.shape == S0.shape
+    assert rel_rms(torch.stack(outs, 1), o_ref) <= 1e-12 and rel_rms(S, S_ref) <= 1e-12

@@ -17,8 +17,8 @@ if not torch.cuda.is_available():
 os.environ.setdefault("K3SYS_TRITON_AUTOTUNE", "0")  # on a GPU, tuning every test shape would take minutes
 pytest.importorskip("triton", reason="triton is not installed, so the Triton backend cannot run")
 
+from kda_inputs import OPTION_SETS, make_raw_inputs, option_grads, rel_rms  # noqa: E402
 from kda_inputs import make_inputs as make_qkvgb  # noqa: E402
-from kda_inputs import rel_rms  # noqa: E402
 
 from k3sys.kda import kda_chunk, kda_naive  # noqa: E402
 from k3sys.kda.triton import kda_triton, kda_triton_fused  # noqa: E402
@@ -195,3 +195,66 @@ def test_tuning_space_becomes_autotune_configs(monkeypatch):
     assert TunedKernel(intra_fwd_kernel, interpreted=True, num_warps=(4, 8)).tuned is None
     with pytest.raises(ValueError, match="defaults must give"):
         TunedKernel(intra_fwd_kernel, interpreted=True, num_warps=(4, 8))[(1,)](defaults={})
+
+
+def _triton_chunk(*args, **kwargs):
+    return kda_chunk(*args, **kwargs, backend="triton")
+
+
+def _to_device(xs, opts, S0, dtype):
+    xs = [x.to(DEVICE, dtype if i < 3 else torch.float32) if i != 4 else x.to(DEVICE, dtype) for i, x in enumerate(xs)]
+    return xs, {n: (x.to(DEVICE) if isinstance(x, torch.Tensor) else x) for n, x in opts.items()}, S0.to(DEVICE)
+
+
+def _fp64(xs, opts, S0):
+    return ([x.detach().double() for x in xs], {n: (x.double() if isinstance(x, torch.Tensor) else x)
+                                                for n, x in opts.items()}, S0.double())
+
+
+@pytest.mark.parametrize("option_set", list(OPTION_SETS))
+def test_options_match_naive_gva_varlen(option_set):
+    """Every fla option through the Triton backend, GVA (HV = 2 H) and a varlen batch with an empty sequence."""
+    xs, opts = make_raw_inputs(1, 40, 1, 2, 32, 32, option_set, seed=4)
+    cu = torch.tensor([0, 17, 17, 40], device=DEVICE)
+    S0 = torch.randn(3, 2, 32, 32, generator=torch.Generator().manual_seed(5))
+    xs, opts, S0 = _to_device(xs, opts, S0, torch.float32)
+    o, S, got = option_grads(_triton_chunk, xs, opts, S0, cu)
+    o_ref, S_ref, ref = option_grads(kda_naive, *_fp64(xs, opts, S0), cu)
+    errors = {"o": rel_rms(o, o_ref), "S": rel_rms(S, S_ref)} | {n: rel_rms(got[n], ref[n]) for n in ref}
+    assert all(err <= TOL[torch.float32] for err in errors.values()), errors
+
+
+def test_bf16_with_in_kernel_activations_holds_the_state_to_1e6():
+    xs, opts = make_raw_inputs(1, 64, 1, 1, 32, 32, "all_v_first", seed=6)
+    xs, opts, S0 = _to_device(xs, opts, torch.randn(1, 1, 32, 32), torch.bfloat16)
+    _, S = _triton_chunk(*xs, initial_state=S0, output_final_state=True, **opts)
+    xs64, opts64, S064 = _fp64(xs, opts, S0)
+    _, S_ref = kda_naive(*xs64, initial_state=S064, output_final_state=True, **opts64)
+    assert rel_rms(S, S_ref) <= 1e-6
+
+
+@pytest.mark.parametrize("v_first", [False, True])
+def test_intermediate_states_and_no_tokens(v_first):
+    cu = torch.tensor([0, 20, 20, 37], device=DEVICE)
+    q, k, v, g, beta, h0 = (x.detach() for x in make_inputs(1, 37, 1, 32, 32, 3, torch.float32, seed=7))
+    h0 = h0.mT if v_first else h0
+    _, S, h = _triton_chunk(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu,
+                            return_intermediate_states=True, state_v_first=v_first)
+    _, S_ref, h_ref = kda_naive(*(x.double() for x in (q, k, v, g, beta)), initial_state=h0.double(),
+                                output_final_state=True, cu_seqlens=cu, return_intermediate_states=True,
+                                state_v_first=v_first)
+    assert h.shape == h_ref.shape == (1, 4, 1, 32, 32)  # 2 + 0 + 2 chunks of 16
+    assert rel_rms(h, h_ref) <= TOL[torch.float32] and rel_rms(S, S_ref) <= TOL[torch.float32]
+    o, S = _triton_chunk(*(x[:, :0] for x in (q, k, v, g, beta)), initial_state=h0[:1], output_final_state=True)
+    assert o.shape == (1, 0, 1, 32) and torch.equal(S, h0[:1])
+
+
+def test_triton_refuses_what_it_cannot_run():
+    q, k, v, g, beta, _ = (x.detach() for x in make_inputs(1, 16, 1, 32, 32, 1, torch.float32))
+    reset = g.clone()
+    reset[0, 3] = -torch.inf
+    with pytest.raises(ValueError, match="safe gate"):
+        _triton_chunk(q, k, v, reset, beta)
+    wide = torch.zeros(1, 16, 1, 512, device=DEVICE)
+    with pytest.raises(ValueError, match="K=512"):
+        _triton_chunk(wide, wide, v, wide, beta)

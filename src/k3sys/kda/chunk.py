@@ -37,15 +37,25 @@ Phase 1's output, phase 2's input (`ChunkWorkspace`):
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
 import torch
 
-from k3sys.kda.validate import check_inputs, compute_dtype
+from k3sys.kda.activations import Prepared, kda_options, prepare, state_out
 
-MAX_HEAD_DIM = 256
+MAX_HEAD_DIM = 512
+# Stands in for g = -inf (see `_two_phases`): every exponent that includes such a step is <= this, and
+# exp(-1e4) is 0 in fp32 and fp64; the blocks holding it are wider than any factorisation, so they take
+# the pairwise path, whose segment sums never subtract it.
+RESET_LOG_DECAY = -1.0e4
 BACKENDS = ("auto", "torch", "triton")
+# Phase 1 runs on blocks of chunk steps of about this many (slot, head, position) rows, each block followed
+# by its phase-2 steps: a block's workspace (~1 MB per tensor at K = 128) stays in cache and is recycled by
+# the allocator, where whole-sequence temporaries (> 32 MB from T = 16K on, H = 4) were fresh mmap pages,
+# faulted in on every call, and made the cost per token grow with T (bench/kda_scaling.py).
+PHASE1_ROWS = 2048
 # Block size for the intra-chunk decay products: FlashKDA's tile; inside it the factorised form is safe
 # for the bounded gate (16 steps of at most -5 span exp(+-40)).
 SUB_CHUNK = 16
@@ -62,6 +72,7 @@ class ChunkLayout:
     scatter_rows: `[B * T * H]` row of the slot-major view holding each (token, head)'s output.
     active: number of sequences that have a chunk at each step (non-increasing), one entry per step.
     order: `[N]` sequence ids sorted by chunk count, longest first (slot rank r is sequence order[r]).
+    slot_of_chunk: `[M]` the slot of each chunk in sequence-major order (sequence 0's chunks first).
     """
 
     num_slots: int
@@ -71,6 +82,7 @@ class ChunkLayout:
     scatter_rows: torch.Tensor
     active: list[int]
     order: torch.Tensor
+    slot_of_chunk: torch.Tensor
 
 
 def chunk_layout(lengths: torch.Tensor, starts: torch.Tensor, chunk_size: int, num_heads: int) -> ChunkLayout:
@@ -88,6 +100,9 @@ def chunk_layout(lengths: torch.Tensor, starts: torch.Tensor, chunk_size: int, n
     rank = torch.repeat_interleave(torch.arange(len(nc), device=device), nc)
     step = torch.arange(len(rank), device=device) - torch.repeat_interleave(nc.cumsum(0) - nc, nc)
     slot = offsets[step] + rank
+    first_chunk = n_chunks.cumsum(0) - n_chunks  # sequence-major index of each sequence's first chunk
+    slot_of_chunk = torch.empty_like(slot)
+    slot_of_chunk[first_chunk[order[rank]] + step] = slot
     local = step[:, None] * C + torch.arange(C, device=device)  # [M, C] position inside the sequence
     token = torch.empty(len(slot), C, dtype=torch.long, device=device)
     token[slot] = torch.where(local < ln[rank, None], st[rank, None] + local, -1)
@@ -100,7 +115,7 @@ def chunk_layout(lengths: torch.Tensor, starts: torch.Tensor, chunk_size: int, n
     scatter = torch.empty(total, H, dtype=torch.long, device=device)
     scatter[token.flatten()[real]] = ((pos // C)[:, None] * H + head) * C + (pos % C)[:, None]
     return ChunkLayout(len(slot), C, gather.clamp(min=0), pad.nonzero().flatten(), scatter.flatten(),
-                       active.tolist(), order)
+                       active.tolist(), order, slot_of_chunk)
 
 
 def to_slots(x: torch.Tensor, layout: ChunkLayout, dtype: torch.dtype) -> torch.Tensor:
@@ -251,6 +266,18 @@ def intra_chunk(
                           decay=decay_in[..., -1, :])
 
 
+def step_blocks(active: list[int], rows_per_step: int, max_rows: int = PHASE1_ROWS) -> list[tuple[int, int]]:
+    """Split the chunk steps (slot counts `active`, `rows_per_step` rows per slot) into `[a, b)` ranges of
+    at most `max_rows` rows each (a single step may exceed it)."""
+    blocks, a, rows = [], 0, 0
+    for c, n in enumerate(active):
+        if rows and rows + n * rows_per_step > max_rows:
+            blocks.append((a, c))
+            a, rows = c, 0
+        rows += n * rows_per_step
+    return [*blocks, (a, len(active))]
+
+
 def inter_chunk_step(S: torch.Tensor, ws: ChunkWorkspace) -> tuple[torch.Tensor, torch.Tensor]:
     """One chunk step, (sequence, head) pairs flattened: S `[A*H, K, V]`, ws `heads_flat()` over A slots.
 
@@ -263,16 +290,20 @@ def inter_chunk_step(S: torch.Tensor, ws: ChunkWorkspace) -> tuple[torch.Tensor,
     return O, S
 
 
-def inter_chunk(ws: ChunkWorkspace, active: list[int], S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def inter_chunk(
+    ws: ChunkWorkspace, active: list[int], S: torch.Tensor, keep_states: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Phase 2: the recurrence over chunk steps, all sequences and heads at once.
 
     Args:
         ws: phase 1's workspace over M slots.
         active: sequences with a chunk at each step (non-increasing); the slot ranks are sorted longest first.
         S: `[N, H, K, V]` initial states in slot-rank order.
+        keep_states: also return the state entering each slot's chunk.
 
     Returns:
-        O `[M, H, C, V]` and the final states `[N, H, K, V]` in slot-rank order.
+        O `[M, H, C, V]`, the final states `[N, H, K, V]` in slot-rank order, and the entering states
+        `[M, H, K, V]` (slot order) or None.
     """
     M, H, C, _ = ws.W.shape
     N, _, K, V = S.shape
@@ -280,15 +311,18 @@ def inter_chunk(ws: ChunkWorkspace, active: list[int], S: torch.Tensor) -> tuple
     flat = ws.heads_flat()
     steps = zip(*(t.split(rows) for t in (flat.W, flat.U, flat.Qs, flat.Ou, flat.Kd, flat.decay)), strict=True)
     S = S.flatten(0, 1)
-    outs, finished = [], []
+    outs, finished, entering = [], [], []
     for r, step in zip(rows, steps, strict=True):
         if r < S.shape[0]:
             finished.append(S[r:])
             S = S[:r]
+        if keep_states:
+            entering.append(S)
         O, S = inter_chunk_step(S, ChunkWorkspace(*step))
         outs.append(O)
     # sequences leave from the highest rank down, so reversing restores rank order
-    return torch.cat(outs).view(M, H, C, V), torch.cat([S, *finished[::-1]]).view(N, H, K, V)
+    states = torch.cat(entering).view(M, H, K, V) if keep_states else None
+    return torch.cat(outs).view(M, H, C, V), torch.cat([S, *finished[::-1]]).view(N, H, K, V), states
 
 
 def kda_chunk(
@@ -300,31 +334,43 @@ def kda_chunk(
     scale: float | None = None,
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
+    *,
     cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens_cpu: torch.Tensor | None = None,
+    return_intermediate_states: bool = False,
     chunk_size: int = 16,
     backend: str = "auto",
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Chunked KDA (two phases), differentiable; same arguments and results as `kda_naive`.
+    **options,
+) -> tuple[torch.Tensor, torch.Tensor | None] | tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Chunked KDA (two phases), differentiable; fla's `chunk_kda` signature, same results as `kda_naive`.
 
     Args:
-        q, k: `[B, T, H, K]`, used as given (callers L2-normalise); K <= 256.
-        v: `[B, T, H, V]`, V <= 256.
-        g: `[B, T, H, K]` per-step natural-log decay, <= 0 (unbounded below).
-        beta: `[B, T, H]`, already activated.
+        q, k: `[B, T, H, K]`, used as given unless `use_qk_l2norm_in_kernel`; K <= 512.
+        v: `[B, T, HV, V]`, V <= 512; HV a multiple of H (value head j reads q/k head j // (HV // H)).
+        g: `[B, T, HV, K]` per-step natural-log decay, <= 0 (unbounded below; -inf resets the state);
+            the raw gate input with `use_gate_in_kernel`.
+        beta: `[B, T, HV]`, activated unless `use_beta_sigmoid_in_kernel`.
         scale: query scale, default `K ** -0.5`.
-        initial_state: `[N, H, K, V]`, default zeros.
-        output_final_state: return the final state `[N, H, K, V]` (else None).
-        cu_seqlens: `[N + 1]` int64 offsets of packed sequences (B must be 1).
+        initial_state: `[N, HV, K, V]` (`[N, HV, V, K]` with `state_v_first`), default zeros.
+        output_final_state: return the final state, same layout (else None).
+        cu_seqlens: `[N + 1]` int64 offsets of packed sequences (B must be 1); empty sequences allowed.
+        cu_seqlens_cpu: a host copy of cu_seqlens; the checks read it instead (no device sync for them).
+        return_intermediate_states: also return the state entering each chunk (fla's `h`, for inference).
         chunk_size: tokens per chunk C, default 16.
         backend: "torch" (this module), "triton" (`k3sys.kda.triton`: CUDA tensors, or CPU under
-            TRITON_INTERPRET=1; chunk_size 16, bf16/fp16/fp32, the safe gate g >= -5), or "auto": Triton on
-            CUDA tensors when it supports the call, torch otherwise.
+            TRITON_INTERPRET=1; chunk_size 16, bf16/fp16/fp32, K, V <= 256, the safe gate g >= -5), or
+            "auto": Triton on CUDA tensors when it supports the call, torch otherwise.
+        **options: `k3sys.kda.activations.KDAOptions`: fla's `use_qk_l2norm_in_kernel`, `use_gate_in_kernel`
+            (with `A_log`, `dt_bias`, `lower_bound`, `safe_gate`), `use_beta_sigmoid_in_kernel`,
+            `allow_neg_eigval`, `state_v_first`, and FlashKDA's `l2norm_eps`, `transpose_state_layout`.
 
     Returns:
-        o `[B, T, H, V]` in v's dtype, and the final state in the compute dtype (fp32, or fp64 when any
-        input is fp64; bf16/fp16 inputs accumulate in fp32) or None.
+        o `[B, T, HV, V]` in v's dtype, the final state in the compute dtype (fp32, or fp64 when any input
+        is fp64; bf16/fp16 inputs accumulate in fp32) or None, and with `return_intermediate_states` the
+        entering states `[B, NT, HV, K, V]` (`[1, total chunks, HV, K, V]` with cu_seqlens) in the
+        compute dtype.
     """
-    dims = check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, max_head_dim=MAX_HEAD_DIM)
+    opts = kda_options(**options)
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1 or (
             chunk_size > SUB_CHUNK and chunk_size % SUB_CHUNK):
         raise ValueError(f"chunk_size must be a positive int, a multiple of {SUB_CHUNK} above {SUB_CHUNK}, "
@@ -334,25 +380,51 @@ def kda_chunk(
     if backend == "triton" or (backend == "auto" and q.is_cuda):
         from k3sys.kda.triton import kda_triton, triton_unsupported  # triton is optional: import when chosen
 
-        why = triton_unsupported(q, k, v, g, beta, chunk_size, initial_state)
+        why = triton_unsupported(q, k, v, g, beta, chunk_size, initial_state, opts)
         if why is None:
-            return kda_triton(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
+            return kda_triton(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens=cu_seqlens,
+                              cu_seqlens_cpu=cu_seqlens_cpu, return_intermediate_states=return_intermediate_states,
+                              **options)
         if backend == "triton":
             raise ValueError(f"backend='triton' cannot run this call: {why}")
-    dt = compute_dtype(q, k, v, g, beta, initial_state)
-    scale = dims.K**-0.5 if scale is None else scale
-    device = q.device
-    if cu_seqlens is None:
+    p = prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens, cu_seqlens_cpu, opts, max_head_dim=MAX_HEAD_DIM)
+    dims, dt, device = p.dims, p.v.dtype, q.device
+    S0 = p.S0 if p.S0 is not None else torch.zeros(dims.N, dims.HV, dims.K, dims.V, dtype=dt, device=device)
+    if dims.B * dims.T == 0:  # no tokens: every state passes through
+        o, S, h = v.new_zeros(v.shape), S0, S0.new_zeros(dims.B, 0, dims.HV, dims.K, dims.V)
+    else:
+        o, S, h = _two_phases(p, S0, chunk_size, return_intermediate_states)
+    result = (o.to(v.dtype), state_out(S, opts) if output_final_state else None)
+    return (*result, state_out(h, opts)) if return_intermediate_states else result
+
+
+def _two_phases(
+    p: Prepared, S0: torch.Tensor, chunk_size: int, keep_states: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The torch path on prepared inputs: (o `[B, T, HV, V]`, final states `[N, HV, K, V]`, entering states)."""
+    dims, device = p.dims, p.v.device
+    if p.cu_seqlens is None:
         lengths = torch.full((dims.B,), dims.T, dtype=torch.long, device=device)
         starts = torch.arange(dims.B, device=device) * dims.T
     else:
-        cu = cu_seqlens.to(device=device, dtype=torch.long)
+        cu = p.cu_seqlens.to(device=device, dtype=torch.long)
         lengths, starts = cu[1:] - cu[:-1], cu[:-1]
-    layout = chunk_layout(lengths, starts, chunk_size, dims.H)
-    ws = intra_chunk(*(to_slots(x, layout, dt) for x in (q, k, v, g)), to_slots(beta[..., None], layout, dt)[..., 0],
-                     scale)
-    S0 = (initial_state.to(dt)[layout.order] if initial_state is not None
-          else torch.zeros(dims.N, dims.H, dims.K, dims.V, dtype=dt, device=device))
-    O, S = inter_chunk(ws, layout.active, S0)
-    o = from_slots(O, layout, dims.B, dims.T).to(v.dtype)
-    return o, (S[torch.argsort(layout.order)] if output_final_state else None)
+    layout = chunk_layout(lengths, starts, chunk_size, dims.HV)
+    # an exact reset (g = -inf) as a finite step whose exp is 0 in fp32 and fp64: -inf would make the
+    # in-chunk differences G_i - G_j NaN; the clamp's gradient there is 0, as exp(-inf)'s is
+    g = p.g.clamp(min=RESET_LOG_DECAY)
+    xs = [to_slots(x, layout, p.v.dtype) for x in (p.q, p.k, p.v, g)]
+    xs.append(to_slots(p.beta[..., None], layout, p.v.dtype)[..., 0])
+    S, offsets = S0[layout.order], [0, *itertools.accumulate(layout.active)]
+    outs, entering = [], []
+    for a, b in step_blocks(layout.active, dims.HV * chunk_size):  # the slots of steps [a, b) are contiguous
+        ws = intra_chunk(*(x[offsets[a]:offsets[b]] for x in xs), p.scale)
+        O, S, states = inter_chunk(ws, layout.active[a:b], S, keep_states)
+        outs.append(O)
+        entering.append(states)
+    o = from_slots(torch.cat(outs) if len(outs) > 1 else outs[0], layout, dims.B, dims.T)
+    h = None
+    if keep_states:
+        h = torch.cat(entering).index_select(0, layout.slot_of_chunk)
+        h = h.view(dims.B, -1, *h.shape[1:]) if p.cu_seqlens is None else h.unsqueeze(0)
+    return o, S[torch.argsort(layout.order)], h

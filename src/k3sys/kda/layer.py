@@ -1,8 +1,9 @@
 """KimiDeltaAttention: the KDA token mixer as an nn.Module, with a fixed-size decode state.
 
-x -> fused q/k/v projection -> depthwise causal short conv + SiLU -> L2-normalised q, k
-  -> low-rank gate projection -> kda_gate (g) ; sigmoid(b_proj x) (beta)
-  -> kda_chunk (prefill, T > 1) or kda_step's update (decode, T = 1)
+x -> fused q/k/v projection -> depthwise causal short conv + SiLU -> q, k, v
+  -> the op with its in-kernel activations (L2-normalised q, k; the gate from the low-rank gate
+     projection, A_log and dt_bias; sigmoid(b_proj x) as beta): kda_chunk (prefill, T > 1), kda_step's
+     update (decode, T = 1) or kda_chunk_cp (a slice of a sequence split over a context-parallel group)
   -> per-head RMSNorm * sigmoid(low-rank output gate) -> output projection
 (the structure of fla's `KimiDeltaAttention`, whose weights load losslessly: `load_fla_state_dict`).
 
@@ -16,11 +17,13 @@ import math
 from typing import Literal
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from k3sys.kda.chunk import MAX_HEAD_DIM, kda_chunk
-from k3sys.kda.gate import check_lower_bound, kda_gate
+from k3sys.kda.cp import from_previous_rank, kda_chunk_cp
+from k3sys.kda.gate import check_lower_bound
 from k3sys.kda.state import STATE_LAYOUTS, KDAState
 from k3sys.kda.step import step_unchecked
 
@@ -29,19 +32,13 @@ _SAME_NAMES = ("f_proj.0.weight", "f_proj.1.weight", "b_proj.weight", "A_log", "
                "g_proj.1.weight", "g_proj.1.bias", "o_proj.weight")
 
 
-def l2norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """`x / sqrt(sum(x^2) + eps)` over the last dim in >= fp32 (fla's `use_qk_l2norm_in_kernel` form)."""
-    x = x.to(torch.promote_types(x.dtype, torch.float32))
-    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
-
-
 class KimiDeltaAttention(nn.Module):
     """Kimi Delta Attention layer.
 
     Args:
         hidden_size: model width D.
         num_heads: H, the q/k heads.
-        head_dim: K per head (<= 256); also V unless `head_v_dim` is given.
+        head_dim: K per head (<= 512, the op's MAX_HEAD_DIM); also V unless `head_v_dim` is given.
         conv_size: short convolution width W (>= 1; the state keeps `W - 1` steps).
         lower_bound: safe-gate bound in [-5, 0) (ours, default -5), or None for fla's default
             `-exp(A_log) * softplus(f + dt_bias)`, unbounded below (what Kimi Linear uses).
@@ -193,44 +190,31 @@ class KimiDeltaAttention(nn.Module):
         return out, new_tail
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, b: torch.Tensor,
-                S0: torch.Tensor, cu_seqlens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                S0: torch.Tensor, cu_seqlens: torch.Tensor | None, cp_group: dist.ProcessGroup | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         """The KDA op on pre-activation inputs, the one place the layer calls it.
 
         q, k `[B, T, H, K]` and v `[B, T, HV, V]` after conv + SiLU; f `[B, T, HV, K]` the gate projection;
         b `[B, T, HV]` beta logits; S0 `[N, HV, ...]` in `state_layout`. Returns (o `[B, T, HV, V]`, S in
-        `state_layout`). Here the activations (L2 norm, gate, sigmoid, 2x for negative eigenvalues) run in
-        fp32 and GVA repeats q/k per value head: with the op's in-kernel options (fla's
-        `use_qk_l2norm_in_kernel`, `use_gate_in_kernel`, `use_beta_sigmoid_in_kernel`, `allow_neg_eigval`,
-        `state_v_first`, native GVA) this whole body becomes one `kda_chunk` / `kda_step` call.
+        `state_layout`). The op applies the activations in fp32 (q/k L2 norm, the gate from A_log and
+        dt_bias, sigmoid beta, x2 for negative eigenvalues), reads q/k head j // (HV / H) for value head j,
+        keeps empty sequences' states and works in the state layout asked for.
         """
-        q, k = l2norm(q, self.l2norm_eps), l2norm(k, self.l2norm_eps)
-        g = kda_gate(f, self.A_log, self.dt_bias, self.lower_bound)
-        beta = torch.sigmoid(b.to(g.dtype)) * (2.0 if self.allow_neg_eigval else 1.0)
-        if self.num_v_heads > self.num_heads:  # value head j reads q/k head j // (HV / H), as fla's repeat
-            q, k = (x.repeat_interleave(self.num_v_heads // self.num_heads, dim=2) for x in (q, k))
-        vk = self.state_layout == "vk"
-        S0 = S0.transpose(-1, -2) if vk else S0
+        options = dict(use_qk_l2norm_in_kernel=True, l2norm_eps=self.l2norm_eps, use_gate_in_kernel=True,
+                       A_log=self.A_log, dt_bias=self.dt_bias, lower_bound=self.lower_bound,
+                       use_beta_sigmoid_in_kernel=True, allow_neg_eigval=self.allow_neg_eigval,
+                       state_v_first=self.state_layout == "vk")
+        if cp_group is not None:
+            return kda_chunk_cp(q, k, v, f, b, cp_group, initial_state=S0, output_final_state=True, **options)
         if cu_seqlens is None and q.shape[1] == 1:
-            # Shapes are the layer's own and kda_gate keeps g in range: no per-token validation sync.
-            o, S = step_unchecked(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], S0)
-            o = o[:, None]
-        elif cu_seqlens is None:
-            o, S = kda_chunk(q, k, v, g, beta, initial_state=S0, output_final_state=True)
-        else:
-            # The op refuses empty sequences (padding rows): run the others, keep the empty ones' state.
-            lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-            live = lengths > 0
-            S = S0.to(torch.promote_types(S0.dtype, g.dtype)).clone()
-            if not bool(live.any()):
-                return v.new_zeros(v.shape), (S.transpose(-1, -2) if vk else S)
-            cu_live = F.pad(lengths[live].cumsum(0), (1, 0))
-            o, S_live = kda_chunk(q, k, v, g, beta, initial_state=S0[live], output_final_state=True,
-                                  cu_seqlens=cu_live)
-            S[live] = S_live
-        return o, (S.transpose(-1, -2) if vk else S)
+            # Shapes are the layer's own and its gate is in range by construction: no per-token check (sync).
+            o, S = step_unchecked(q[:, 0], k[:, 0], v[:, 0], f[:, 0], b[:, 0], S0, **options)
+            return o[:, None], S
+        return kda_chunk(q, k, v, f, b, initial_state=S0, output_final_state=True, cu_seqlens=cu_seqlens, **options)
 
     def forward(self, x: torch.Tensor, state: KDAState | None = None, attention_mask: torch.Tensor | None = None,
-                cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, KDAState]:
+                cu_seqlens: torch.Tensor | None = None, cp_group: dist.ProcessGroup | None = None
+                ) -> tuple[torch.Tensor, KDAState]:
         """x `[B, T, D]` -> (y `[B, T, D]`, the state after the last token of each sequence).
 
         `state` None means fresh sequences. T > 1 runs the chunked op, T = 1 the decode step; one call
@@ -239,7 +223,12 @@ class KimiDeltaAttention(nn.Module):
         Hugging Face passes it): 1 = token, 0 = padding, anywhere in the row; padding yields y = 0 and
         leaves the state untouched. `cu_seqlens` `[N + 1]` int: x `[1, T, D]` packs N sequences (empty
         ones allowed), and the state holds N. Not both.
+        With `cp_group`, x is this rank's slice (T >= conv_size - 1) of B sequences split over the group in
+        rank order (`kda.cp`; no mask, no cu_seqlens); `state` is the sequences' start (read on rank 0), the
+        state returned their state after this slice.
         """
+        if cp_group is not None and (attention_mask is not None or cu_seqlens is not None):
+            raise ValueError("a context-parallel forward takes whole rows: no attention_mask or cu_seqlens")
         if attention_mask is not None:
             if cu_seqlens is not None:
                 raise ValueError("pass attention_mask or cu_seqlens, not both")
@@ -250,7 +239,13 @@ class KimiDeltaAttention(nn.Module):
         state = self.init_state(N, x.device) if state is None else state
         proj = self.qkv_proj(x)
         if cu_seqlens is None:
-            window = torch.cat([state.conv.to(x.dtype), proj], dim=1)  # [B, W - 1 + T, C]
+            conv = state.conv.to(x.dtype)
+            if cp_group is not None and W > 1:  # the conv's halo: the previous rank's last W - 1 projections
+                if T < W - 1:
+                    raise ValueError(f"under context parallelism each rank needs T >= conv_size - 1 = {W - 1}, "
+                                     f"got {T}")
+                conv = from_previous_rank(proj[:, T - (W - 1):], cp_group, first=conv)
+            window = torch.cat([conv, proj], dim=1)  # [B, W - 1 + T, C]
             qkv = self._short_conv(window, T)
             # A copy, not a view: a view would keep the whole prefill window's projections alive.
             conv = window[:, window.shape[1] - (W - 1):].clone()
@@ -259,7 +254,7 @@ class KimiDeltaAttention(nn.Module):
             qkv = qkv[None]
         q, k, v = F.silu(qkv).split(self.splits, dim=-1)
         o, S = self._attend(q.view(B, T, H, K), k.view(B, T, H, K), v.view(B, T, HV, V),
-                            self.f_proj(x).view(B, T, HV, K), self.b_proj(x), state.recurrent, cu_seqlens)
+                            self.f_proj(x).view(B, T, HV, K), self.b_proj(x), state.recurrent, cu_seqlens, cp_group)
         gate = self.g_proj(x).view(B, T, HV, V)
         o = o.to(S.dtype)
         o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.norm_eps) * self.o_norm_weight

@@ -9,19 +9,25 @@ from __future__ import annotations
 
 import torch
 
+from k3sys.kda.activations import kda_options, prepare, state_out
 from k3sys.kda.step import delta_update
-from k3sys.kda.validate import check_inputs, compute_dtype, sequence_spans
+from k3sys.kda.validate import sequence_spans
 
 
-def _recurrence(q, k, v, g, beta, S):
-    """q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H]; S [B, H, K, V] -> (o [B, T, H, V], S)."""
-    outs = []
+def _recurrence(q, k, v, g, beta, S, chunk_size: int):
+    """q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H]; S [B, H, K, V]
+    -> (o [B, T, H, V], S, the states entering each chunk of `chunk_size` tokens [B, NT, H, K, V])."""
+    outs, entering = [], []
     # unbind, not x[:, t]: T slice reads (and slice writes into a preallocated o) would each cost a
     # full-size gradient in backward, O(T^2); one unbind and one stack keep it O(T)
-    for q_t, k_t, v_t, g_t, b_t in zip(*(x.unbind(1) for x in (q, k, v, g, beta)), strict=True):
+    for t, (q_t, k_t, v_t, g_t, b_t) in enumerate(zip(*(x.unbind(1) for x in (q, k, v, g, beta)), strict=True)):
+        if t % chunk_size == 0:
+            entering.append(S)
         o_t, S = delta_update(q_t, k_t, v_t, g_t, b_t, S)
         outs.append(o_t)
-    return torch.stack(outs, dim=1), S
+    o = torch.stack(outs, dim=1) if outs else v.new_zeros(v.shape)
+    h = torch.stack(entering, dim=1) if entering else S.new_zeros(S.shape[0], 0, *S.shape[1:])
+    return o, S, h
 
 
 def kda_naive(
@@ -33,39 +39,44 @@ def kda_naive(
     scale: float | None = None,
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
+    *,
     cu_seqlens: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Reference KDA, one token at a time, in fp32 (fp64 when any input is fp64).
+    cu_seqlens_cpu: torch.Tensor | None = None,
+    return_intermediate_states: bool = False,
+    chunk_size: int = 16,
+    **options,
+) -> tuple[torch.Tensor, torch.Tensor | None] | tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Reference KDA, one token at a time, in fp32 (fp64 when any input is fp64); `kda_chunk`'s signature.
 
     Args:
-        q, k: `[B, T, H, K]`, used as given (callers L2-normalise).
-        v: `[B, T, H, V]`.
-        g: `[B, T, H, K]` per-step natural-log decay, <= 0.
-        beta: `[B, T, H]`, already activated.
+        q, k: `[B, T, H, K]`, used as given unless `use_qk_l2norm_in_kernel`.
+        v: `[B, T, HV, V]`, HV a multiple of H (value head j reads q/k head j // (HV // H)).
+        g: `[B, T, HV, K]` per-step natural-log decay, <= 0 (-inf resets the state); raw with
+            `use_gate_in_kernel`.
+        beta: `[B, T, HV]`, activated unless `use_beta_sigmoid_in_kernel`.
         scale: query scale, default `K ** -0.5`.
-        initial_state: `[N, H, K, V]`, default zeros.
-        output_final_state: return the final state `[N, H, K, V]` (else None).
-        cu_seqlens: `[N + 1]` int64 offsets of packed sequences (B must be 1).
+        initial_state: `[N, HV, K, V]` (`[N, HV, V, K]` with `state_v_first`), default zeros.
+        output_final_state: return the final state, same layout (else None).
+        cu_seqlens: `[N + 1]` int64 offsets of packed sequences (B must be 1); empty sequences allowed.
+        cu_seqlens_cpu: a host copy of cu_seqlens, read by the checks instead of it.
+        return_intermediate_states: also return the states entering each chunk of `chunk_size` tokens.
+        chunk_size: only sets where the intermediate states are taken.
+        **options: `k3sys.kda.activations.KDAOptions` (fla's / FlashKDA's names).
 
     Returns:
-        o `[B, T, H, V]` in v's dtype, and the final state in the compute dtype or None.
+        o `[B, T, HV, V]` in v's dtype, the final state in the compute dtype or None, and with
+        `return_intermediate_states` the entering states `[B, NT, HV, K, V]` (`[1, sum of NT, ...]` varlen).
     """
-    dims = check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
-    dt = compute_dtype(q, k, v, g, beta, initial_state)
-    scale = dims.K**-0.5 if scale is None else scale
-    out_dtype = v.dtype
-    q, k, v, g, beta = (x.to(dt) for x in (q, k, v, g, beta))
-    q = q * scale
-    S0 = (
-        initial_state.to(dt)
-        if initial_state is not None
-        else torch.zeros(dims.N, dims.H, dims.K, dims.V, dtype=dt, device=q.device)
-    )
-    if cu_seqlens is None:
-        o, S = _recurrence(q, k, v, g, beta, S0)
+    opts = kda_options(**options)
+    p = prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens, cu_seqlens_cpu, opts)
+    dims, dt = p.dims, p.v.dtype
+    S0 = p.S0 if p.S0 is not None else torch.zeros(dims.N, dims.HV, dims.K, dims.V, dtype=dt, device=q.device)
+    xs = (p.q * p.scale, p.k, p.v, p.g, p.beta)
+    if p.cu_seqlens is None:
+        o, S, h = _recurrence(*xs, S0, chunk_size)
     else:
-        pieces = [_recurrence(q[:, s:e], k[:, s:e], v[:, s:e], g[:, s:e], beta[:, s:e], S0[n:n + 1])
-                  for n, (_, s, e) in enumerate(sequence_spans(dims, cu_seqlens))]
-        o = torch.cat([o_n for o_n, _ in pieces], dim=1)
-        S = torch.cat([S_n for _, S_n in pieces])
-    return o.to(out_dtype), (S if output_final_state else None)
+        pieces = [_recurrence(*(x[:, s:e] for x in xs), S0[n:n + 1], chunk_size)
+                  for n, (_, s, e) in enumerate(sequence_spans(dims, p.cu_seqlens))]
+        o, S, h = (torch.cat(parts, dim=d) for parts, d in zip(zip(*pieces, strict=True), (1, 0, 1), strict=True))
+    result = (o.to(v.dtype), state_out(S, opts) if output_final_state else None)
+    return (*result, state_out(h, opts)) if return_intermediate_states else result

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from k3sys.kda.validate import check_inputs, compute_dtype
+from k3sys.kda.activations import activate, expand_heads, kda_options, prepare, state_in, state_out
+from k3sys.kda.validate import compute_dtype
 
 
 def delta_update(
@@ -18,20 +19,22 @@ def delta_update(
     return torch.einsum("...k,...kv->...v", q, S), S
 
 
-def _check_step_ranks(q, k, v, g, beta, state) -> None:
-    for name, x, rank, what in (("q", q, 3, "[N, H, K]"), ("k", k, 3, "[N, H, K]"), ("v", v, 3, "[N, H, V]"),
-                                ("g", g, 3, "[N, H, K]"), ("beta", beta, 2, "[N, H]"),
-                                ("state", state, 4, "[N, H, K, V]")):
+def _check_step_ranks(q, k, v, g, beta, state, state_v_first: bool) -> None:
+    for name, x, rank, what in (("q", q, 3, "[N, H, K]"), ("k", k, 3, "[N, H, K]"), ("v", v, 3, "[N, HV, V]"),
+                                ("g", g, 3, "[N, HV, K]"), ("beta", beta, 2, "[N, HV]"),
+                                ("state", state, 4, "[N, HV, K, V]")):
         if not isinstance(x, torch.Tensor) or x.dim() != rank:
             got = f"{x.dim()}-D shape {list(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
             raise ValueError(f"{name} must be {rank}-D {what} (one token per sequence), got {got}")
     N, H, K = q.shape
-    V = v.shape[-1]
-    for name, x, want in (("k", k, (N, H, K)), ("g", g, (N, H, K)), ("v", v, (N, H, V)), ("beta", beta, (N, H))):
+    HV, V = v.shape[-2], v.shape[-1]
+    for name, x, want in (("k", k, (N, H, K)), ("g", g, (N, HV, K)), ("v", v, (N, HV, V)), ("beta", beta, (N, HV))):
         if tuple(x.shape) != want:  # before check_inputs, which would word it in [B, T, ...] terms
-            raise ValueError(f"{name} must have shape {list(want)} to match q {list(q.shape)}, got {list(x.shape)}")
-    if tuple(state.shape) != (N, H, K, V):
-        raise ValueError(f"state must have shape [N, H, K, V] = {[N, H, K, v.shape[-1]]}, got {list(state.shape)}")
+            raise ValueError(f"{name} must have shape {list(want)} to match q {list(q.shape)} and v {list(v.shape)}, "
+                             f"got {list(x.shape)}")
+    want, what = ((N, HV, V, K), "[N, HV, V, K] (state_v_first)") if state_v_first else ((N, HV, K, V), "[N, HV, K, V]")
+    if tuple(state.shape) != want:
+        raise ValueError(f"state must have shape {what} = {list(want)}, got {list(state.shape)}")
 
 
 def kda_step(
@@ -42,33 +45,42 @@ def kda_step(
     beta: torch.Tensor,
     state: torch.Tensor,
     scale: float | None = None,
+    **options,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Advance N sequences by one token each; the same math as `kda_naive` for T = 1.
 
     Args:
-        q, k: `[N, H, K]`, used as given (callers L2-normalise).
-        v: `[N, H, V]`.
-        g: `[N, H, K]` natural-log decay of this step, <= 0.
-        beta: `[N, H]`, already activated.
-        state: `[N, H, K, V]` the state before this token (fp32, or fp64 in oracle mode). Not modified.
+        q, k: `[N, H, K]`, used as given unless `use_qk_l2norm_in_kernel`.
+        v: `[N, HV, V]`, HV a multiple of H (grouped value attention).
+        g: `[N, HV, K]` natural-log decay of this step, <= 0 (-inf resets); raw with `use_gate_in_kernel`.
+        beta: `[N, HV]`, activated unless `use_beta_sigmoid_in_kernel`.
+        state: `[N, HV, K, V]` (`[N, HV, V, K]` with `state_v_first`) the state before this token (fp32, or
+            fp64 in oracle mode). Not modified.
         scale: query scale, default `K ** -0.5`.
+        **options: `k3sys.kda.activations.KDAOptions` (fla's / FlashKDA's names).
 
     Returns:
-        o `[N, H, V]` in v's dtype, and the new state `[N, H, K, V]` in the compute dtype (same shape as
-        `state`, so a cache can copy it into preallocated storage).
+        o `[N, HV, V]` in v's dtype, and the new state in the compute dtype, in `state`'s shape (so a cache
+        can copy it into preallocated storage).
     """
-    _check_step_ranks(q, k, v, g, beta, state)
-    check_inputs(*(x.unsqueeze(1) for x in (q, k, v, g, beta)), initial_state=state)
-    return step_unchecked(q, k, v, g, beta, state, scale)
+    opts = kda_options(**options)
+    _check_step_ranks(q, k, v, g, beta, state, opts.state_v_first)
+    p = prepare(*(x.unsqueeze(1) for x in (q, k, v, g, beta)), scale, state, None, None, opts)
+    o, S = delta_update(p.q[:, 0] * p.scale, p.k[:, 0], p.v[:, 0], p.g[:, 0], p.beta[:, 0], p.S0)
+    return o.to(v.dtype), state_out(S, opts)
 
 
 def step_unchecked(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
-    scale: float | None = None,
+    scale: float | None = None, **options,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`kda_step` without its input checks, for callers that built the inputs themselves (the layer):
-    the checks read g's range, which on a GPU is a device sync per layer per decoded token."""
+    """`kda_step` (same arguments, options and results) without its input checks, for a caller whose
+    shapes are its own and whose gate is in range by construction (the layer): the checks read g's range,
+    which on a GPU is a device sync per layer per decoded token."""
+    opts = kda_options(**options)
     dt = compute_dtype(q, k, v, g, beta, state)
+    q, k, g, beta = activate(q, k, g, beta, opts, dt)
+    q, k = (expand_heads(x[:, None], v.shape[-2])[:, 0] for x in (q, k))
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    o, S = delta_update(q.to(dt) * scale, *(x.to(dt) for x in (k, v, g, beta, state)))
-    return o.to(v.dtype), S
+    o, S = delta_update(q * scale, k, v.to(dt), g, beta, state_in(state, opts).to(dt))
+    return o.to(v.dtype), state_out(S, opts)

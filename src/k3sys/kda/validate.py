@@ -12,10 +12,11 @@ import torch
 class KDADims:
     B: int
     T: int
-    H: int
+    H: int  # q/k heads
     K: int
     V: int
     N: int  # number of sequences: B, or len(cu_seqlens) - 1
+    HV: int  # value heads (v, g, beta, state): a multiple of H (grouped value attention)
 
 
 def _shape(name: str, x: torch.Tensor, expected: tuple[int, ...], what: str) -> None:
@@ -32,11 +33,14 @@ def check_inputs(
     initial_state: torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
     max_head_dim: int | None = None,
+    state_v_first: bool = False,
 ) -> KDADims:
-    """Validate the sequence-op arguments and return their dimensions.
+    """Validate the sequence-op arguments' shapes and return their dimensions (g's values: `check_log_decay`).
 
-    Shapes: q, k, g `[B, T, H, K]`; v `[B, T, H, V]`; beta `[B, T, H]`; initial_state `[N, H, K, V]`;
-    cu_seqlens `[N + 1]` int64 with B == 1. Raises ValueError naming the offending argument.
+    Shapes: q, k `[B, T, H, K]`; v `[B, T, HV, V]`; g `[B, T, HV, K]`; beta `[B, T, HV]`; initial_state
+    `[N, HV, K, V]` (`[N, HV, V, K]` with `state_v_first`); cu_seqlens `[N + 1]` int64/int32, non-decreasing
+    from 0 to T (empty sequences allowed), with B == 1. T may be 0. Pass the host copy of cu_seqlens when
+    there is one (fla's `cu_seqlens_cpu`): it is read here. Raises ValueError naming the offending argument.
     """
     for name, x in (("q", q), ("k", k), ("v", v), ("g", g)):
         if x.dim() != 4:
@@ -44,20 +48,17 @@ def check_inputs(
         if not x.is_floating_point():
             raise ValueError(f"{name} must be a floating-point tensor, got {x.dtype}")
     B, T, H, K = q.shape
-    V = v.shape[-1]
+    HV, V = v.shape[2], v.shape[3]
     _shape("k", k, (B, T, H, K), "[B, T, H, K]")
-    _shape("g", g, (B, T, H, K), "[B, T, H, K]")
-    _shape("v", v, (B, T, H, V), "[B, T, H, V]")
-    _shape("beta", beta, (B, T, H), "[B, T, H]")
-    if min(T, H, K, V) == 0 or B == 0:
-        raise ValueError(f"q/v must be non-empty, got q {list(q.shape)} and v {list(v.shape)}")
+    if min(H, K, V, HV) == 0:
+        raise ValueError(f"q/v must have heads and head dims, got q {list(q.shape)} and v {list(v.shape)}")
+    if HV % H:
+        raise ValueError(f"v's heads HV={HV} must be a multiple of q/k's heads H={H} (grouped value attention)")
+    _shape("v", v, (B, T, HV, V), "[B, T, HV, V]")
+    _shape("g", g, (B, T, HV, K), "[B, T, HV, K]")
+    _shape("beta", beta, (B, T, HV), "[B, T, HV]")
     if max_head_dim is not None and max(K, V) > max_head_dim:
         raise ValueError(f"expected K, V <= {max_head_dim}, got K={K}, V={V}")
-    g_min, g_max = (x.item() for x in torch.aminmax(g))  # one pass; NaN propagates into both
-    if g_max > 0:
-        raise ValueError(f"g is a log-decay and must be <= 0, got max {g_max:.4g}")
-    if not math.isfinite(g_min) or not math.isfinite(g_max):
-        raise ValueError(f"g must be finite, got min {g_min} and max {g_max}")
     N = B
     if cu_seqlens is not None:
         if cu_seqlens.dim() != 1 or cu_seqlens.dtype not in (torch.int64, torch.int32):
@@ -69,12 +70,27 @@ def check_inputs(
         cu = cu_seqlens.tolist()
         if cu[0] != 0 or cu[-1] != T:
             raise ValueError(f"cu_seqlens must start at 0 and end at T={T}, got {cu[0]} ... {cu[-1]}")
-        if any(b <= a for a, b in zip(cu, cu[1:], strict=False)):
-            raise ValueError(f"cu_seqlens must be strictly increasing, got {cu}")
+        if any(b < a for a, b in zip(cu, cu[1:], strict=False)):
+            raise ValueError(f"cu_seqlens must be non-decreasing, got {cu}")
         N = len(cu) - 1
     if initial_state is not None:
-        _shape("initial_state", initial_state, (N, H, K, V), "[N, H, K, V]")
-    return KDADims(B, T, H, K, V, N)
+        if state_v_first:
+            _shape("initial_state", initial_state, (N, HV, V, K), "[N, HV, V, K] (state_v_first)")
+        else:
+            _shape("initial_state", initial_state, (N, HV, K, V), "[N, HV, K, V]")
+    return KDADims(B, T, H, K, V, N, HV)
+
+
+def check_log_decay(g: torch.Tensor) -> None:
+    """g (activated) must be a log-decay: <= 0, -inf allowed (an exact reset), no NaN. Reads g once."""
+    if g.numel() == 0:
+        return
+    g_min, g_max = (x.item() for x in torch.aminmax(g))  # one pass; NaN propagates into both
+    if math.isnan(g_min) or math.isnan(g_max):
+        raise ValueError("g must not be NaN")
+    if g_max > 0:
+        raise ValueError(f"g is a log-decay and must be <= 0: each step scales the state by exp(g), and exp(g) > 1 "
+                         f"would amplify it without bound; got max {g_max:.4g}")
 
 
 def compute_dtype(*xs: torch.Tensor | None) -> torch.dtype:
@@ -88,3 +104,12 @@ def sequence_spans(dims: KDADims, cu_seqlens: torch.Tensor | None) -> list[tuple
         return [(b, 0, dims.T) for b in range(dims.B)]
     cu = cu_seqlens.tolist()
     return [(0, cu[n], cu[n + 1]) for n in range(dims.N)]
+
+
+def resolve_cu_seqlens(
+    cu_seqlens: torch.Tensor | None, cu_seqlens_cpu: torch.Tensor | None, device: torch.device
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(cu_seqlens on `device`, the copy host-side checks read): fla's pair, either one may be given alone."""
+    if cu_seqlens is None and cu_seqlens_cpu is not None:
+        cu_seqlens = cu_seqlens_cpu.to(device)
+    return cu_seqlens, (cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens)

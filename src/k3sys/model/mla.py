@@ -14,9 +14,11 @@ expanded form, which is cheaper when T is large.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from k3sys.kda.cp import cp_lengths, gather_sequence
 from k3sys.model.cache import LatentKV
 
 
@@ -75,10 +77,18 @@ class GatedMLA(nn.Module):
             k_rope = rotate(k_rope, positions, self.rope_theta)
         return torch.cat((self.kv_a_norm(c), k_rope), dim=-1)
 
-    def forward(self, x: torch.Tensor, cache: LatentKV | None = None) -> torch.Tensor:
-        """x `[B, T, D]` -> `[B, T, D]`, causal. With `cache`, x follows its `length` tokens and is appended."""
+    def forward(self, x: torch.Tensor, cache: LatentKV | None = None,
+                cp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+        """x `[B, T, D]` -> `[B, T, D]`, causal. With `cache`, x follows its `length` tokens and is appended.
+
+        With `cp_group` (no cache), x is this rank's slice of a sequence split over the group in rank order:
+        the latent KV is all-gathered and the slice attends to everything before it.
+        """
         B, T, _ = x.shape
         past = cache.length if cache is not None else 0
+        if cp_group is not None:
+            lengths = cp_lengths(T, cp_group, x.device)
+            past = sum(lengths[:dist.get_rank(cp_group)])
         positions = torch.arange(past, past + T, device=x.device)
         q = self.q_proj(x).view(B, T, self.num_heads, self.dn + self.dr)
         if self.use_rope:
@@ -86,6 +96,8 @@ class GatedMLA(nn.Module):
         kv = self.latent(x, positions)
         if cache is not None:
             kv = cache.append(kv).to(x.dtype)  # a no-op unless the cache is stored narrower than the model
+        elif cp_group is not None:
+            kv = gather_sequence(kv, lengths, cp_group)[:, :past + T]
         o = self._expanded(q, kv) if past == 0 else self._absorbed(q, kv, past)
         o = o.reshape(B, T, -1)
         return self.o_proj(o * torch.sigmoid(self.g_proj(x)) if self.g_proj is not None else o)

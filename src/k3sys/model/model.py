@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from k3sys.kda import KimiDeltaAttention
@@ -39,15 +40,16 @@ class Block(nn.Module):
         self.ffn_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
         self.ffn = build_ffn(cfg, moe=cfg.is_moe_layer(index))
 
-    def forward(self, x: torch.Tensor, cache: HybridCache | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: HybridCache | None = None,
+                cp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
         h = self.attn_norm(x)
         if self.kind == "kda":
-            h, state = self.attn(h, state=cache.layers[self.index] if cache is not None else None)
+            h, state = self.attn(h, state=cache.layers[self.index] if cache is not None else None, cp_group=cp_group)
             if cache is not None:
                 # Into the preallocated buffers, so the cache's storage stays where it was allocated.
                 cache.layers[self.index].copy_(state)
         else:
-            h = self.attn(h, cache.layers[self.index] if cache is not None else None)
+            h = self.attn(h, cache.layers[self.index] if cache is not None else None, cp_group=cp_group)
         x = x + h
         return x + self.ffn(self.ffn_norm(x))
 
@@ -71,8 +73,11 @@ class HybridModel(nn.Module):
 
         return load_pretrained(path, device=device, dtype=dtype)
 
-    def forward(self, ids: torch.Tensor, cache: HybridCache | None = None, logits_to_keep: int = 0) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, cache: HybridCache | None = None, logits_to_keep: int = 0,
+                cp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
         """ids `[B, T]` int64 -> logits `[B, T, vocab]`. With `cache`, ids continue the cached tokens.
+        With `cp_group` (no cache), ids are this rank's slice of sequences split over the group in rank
+        order (context parallel prefill, k3sys.kda.cp): the logits of this slice.
 
         `logits_to_keep` n > 0 returns the logits of the last n positions only, `[B, n, vocab]` (as in
         Hugging Face models): a prefill for generation needs one row, not T rows of the vocabulary.
@@ -81,11 +86,13 @@ class HybridModel(nn.Module):
             raise ValueError(f"ids must be a non-empty int32/int64 tensor [B, T], got {ids.dtype} {list(ids.shape)}")
         if isinstance(logits_to_keep, bool) or not isinstance(logits_to_keep, int) or logits_to_keep < 0:
             raise ValueError(f"logits_to_keep must be an int >= 0, got {logits_to_keep!r}")
+        if cache is not None and cp_group is not None:
+            raise ValueError("a context-parallel forward takes no cache (decode after it is not supported yet)")
         if cache is not None:
             cache.check_room(ids.shape[0], ids.shape[1])
         x = self.embed(ids)
         for block in self.blocks:
-            x = block(x, cache)
+            x = block(x, cache, cp_group)
         if cache is not None:
             cache.seq_len += ids.shape[1]
         if logits_to_keep:

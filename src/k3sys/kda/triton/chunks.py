@@ -44,7 +44,7 @@ def chunk_maps(B: int, T: int, cu_seqlens: torch.Tensor | None, device: torch.de
 
 @lru_cache(maxsize=64)
 def _equal_length_maps(B: int, T: int, device: torch.device) -> Chunks:
-    return _maps(torch.arange(0, (B + 1) * T, T, device=device, dtype=torch.int64), B * -(-T // CHUNK))
+    return _maps(torch.arange(B + 1, device=device, dtype=torch.int64) * T, B * -(-T // CHUNK))
 
 
 def _maps(cu: torch.Tensor, num_chunks: int | None) -> Chunks:

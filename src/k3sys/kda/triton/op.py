@@ -8,11 +8,13 @@ token-parallel gradient kernel (intra_bwd_kernel).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
 
+from k3sys.kda.activations import KDAOptions, kda_options, prepare, state_out
+from k3sys.kda.gate import kda_gate
 from k3sys.kda.triton.chunks import CHUNK, Chunks, chunk_maps
 from k3sys.kda.triton.fused import fused_fwd_kernel
 from k3sys.kda.triton.inter import inter_bwd_kernel, inter_fwd_kernel
@@ -174,44 +176,58 @@ def _kernel_limits(q, k, v, g, beta, initial_state=None) -> str | None:
     return None
 
 
-def triton_unsupported(q, k, v, g, beta, chunk_size: int = CHUNK, initial_state=None) -> str | None:
+def triton_unsupported(q, k, v, g, beta, chunk_size: int = CHUNK, initial_state=None,
+                       opts: KDAOptions | None = None) -> str | None:
     """Why the Triton backend cannot run this call, or None when it can.
 
-    Besides the kernel limits, checks the safe-gate contract (min g >= -5), which reads g once and
-    syncs with the device: `kda_chunk` uses this to choose (backend="auto") or refuse (backend="triton").
+    Besides the kernel limits, checks the safe-gate contract (min g >= -5 after the options' gate), which
+    reads g once and syncs with the device unless the in-kernel bounded gate guarantees it:
+    `kda_chunk` uses this to choose (backend="auto") or refuse (backend="triton").
     """
+    opts = opts or KDAOptions()
     if chunk_size != CHUNK:
         return f"its chunk size is {CHUNK}, got chunk_size={chunk_size}"
     why = _kernel_limits(q, k, v, g, beta, initial_state)
-    if why is None and (g_min := g.min().item()) < SAFE_GATE_MIN:
-        why = (f"it needs the safe gate, every g >= {SAFE_GATE_MIN} (16-step decays inside fp32's exp range), "
-               f"got min g = {g_min:.4g}; use backend='torch'")
-    return why
+    if why is not None or g.numel() == 0:
+        return why
+    if opts.use_gate_in_kernel and opts.lower_bound is not None and opts.lower_bound >= SAFE_GATE_MIN:
+        return None  # lower_bound * sigmoid(.) stays in [lower_bound, 0]
+    if opts.use_gate_in_kernel:
+        g = kda_gate(g, opts.A_log, opts.dt_bias, opts.lower_bound, safe=False)
+    if (g_min := g.min().item()) < SAFE_GATE_MIN:
+        return (f"it needs the safe gate, every g >= {SAFE_GATE_MIN} (16-step decays inside fp32's exp range), "
+                f"got min g = {g_min:.4g}; use backend='torch'")
+    return None
 
 
-def _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens):
-    """Contiguous inputs with q, k, v in one dot dtype, the resolved scale, and the chunk maps."""
+def _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens, cu_seqlens_cpu, opts: KDAOptions):
+    """Checked, activated, contiguous kernel inputs (`Prepared`) and the chunk maps.
+
+    q, k, v share one dot dtype: v's, or fp32 when the op computes activations, so that their fp32 values
+    (the reason to compute them here) are not rounded back to 16 bits; g, beta and the state are fp32.
+    """
     if (why := _kernel_limits(q, k, v, g, beta, initial_state)) is not None:
         raise ValueError(f"backend='triton' cannot run this call: {why}")
-    B, T, H, K = q.shape
-    q, k, v = (x.to(v.dtype).contiguous() for x in (q, k, v))
-    g, beta = g.contiguous(), beta.contiguous()
-    h0 = initial_state.contiguous() if initial_state is not None else None
-    scale = K**-0.5 if scale is None else scale
-    return q, k, v, g, beta, scale, h0, chunk_maps(B, T, cu_seqlens, q.device)
+    p = prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens, cu_seqlens_cpu, opts, MAX_HEAD_DIM, torch.float32)
+    dot = torch.float32 if opts.activates else v.dtype
+    p = replace(p, q=p.q.to(dot).contiguous(), k=p.k.to(dot).contiguous(), v=p.v.to(dot).contiguous(),
+                g=p.g.contiguous(), beta=p.beta.contiguous(), S0=None if p.S0 is None else p.S0.contiguous())
+    return p, chunk_maps(p.dims.B, p.dims.T, p.cu_seqlens, q.device)
 
 
 class KDAFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, scale, h0, output_final_state, chunks):
+    def forward(ctx, q, k, v, g, beta, scale, h0, output_final_state, chunks, keep_states):
         ws = intra_fwd(q, k, v, g, beta, scale, chunks)
-        o, ht, _ = inter_fwd(ws, h0, chunks, store_o=True, store_ht=output_final_state, store_states=False)
+        o, ht, states = inter_fwd(ws, h0, chunks, store_o=True, store_ht=output_final_state, store_states=keep_states)
         ctx.save_for_backward(q, k, v, g, beta, h0)
         ctx.scale, ctx.chunks = scale, chunks
-        return o, ht
+        if keep_states:
+            ctx.mark_non_differentiable(states)
+        return o, ht, states
 
     @staticmethod
-    def backward(ctx, do, dht):
+    def backward(ctx, do, dht, _):
         q, k, v, g, beta, h0 = ctx.saved_tensors
         scale, chunks = ctx.scale, ctx.chunks
         ws = intra_fwd(q, k, v, g, beta, scale, chunks)
@@ -219,7 +235,7 @@ class KDAFunction(torch.autograd.Function):
         dstates, dvn, dh0 = inter_bwd(ws, do.contiguous(), dht.contiguous() if dht is not None else None, h0, chunks)
         del ws
         dq, dk, dv, dg, dbeta = intra_bwd(q, k, v, g, beta, scale, states, dstates, do.contiguous(), dvn, chunks)
-        return dq, dk, dv, dg, dbeta, None, dh0, None, None
+        return dq, dk, dv, dg, dbeta, None, dh0, None, None, None
 
 
 def kda_triton(
@@ -231,27 +247,42 @@ def kda_triton(
     scale: float | None = None,
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
+    *,
     cu_seqlens: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Chunked KDA on Triton kernels, differentiable in every tensor input.
+    cu_seqlens_cpu: torch.Tensor | None = None,
+    return_intermediate_states: bool = False,
+    **options,
+) -> tuple[torch.Tensor, torch.Tensor | None] | tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Chunked KDA on Triton kernels, differentiable in every tensor input; `kda_chunk`'s signature.
 
-    The kernel-level op: shapes are assumed checked (`kda_chunk(..., backend="triton")` checks them
-    first). Contract: the safe gate, g >= -5 per step (see `k3sys.kda.triton.intra`).
+    Contract: the safe gate, g >= -5 per step after the options' gate (see `k3sys.kda.triton.intra`);
+    `kda_chunk(..., backend="triton")` checks it, this op does not.
 
     Args:
-        q, k: `[B, T, H, K]`; v: `[B, T, H, V]`; bf16, fp16 or fp32 (q, k are cast to v's dtype), K, V <= 256.
-        g: `[B, T, H, K]` per-step log-decay in [-5, 0] (any float dtype; fp32 recommended).
-        beta: `[B, T, H]`.
-        scale: query scale, default `K ** -0.5`.
-        initial_state: `[N, H, K, V]` (fp32 recommended), default zeros.
-        output_final_state: also return the final state `[N, H, K, V]` fp32.
-        cu_seqlens: `[N + 1]` offsets of packed sequences (B == 1).
+        q, k: `[B, T, H, K]`; v: `[B, T, HV, V]`; bf16, fp16 or fp32 (q, k are cast to v's dtype, all three
+            to fp32 when the op computes activations), K, V <= 256.
+        g: `[B, T, HV, K]` per-step log-decay in [-5, 0], or the raw gate with `use_gate_in_kernel`.
+        beta: `[B, T, HV]`.
+        scale, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu, return_intermediate_states,
+            **options: as in `kda_chunk`.
 
     Returns:
-        o `[B, T, H, V]` in v's dtype, and the final state or None.
+        o `[B, T, HV, V]` in v's dtype, the final state (fp32) or None, and with `return_intermediate_states`
+        the states entering each chunk (in the dot dtype, as the kernels keep them).
     """
-    q, k, v, g, beta, scale, h0, chunks = _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens)
-    return KDAFunction.apply(q, k, v, g, beta, scale, h0, output_final_state, chunks)
+    opts = kda_options(**options)
+    p, chunks = _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens, cu_seqlens_cpu, opts)
+    d = p.dims
+    if d.B * d.T == 0:  # no tokens: every state passes through
+        S = p.S0 if p.S0 is not None else p.v.new_zeros(d.N, d.HV, d.K, d.V, dtype=torch.float32)
+        o, ht, h = v.new_zeros(v.shape), S, S.new_zeros(d.B, 0, d.HV, d.K, d.V)
+    else:
+        o, ht, h = KDAFunction.apply(p.q, p.k, p.v, p.g, p.beta, p.scale, p.S0, output_final_state, chunks,
+                                     return_intermediate_states)
+        if h is not None:
+            h = h.view(d.B, -1, *h.shape[1:]) if p.cu_seqlens is None else h.unsqueeze(0)
+    result = (o.to(v.dtype), state_out(ht, opts) if output_final_state else None)
+    return (*result, state_out(h, opts)) if return_intermediate_states else result
 
 
 @torch.no_grad()
@@ -266,8 +297,10 @@ def kda_triton_fused(
     output_final_state: bool = False,
     cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`kda_triton`'s forward with both phases in one kernel (no autograd): the split's benchmark baseline."""
-    q, k, v, g, beta, scale, h0, chunks = _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens)
+    """`kda_triton`'s forward with both phases in one kernel (no autograd, no options): the split's benchmark
+    baseline."""
+    p, chunks = _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens, None, KDAOptions())
+    q, k, v, g, beta, scale, h0 = p.q, p.k, p.v, p.g, p.beta, p.scale, p.S0
     B, T, H, K = q.shape
     V = v.shape[-1]
     N = chunks.num_seqs
