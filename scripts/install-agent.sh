@@ -18,19 +18,13 @@ STAMP=${K3SYS_AGENT_OUT:+$OUT.stamp}
 STAMP=${STAMP:-$PREFIX/stamps/agent}
 
 log() { echo "[install-agent] $*"; }
+# shellcheck source=lib/apt.sh
+source "$ROOT/scripts/lib/apt.sh"
 
 # Its build needs gcc and the static libc; `make system` runs this script before install-sandbox.sh
 # (which needs gcc too), so on a fresh Debian host it installs them itself.
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-    missing=()
-    for p in gcc libc6-dev; do
-        dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
-    done
-    if [ ${#missing[@]} -gt 0 ]; then
-        log "apt-get install ${missing[*]}"
-        apt-get update -q >/dev/null
-        DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${missing[@]}" >/dev/null
-    fi
+    apt_ensure gcc libc6-dev
 fi
 if ! command -v gcc >/dev/null || [ ! -e "$(gcc -print-file-name=libc.a)" ]; then
     log "no gcc with a static libc (Debian: gcc libc6-dev): skipping (sandboxes need the agent)"

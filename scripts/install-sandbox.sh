@@ -21,6 +21,8 @@ CRIU_SERIES=4.1
 KDAT_DIR=/dev/shm/k3sys-criu
 
 log() { echo "[install-sandbox] $*"; }
+# shellcheck source=lib/apt.sh
+source "$ROOT/scripts/lib/apt.sh"
 
 if [ "$(id -u)" != 0 ]; then
     log "not root: skipping (sandboxes need root; their tests skip with that reason)"
@@ -35,15 +37,7 @@ fi
 PKGS=(runc busybox-static debootstrap
       gcc make pkg-config libbsd-dev libcap-dev libnet1-dev libnl-3-dev
       libprotobuf-c-dev libprotobuf-dev protobuf-c-compiler protobuf-compiler uuid-dev)
-missing=()
-for p in "${PKGS[@]}"; do
-    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
-done
-if [ ${#missing[@]} -gt 0 ]; then
-    log "apt-get install ${missing[*]}"
-    apt-get update -q >/dev/null
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${missing[@]}" >/dev/null
-fi
+apt_ensure "${PKGS[@]}"
 
 # --- CRIU --------------------------------------------------------------------------------------
 # The stamp holds what the binary was built from; a changed patch or build setting rebuilds it.
