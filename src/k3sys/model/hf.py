@@ -33,10 +33,10 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from k3sys.kda import KimiDeltaAttention
 from k3sys.model.config import ModelConfig
-from k3sys.model.model import HybridModel
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -146,7 +146,7 @@ def _moe(get: Callable[[str], torch.Tensor], p: str, cfg: ModelConfig) -> dict[s
     return out
 
 
-def state_dict_from_hf(model: HybridModel, get: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor]:
+def state_dict_from_hf(model: nn.Module, get: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor]:
     """Our state dict for `model`, each tensor read by `get(checkpoint name)`."""
     cfg = model.cfg
     sd = {"embed.weight": get("model.embed_tokens.weight"), "norm.weight": get("model.norm.weight"),
@@ -162,9 +162,10 @@ def state_dict_from_hf(model: HybridModel, get: Callable[[str], torch.Tensor]) -
     return sd
 
 
-def load_pretrained(path: str | Path, device: torch.device | str = "cpu",
-                    dtype: torch.dtype | None = None) -> HybridModel:
-    """Build the model a Kimi-Linear-style checkpoint directory describes and load its weights.
+def load_pretrained(build: Callable[[ModelConfig], nn.Module], path: str | Path, device: torch.device | str = "cpu",
+                    dtype: torch.dtype | None = None) -> nn.Module:
+    """Build the model a Kimi-Linear-style checkpoint directory describes (`build(cfg)`: `HybridModel`,
+    passed in so this module does not import the model's) and load its weights.
 
     `dtype` None keeps each tensor as stored (Kimi Linear keeps A_log and dt_bias in fp32 beside bf16
     weights; our layer computes its gate in fp32 either way); a dtype casts every tensor to it. The
@@ -176,7 +177,7 @@ def load_pretrained(path: str | Path, device: torch.device | str = "cpu",
     hf = json.loads((path / "config.json").read_text())
     cfg = config_from_hf(hf, name=path.name)
     with torch.device("meta"):
-        model = HybridModel(cfg)
+        model = build(cfg)
     shards = _Shards(path)
     sd = state_dict_from_hf(model, shards)
     extra = sorted(n for n in set(shards.weight_map) - shards.used

@@ -14,6 +14,7 @@ from k3sys.kda import KimiDeltaAttention
 from k3sys.model.cache import HybridCache
 from k3sys.model.config import ModelConfig
 from k3sys.model.ffn import build_ffn
+from k3sys.model.hf import load_pretrained
 from k3sys.model.mla import GatedMLA
 
 
@@ -69,9 +70,7 @@ class HybridModel(nn.Module):
     def from_pretrained(cls, path: str | Path, device: torch.device | str = "cpu",
                         dtype: torch.dtype | None = None) -> HybridModel:
         """The model of a Kimi-Linear-style Hugging Face checkpoint directory, weights loaded (`k3sys.model.hf`)."""
-        from k3sys.model.hf import load_pretrained  # hf imports this module
-
-        return load_pretrained(path, device=device, dtype=dtype)
+        return load_pretrained(cls, path, device=device, dtype=dtype)
 
     def forward(self, ids: torch.Tensor, cache: HybridCache | None = None, logits_to_keep: int = 0,
                 cp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
