@@ -125,3 +125,15 @@ def test_restore_from_the_store_alone(private_root):
             assert r.files.read_text("/root/p") == "persisted\n"
             assert r.commands.run("cat /root/p").stdout == "persisted\n"
         assert rt.store.verify() == []
+
+
+def test_hibernation_of_a_sandbox_paused_right_after_a_command(sbx):
+    # The host closes a call's connection after its result; a pause right then can freeze the agent
+    # before it has closed its end, and CRIU cannot dump that socket. The dump of a frozen sandbox
+    # lets the agent drop it first (the rollout engine's evictions hit this on most turns).
+    for i in range(6):
+        assert sbx.commands.run(f"echo {i} >> /root/log").exit_code == 0
+        sbx.pause()
+        sbx.hibernate()
+        sbx.resume()
+    assert sbx.files.read_text("/root/log").split() == [str(i) for i in range(6)]

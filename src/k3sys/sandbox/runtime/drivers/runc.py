@@ -264,23 +264,24 @@ class RuncDriver:
         # No connection to the host may be inside at the dump (CRIU cannot save one): hold new calls,
         # let those in flight finish or cut them (they retry), and have the agent drop their sockets.
         agent = self.agent(sid, dirs)
-        cut = agent.close_gate()
-        if was_frozen and cut:
-            self.resume(sid)  # the agent must run to drop them
-        if not was_frozen or cut:
-            try:
-                agent.quiesce()
-            except BaseException:
-                if was_frozen:
-                    self.pause(sid)
-                agent.open_gate()
-                raise
+        agent.close_gate()
+        # A frozen agent runs for the quiesce even when the host has no call open: a call the host
+        # closed just before the freeze can leave the agent's end of it open (it had no time to see
+        # the EOF), and CRIU fails on that socket ("Unix socket ... not found").
+        if was_frozen:
+            self.resume(sid)
+        try:
+            agent.quiesce()
+        except BaseException:
+            if was_frozen:
+                self.pause(sid)
+            agent.open_gate()
+            raise
         t["agent"] = time.perf_counter() - t0
         # Frozen across the dump and the seal: CRIU leaves a frozen cgroup frozen, so no process runs
         # between the memory dump and the copy of the upper, and the two agree.
         t_freeze = time.perf_counter()
-        if not was_frozen or cut:
-            self.pause(sid)
+        self.pause(sid)
         t["freeze"] = time.perf_counter() - t_freeze
         # Always --leave-running: a hibernating sandbox is killed only once its checkpoint is durable.
         args = ["checkpoint", "--leave-running", "--image-path",
