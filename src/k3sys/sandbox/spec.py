@@ -24,6 +24,9 @@ def check_id(what: str, value: object) -> str:
 
 
 MAX_FORK = 256  # children of one fork call
+# Most tasks of one sandbox: with the smallest per-process descriptor limit (64), its processes can
+# hold at most MAX_PIDS x 64 = 131072 host descriptors, its budget (runtime/drivers/confine.py).
+MAX_PIDS = 2048
 
 
 def check_number(name: str, value: object, lo: float, hi: float, unit: str, integer: bool = False) -> None:
@@ -39,7 +42,7 @@ class SandboxSpec:
     """Resources and shape of a sandbox.
 
     `cpu` in cores (a CFS quota), `memory_mb` in MiB (a hard cgroup limit, no swap), `pids` the most
-    tasks at once, `network` False for a private network namespace with loopback only, True to share
+    tasks at once (at most MAX_PIDS), `network` False for a private network namespace with loopback only, True to share
     the host's; `timeout_s` the sandbox's lifetime in seconds (None: until killed); `on_timeout` what
     happens then: "kill", or "hibernate" (its time starts again on `resume`); None: the runtime's default.
     """
@@ -57,7 +60,7 @@ class SandboxSpec:
             raise InvalidArgumentError(f"template: expected a template name, got {self.template!r}")
         check_number("cpu", self.cpu, 0.01, 1024, "cores")
         check_number("memory_mb", self.memory_mb, 16, 1 << 20, "MiB", integer=True)
-        check_number("pids", self.pids, 8, 1 << 22, "tasks", integer=True)
+        check_number("pids", self.pids, 8, MAX_PIDS, "tasks", integer=True)
         if not isinstance(self.network, bool):
             raise InvalidArgumentError(f"network: expected a bool, got {self.network!r}")
         if self.timeout_s is not None:

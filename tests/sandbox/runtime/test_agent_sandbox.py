@@ -16,7 +16,6 @@ from k3sys.sandbox import Sandbox
 from k3sys.sandbox.errors import (
     AgentError,
     InvalidArgumentError,
-    PermissionDeniedError,
     SandboxError,
 )
 
@@ -100,13 +99,9 @@ def test_file_attacks_touch_no_host_file(sbx, tmp_path):
     canary, data = _canary(tmp_path)
     before = os.stat(canary)
     run = sbx.commands.run
-    # Device nodes the sandbox makes: opening them is refused by the sandbox's own device cgroup.
-    assert run("mknod /root/kmsg c 1 11 && mknod /root/loop b 7 0").exit_code == 0
-    for dev in ("/root/kmsg", "/root/loop"):
-        with pytest.raises(PermissionDeniedError):
-            sbx.files.write(dev, b"x")
-        with pytest.raises(PermissionDeniedError):
-            sbx.files.read(dev)
+    # Device nodes: the sandbox cannot make them (no CAP_MKNOD; tests/sandbox/security), and one
+    # a template ships (the debian one has /dev/tty...) would still be refused by the device cgroup.
+    assert "Operation not permitted" in run("mknod /root/kmsg c 1 11 || mknod /root/loop b 7 0").stderr
     # Links to host paths mean the sandbox's paths (absolute, relative, through /proc/self/root).
     run(f"mkdir -p {tmp_path} && ln -s {canary} /root/abs && ln -s ../../../../..{canary} /root/rel "
         f"&& ln -s /proc/self/root{canary} /root/proc")

@@ -18,9 +18,11 @@ import stat
 from pathlib import Path
 
 from k3sys.sandbox.errors import DriverError
+from k3sys.sandbox.runtime.drivers.idmap import canonical
 
 _OPAQUE = "trusted.overlay.opaque"
 _MNT_DETACH = 2
+_MS_BIND = 4096
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
@@ -41,6 +43,11 @@ def mount_overlay(lowers: list[Path], upper: Path, work: Path, target: Path) -> 
     _check(_libc.mount(b"overlay", os.fsencode(target), b"overlay", 0, opts.encode()), f"mount overlay at {target}")
 
 
+def bind(source: Path, target: Path) -> None:
+    """Bind-mount directory `source` (not what is mounted below it) at `target`."""
+    _check(_libc.mount(os.fsencode(source), os.fsencode(target), None, _MS_BIND, None), f"bind {source} at {target}")
+
+
 def unmount(target: Path) -> None:
     """Unmount `target`; detach lazily if busy. A target that is not mounted is fine."""
     if _libc.umount2(os.fsencode(target), 0) == 0:
@@ -51,9 +58,13 @@ def unmount(target: Path) -> None:
     _check(_libc.umount2(os.fsencode(target), _MNT_DETACH), f"unmount {target}")
 
 
-def _copy_meta(src: str, dst: str, st: os.stat_result) -> None:
-    """Owner, mode, xattrs (overlay's bookkeeping dropped, except opacity) and times of `src` onto `dst`."""
-    os.chown(dst, st.st_uid, st.st_gid, follow_symlinks=False)
+def _copy_meta(src: str, dst: str, st: os.stat_result, uid_base: int = 0) -> None:
+    """Owner, mode, xattrs (overlay's bookkeeping dropped, except opacity) and times of `src` onto `dst`;
+    with `uid_base`, owners are shifted from that sandbox's host id range to canonical ids (idmap.py)."""
+    uid, gid = st.st_uid, st.st_gid
+    if uid_base:
+        uid, gid = canonical(uid, uid_base), canonical(gid, uid_base)
+    os.chown(dst, uid, gid, follow_symlinks=False)
     if not stat.S_ISLNK(st.st_mode):
         os.chmod(dst, stat.S_IMODE(st.st_mode))
     for name in os.listxattr(src, follow_symlinks=False):
@@ -74,7 +85,7 @@ def _remove(path: str) -> None:
         os.unlink(path)
 
 
-def _copy_entry(src: str, dst: str, st: os.stat_result) -> None:
+def _copy_entry(src: str, dst: str, st: os.stat_result, uid_base: int) -> None:
     """Copy one non-directory entry (file, symlink, whiteout or other special file)."""
     if stat.S_ISREG(st.st_mode):
         shutil.copyfile(src, dst, follow_symlinks=False)
@@ -82,7 +93,7 @@ def _copy_entry(src: str, dst: str, st: os.stat_result) -> None:
         os.symlink(os.readlink(src), dst)
     else:
         os.mknod(dst, st.st_mode, st.st_rdev)
-    _copy_meta(src, dst, st)
+    _copy_meta(src, dst, st, uid_base)
 
 
 def _link_tree(src: str, dst: str) -> None:
@@ -97,7 +108,7 @@ def _link_tree(src: str, dst: str) -> None:
     _copy_meta(src, dst, os.lstat(src))  # after the children, which would bump its mtime
 
 
-def _apply_upper(upper: str, out: str) -> None:
+def _apply_upper(upper: str, out: str, uid_base: int) -> None:
     """Overlay the live upper directory `upper` onto the sealed copy `out` (same relative path)."""
     with os.scandir(upper) as it:
         entries = sorted(it, key=lambda e: e.name)
@@ -113,24 +124,25 @@ def _apply_upper(upper: str, out: str) -> None:
             if not keep:
                 _remove(dst)
                 os.mkdir(dst)
-            _apply_upper(src, dst)
-            _copy_meta(src, dst, st)
+            _apply_upper(src, dst, uid_base)
+            _copy_meta(src, dst, st, uid_base)
         else:
             # A whiteout stays a whiteout: the template below may still have this path.
             _remove(dst)
-            _copy_entry(src, dst, st)
+            _copy_entry(src, dst, st, uid_base)
 
 
-def seal(upper: Path, dest: Path, layer: Path | None = None) -> None:
+def seal(upper: Path, dest: Path, layer: Path | None = None, uid_base: int = 0) -> None:
     """Write the sandbox's file system diff against its template into the new directory `dest`.
 
     `upper` is the live upper (the sandbox must be stopped or frozen); `layer`, when the sandbox
     runs over a sealed layer, is that layer, whose files are hard-linked rather than copied (sealed
-    trees are never modified). `dest` then serves as the next sealed layer.
+    trees are never modified). `dest` then serves as the next sealed layer. `uid_base`: the first host
+    id of the sandbox's range when it runs in a user namespace (sealed trees keep canonical owners).
     """
     if layer is not None:
         _link_tree(str(layer), str(dest))
     else:
         os.mkdir(dest)
-    _apply_upper(str(upper), str(dest))
-    _copy_meta(str(upper), str(dest), os.lstat(upper))
+    _apply_upper(str(upper), str(dest), uid_base)
+    _copy_meta(str(upper), str(dest), os.lstat(upper), uid_base)

@@ -2,7 +2,9 @@
 
 Shape of a sandbox: root = overlay (sealed layer, template; own upper); own mount, pid, ipc, uts and
 (by default) network namespaces, the last with loopback only; cgroup limits on memory (no swap),
-pids and CPU; Docker's default capability set minus NET_RAW; no new privileges.
+pids and CPU. Hardened (the default; confine.py, idmap.py): its own user namespace on a host uid
+range of its own, lowers idmapped to it, a minimal capability set, a seccomp profile, no new
+privileges. `hardened=False` keeps the older shape (host root inside), for the benchmark only.
 
 Choices that keep checkpoints small and fast, measured on this host (see docs/sandbox.md):
 - as few tmpfs mounts as possible (`/dev` lives in the overlay, /sys/firmware is masked by a bind):
@@ -16,8 +18,10 @@ Choices that keep checkpoints small and fast, measured on this host (see docs/sa
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import threading
@@ -27,11 +31,13 @@ from pathlib import Path
 from k3sys.sandbox.errors import DriverError
 from k3sys.sandbox.runtime import layers
 from k3sys.sandbox.runtime.agent import Agent
+from k3sys.sandbox.runtime.drivers import confine, criulog, idmap
 from k3sys.sandbox.runtime.drivers.base import SandboxDirs
 from k3sys.sandbox.runtime.drivers.cgroups import Cgroups
 from k3sys.sandbox.runtime.system import SystemPaths, system_paths
 from k3sys.sandbox.spec import SandboxSpec
 
+# Without hardening only (benchmark baseline): Docker's default set minus NET_RAW.
 _CAPS = ["CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FSETID", "CAP_FOWNER", "CAP_MKNOD", "CAP_SETGID", "CAP_SETUID",
          "CAP_SETFCAP", "CAP_SETPCAP", "CAP_NET_BIND_SERVICE", "CAP_SYS_CHROOT", "CAP_KILL", "CAP_AUDIT_WRITE"]
 # Masked by runc (a file gets /dev/null, a directory an empty read-only tmpfs: runc allows nothing
@@ -46,40 +52,12 @@ _PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 _AGENT = "/.k3sys/agent"
 
 
-def _criu_seconds(log: Path) -> float:
-    """CRIU's own run time: the timestamp of the last line of its log (`(00.048150) ...`)."""
-    try:
-        return float(_tail(log, 200).rstrip().rsplit("\n", 1)[-1].split(")", 1)[0].lstrip("("))
-    except ValueError:
-        return float("nan")
-
-
-def _log_excerpt(path: Path) -> str:
-    """CRIU's error lines and the last lines of its log, for an error message."""
-    try:
-        lines = path.read_text(errors="replace").splitlines()
-    except OSError:
-        return ""
-    errors = [line for line in lines if "Error (" in line]
-    return "\n".join(errors[:10] + ["..."] + lines[-5:])
-
-
-def _tail(path: Path, n: int) -> str:
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - n))
-            return f.read().decode(errors="replace")
-    except OSError:
-        return ""
-
-
 class RuncDriver:
     """Sandboxes as runc containers under `<state_dir>/runc`."""
 
     name = "runc"
 
-    def __init__(self, state_dir: Path, system: SystemPaths | None = None) -> None:
+    def __init__(self, state_dir: Path, system: SystemPaths | None = None, hardened: bool = True) -> None:
         self.system = system or system_paths()
         reason = self.system.missing()
         if reason:
@@ -94,12 +72,23 @@ class RuncDriver:
         self.runc_root = self.state_dir / "runc"
         self._runc = [self.runc, "--root", str(self.runc_root), "--criu", str(self.system.criu)]  # global options
         self.runc_root.mkdir(parents=True, exist_ok=True)
-        self.empty = self.state_dir / "empty"
+        # What runc opens from inside a sandbox's user namespace (its root, the sources of binds) must
+        # be reachable by an unprivileged host uid: not under the state directory, whose parents may
+        # be private (~root, a 0700 temporary directory), but under this world-searchable directory.
+        tag = hashlib.sha256(str(self.state_dir).encode()).hexdigest()[:12]
+        self.visible = Path("/run/k3sys") / tag
+        self.visible.mkdir(mode=0o711, parents=True, exist_ok=True)
+        for d in (self.visible.parent, self.visible):
+            d.chmod(0o711)
+        self.empty = self.visible / "empty"
         self.empty.mkdir(mode=0o555, exist_ok=True)
         self.cgroups = Cgroups()
+        self.hardened = hardened
+        self.ranges = idmap.Ranges(self.state_dir / "userns")
+        self._userns: dict[int, int] = {}  # range base -> descriptor of a user namespace with its mapping
         self._agents: dict[str, Agent] = {}
         self._agents_mu = threading.Lock()
-        _ensure_kdat_dir()
+        criulog.ensure_kdat_dir()
 
     # --- runc plumbing ------------------------------------------------------------------------
 
@@ -119,11 +108,11 @@ class RuncDriver:
         if p.returncode != 0:
             detail = (p.stderr or p.stdout).strip()
             if log is not None and log.exists():
-                detail += f"\n--- {log} ---\n" + _log_excerpt(log)
+                detail += f"\n--- {log} ---\n" + criulog.log_excerpt(log)
             raise DriverError(f"runc {args[0]} failed ({p.returncode}): {detail}")
         return p
 
-    def _config(self, sid: str, spec: SandboxSpec) -> dict:
+    def _config(self, sid: str, dirs: SandboxDirs, spec: SandboxSpec) -> dict:
         namespaces = [{"type": t} for t in ("pid", "ipc", "uts", "mount")]
         if not spec.network:
             namespaces.append({"type": "network"})
@@ -150,12 +139,13 @@ class RuncDriver:
                 "env": [f"PATH={_PATH}", "HOME=/root", "LANG=C.UTF-8"],
                 "cwd": "/",
                 "capabilities": {k: _CAPS for k in ("bounding", "effective", "permitted")},
-                "rlimits": [{"type": "RLIMIT_NOFILE", "hard": 4096, "soft": 1024}],
+                "rlimits": [{"type": "RLIMIT_NOFILE", "hard": confine.nofile(spec.pids),
+                             "soft": min(1024, confine.nofile(spec.pids))}],
                 "noNewPrivileges": True,
             },
-            "root": {"path": "rootfs", "readonly": False},
+            "root": {"path": str(self.visible / sid), "readonly": False},  # dirs.rootfs, bound there
             # CRIU options that replace runc's (read after them); see scripts/install-sandbox.sh.
-            "annotations": {"org.criu.config": str(self.system.criu_override)},
+            "annotations": {"org.criu.config": str(dirs.bundle / "criu.conf")},
             # Constant on purpose: a fork keeps its source's UTS namespace, so an id here would lie.
             "hostname": "sandbox",
             "mounts": mounts,
@@ -178,8 +168,28 @@ class RuncDriver:
     def _prepare(self, sid: str, dirs: SandboxDirs, spec: SandboxSpec, lowers: list[Path]) -> None:
         for d in (dirs.upper, dirs.work, dirs.rootfs, dirs.logs):
             d.mkdir(parents=True, exist_ok=True)
-        (dirs.bundle / "config.json").write_text(json.dumps(self._config(sid, spec)))
+        config = self._config(sid, dirs, spec)
+        if self.hardened:
+            uid_base = self.ranges.claim(sid)
+            confine.confine(config, uid_base)
+            lowers = self._idmapped_lowers(dirs, [*lowers[:-1], idmap.dev_mask(self.state_dir), lowers[-1]], uid_base)
+            os.chown(dirs.upper, uid_base, uid_base)  # the root directory belongs to root inside
+        (dirs.bundle / "config.json").write_text(json.dumps(config))
+        (dirs.bundle / "criu.conf").write_text(confine.criu_options(self.system.criu_override, spec))
         layers.mount_overlay(lowers, dirs.upper, dirs.work, dirs.rootfs)
+        (self.visible / sid).mkdir(exist_ok=True)
+        layers.bind(dirs.rootfs, self.visible / sid)
+
+    def _idmapped_lowers(self, dirs: SandboxDirs, lowers: list[Path], uid_base: int) -> list[Path]:
+        with self._agents_mu:  # one user namespace per range, kept for the driver's life
+            ns = self._userns.get(uid_base)
+            if ns is None:
+                ns = self._userns[uid_base] = idmap.userns_fd(uid_base)
+        return idmap.views(dirs.bundle, lowers, ns)
+
+    def _uid_base(self, sid: str) -> int:
+        """The first host id of the sandbox's range (0: it runs without a user namespace)."""
+        return (self.ranges.base_of(sid) or 0) if self.hardened else 0
 
     # --- life cycle ---------------------------------------------------------------------------
 
@@ -212,13 +222,20 @@ class RuncDriver:
         work.mkdir(exist_ok=True)
         t1 = time.perf_counter()
         t = {"mount": t1 - t0}
+        own = images.with_name(f"{images.name}.{sid}")
+        if self.hardened:  # into this sandbox's own range (idmap.rebased_images)
+            images = idmap.rebased_images(images, own, self._uid_base(sid))
         args = ["restore", "-d", "--image-path", str(images), "--work-path", str(work), "--bundle", str(dirs.bundle),
                 "--tcp-established", "--file-locks"]
         if not spec.network:
             args += ["--empty-ns", "network"]
-        self._run([*args, sid], log=work / "restore.log")
+        try:
+            self._run([*args, sid], log=work / "restore.log")
+        finally:
+            if images == own:
+                shutil.rmtree(own, ignore_errors=True)
         t["runc+criu"] = time.perf_counter() - t1
-        t["criu"] = _criu_seconds(work / "restore.log")
+        t["criu"] = criulog.criu_seconds(work / "restore.log")
         self.agent(sid, dirs).open_gate()  # a new PID 1 (host pid) behind the same socket path
         # Running: every checkpoint is taken frozen, but CRIU leaves cgroups (the freezer's state
         # included) to runc, which restores into fresh, thawed ones.
@@ -293,9 +310,9 @@ class RuncDriver:
             t1 = time.perf_counter()
             self._run([*args, sid], log=work / "dump.log")
             t["runc+criu"] = time.perf_counter() - t1
-            t["criu"] = _criu_seconds(work / "dump.log")
+            t["criu"] = criulog.criu_seconds(work / "dump.log")
             t1 = time.perf_counter()
-            layers.seal(dirs.upper, fs, layer)
+            layers.seal(dirs.upper, fs, layer, uid_base=self._uid_base(sid))
             t["seal"] = time.perf_counter() - t1
             ok = True
         finally:
@@ -316,7 +333,13 @@ class RuncDriver:
         if (self.runc_root / sid).exists():
             self._run(["delete", "--force", sid], timeout=60)
         self.cgroups.remove(sid)
+        layers.unmount(self.visible / sid)
+        with contextlib.suppress(FileNotFoundError):
+            (self.visible / sid).rmdir()
         layers.unmount(dirs.rootfs)
+        for view in sorted(dirs.bundle.glob("lower-*")):
+            layers.unmount(view)
+        self.ranges.release(sid)
 
     def status(self, sid: str) -> str:
         state = self.runc_root / sid / "state.json"
@@ -347,7 +370,7 @@ class RuncDriver:
         """Kill runc / CRIU helpers still working on our containers (their runtime died), and
         unmount the cgroup yards a killed CRIU leaves (`.criu.cgyard.*`)."""
         root = str(self.runc_root)
-        procs = _process_table()
+        procs = criulog.process_table()
         stale = {pid for pid, (_, cmd) in procs.items() if root in cmd and pid != os.getpid()}
         criu = str(self.system.criu)
         for pid, (ppid, cmd) in procs.items():
@@ -358,43 +381,8 @@ class RuncDriver:
                 os.kill(pid, signal.SIGKILL)
         # Only yards under our own directory (CRIU makes them in its work directory): another
         # runtime's CRIU may be restoring right now, and its yard is not ours to take away.
-        mine = [m for m in _mounts_matching("/.criu.cgyard.") if m.startswith(f"{self.state_dir}/")]
+        mine = [m for m in criulog.mounts_matching("/.criu.cgyard.") if m.startswith(f"{self.state_dir}/")]
         for target in sorted(mine, key=len, reverse=True):
             layers.unmount(Path(target))
             with contextlib.suppress(OSError):
                 os.rmdir(target)
-
-
-def _process_table() -> dict[int, tuple[int, str]]:
-    """pid -> (ppid, command line joined by spaces) for every process we can see."""
-    out: dict[int, tuple[int, str]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
-        except (OSError, IndexError, ValueError):
-            continue
-        out[int(entry)] = (ppid, cmd)
-    return out
-
-
-def _mounts_matching(fragment: str) -> list[str]:
-    with open("/proc/self/mountinfo") as f:
-        points = [line.split()[4] for line in f]
-    return [p for p in points if fragment in p]
-
-
-def _ensure_kdat_dir() -> None:
-    """The tmpfs directory our CRIU build caches kernel facts in (gone after a reboot). It must be
-    ours alone: root-owned, mode 0700, a real directory, or CRIU could be fed a forged cache."""
-    d = "/dev/shm/k3sys-criu"
-    try:
-        os.mkdir(d, 0o700)
-    except FileExistsError:
-        st = os.lstat(d)
-        if not (os.path.isdir(d) and not os.path.islink(d) and st.st_uid == 0 and (st.st_mode & 0o077) == 0):
-            raise DriverError(f"{d} exists but is not a root-only directory; remove it") from None

@@ -1,0 +1,216 @@
+"""Attacks on a sandbox's own confinement (runc driver: user namespace, seccomp, capabilities,
+limits): each must fail inside, leave the host and the bystander as they were, and leave the
+attacked sandbox killable with nothing behind (the `arena` fixture checks the last three)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from k3sys.sandbox import InvalidArgumentError, Sandbox
+from k3sys.sandbox.runtime.drivers import confine, idmap
+from k3sys.sandbox.spec import MAX_PIDS
+
+
+def file_nr() -> int:
+    """Host file descriptors (struct file) allocated now: the first field of /proc/sys/fs/file-nr."""
+    return int(Path("/proc/sys/fs/file-nr").read_text().split()[0])
+
+
+def _cgroup(sid: str) -> Path:
+    """The sandbox's pids cgroup (v1) or its cgroup (v2)."""
+    candidates = (Path(f"/sys/fs/cgroup/pids/k3sys-{sid}"), Path(f"/sys/fs/cgroup/k3sys-{sid}"))
+    return next(p for p in candidates if p.exists())
+
+
+# Python inside a debian sandbox makes raw system calls: prints `errno` (0 when the call succeeded).
+_SYSCALL = """
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+def call(nr, *args):
+    r = libc.syscall(nr, *[ctypes.c_long(a) if isinstance(a, int) else a for a in args])
+    return 0 if r >= 0 else ctypes.get_errno()
+"""
+
+
+def _py(sbx: Sandbox, body: str, timeout: float = 60) -> str:
+    sbx.files.write("/tmp/attack.py", _SYSCALL + body)
+    r = sbx.commands.run("python3 /tmp/attack.py", timeout=timeout)
+    assert r.exit_code == 0, r.stderr
+    return r.stdout.strip()
+
+
+def test_fork_bomb_hits_pids_limit(arena, record_property):
+    record_property("attack", "fork bomb")
+    s = arena.create(pids=64, cpu=0.5, memory_mb=128)
+    s.commands.run("f() { f | f & }; f >/dev/null 2>&1 &", timeout=30)
+    time.sleep(1.0)
+    cg = _cgroup(s.id)
+    current = int((cg / "pids.current").read_text())
+    refused = int((cg / "pids.events").read_text().split()[1])
+    assert current <= 64 and refused > 0
+    record_property("figure", f"{current} tasks of pids=64, {refused} forks refused")
+
+
+def test_memory_hog_killed_at_memory_mb(arena, record_property):
+    record_property("attack", "memory hog")
+    s = arena.create(memory_mb=64)
+    r = s.commands.run("x=$(head -c 200000000 /dev/zero | tr '\\0' a); echo survived ${#x}", timeout=60)
+    assert r.exit_code == 137 and "survived" not in r.stdout
+    assert s.memory_bytes() <= 64 << 20
+    assert s.commands.run("echo fine").stdout == "fine\n"
+    record_property("figure", f"200 MB asked: killed (exit 137) at memory_mb=64, {s.memory_bytes() >> 20} MiB after")
+
+
+def test_cpu_hog_is_throttled(arena, record_property):
+    record_property("attack", "CPU hog")
+    s = arena.create(cpu=0.25, memory_mb=64)
+    s.commands.run("for i in 1 2; do (while :; do :; done) & done", timeout=10)
+    c0, t0 = s.cpu_seconds(), time.monotonic()
+    time.sleep(2.0)
+    share = (s.cpu_seconds() - c0) / (time.monotonic() - t0)
+    assert share <= 0.25 * 1.3, share
+    record_property("figure", f"2 busy loops got {share:.2f} CPU (cpu=0.25)")
+
+
+def test_proc_kcore_and_kernel_files(arena, record_property):
+    record_property("attack", "/proc/kcore, /proc/sysrq-trigger, /sys/firmware")
+    s = arena.create(memory_mb=64)
+    assert s.commands.run("head -c 64 /proc/kcore | wc -c").stdout.strip() == "0"
+    assert s.commands.run("echo b > /proc/sysrq-trigger").exit_code != 0
+    assert s.commands.run("ls /sys/firmware").stdout == ""
+    record_property("figure", "kcore reads 0 bytes; sysrq-trigger read-only; /sys/firmware empty")
+
+
+def test_mount_module_reboot_syscalls_refused(arena, debian_template, record_property):
+    record_property("attack", "mount / module / reboot / kexec / bpf syscalls")
+    s = arena.create(template="debian", memory_mb=256)
+    # x86_64 numbers: mount 165, init_module 175, finit_module 313, reboot 169, kexec_load 246,
+    # bpf 321, swapon 167, open_by_handle_at 304, keyctl 250.
+    out = _py(s, """
+print(call(165, b"none", b"/mnt", b"tmpfs", 0, 0), call(175, 0, 0, b""), call(313, -1, b"", 0),
+      call(169, 0xfee1dead, 672274793, 0x4321FEDC, 0), call(246, 0, 0, 0, 0), call(321, 0, 0, 0),
+      call(167, b"/x", 0), call(304, -100, 0, 0), call(250, 0, 0, 0))
+""")
+    assert out.split() == ["1"] * 9, out  # EPERM each
+    assert s.commands.run("mount -t tmpfs none /mnt").exit_code != 0
+    record_property("figure", "9 of 9 calls refused with EPERM (seccomp)")
+
+
+def test_mknod_refused(arena, host, record_property):
+    record_property("attack", "mknod (a host block device)")
+    s = arena.create(memory_mb=64)
+    dev = Path(host.loop)
+    major, minor = divmod(dev.stat().st_rdev, 256)
+    r = s.commands.run(f"mknod /tmp/disk b {major} {minor} && dd if=/dev/zero of=/tmp/disk bs=4k count=1")
+    assert r.exit_code != 0 and "Operation not permitted" in r.stderr
+    assert s.commands.run("mknod /tmp/null c 1 3").exit_code != 0
+    record_property("figure", f"mknod b {major}:{minor} and c 1:3 refused (no CAP_MKNOD); the host loop device intact")
+
+
+def test_new_user_namespace_refused_and_checkpoint_still_works(arena, debian_template, record_property):
+    record_property("attack", "unshare(CLONE_NEWUSER) + mount")
+    s = arena.create(template="debian", memory_mb=256)
+    # unshare 272, clone 56 (flags first), clone3 435.
+    out = _py(s, "print(call(272, 0x10000000), call(272, 0x00020000), call(56, 0x10000000 | 17, 0, 0, 0, 0), "
+                 "call(435, 0, 0))")
+    assert out.split() == ["1", "1", "1", "38"], out  # EPERM, EPERM, EPERM, ENOSYS
+    assert s.commands.run("unshare -Urm mount -t tmpfs none /mnt").exit_code != 0
+    kid = s.fork(1)[0]
+    arena.track([kid])
+    status = kid.commands.run("grep -E 'Seccomp:|NoNewPrivs' /proc/self/status").stdout.split()
+    assert status == ["NoNewPrivs:", "1", "Seccomp:", "2"]
+    assert _py(kid, "print(call(272, 0x10000000))") == "1"
+    record_property("figure", "unshare/clone EPERM, clone3 ENOSYS; the profile and no_new_privs survive a fork")
+
+
+def test_root_inside_is_not_root_outside(arena, record_property):
+    record_property("attack", "root inside = root outside")
+    s = arena.create(memory_mb=64)
+    r = s.commands.run("sleep 30 & echo $!")
+    assert r.exit_code == 0
+    host_uids = []
+    for pid in (_cgroup(s.id) / "cgroup.procs").read_text().split():
+        status = Path(f"/proc/{pid}/status").read_text()
+        host_uids.append(int(next(line for line in status.splitlines() if line.startswith("Uid:")).split()[1]))
+    base = arena.rt.driver.ranges.base_of(s.id)
+    assert base is not None and base >= idmap.BASE
+    assert host_uids and all(base <= u < base + idmap.SIZE for u in host_uids), host_uids
+    assert s.commands.run("id -u").stdout.strip() == "0"
+    # A fork child gets a range of its own; a file root writes inside is root's inside, not the host's.
+    kid = s.fork(1)[0]
+    arena.track([kid])
+    kid_base = arena.rt.driver.ranges.base_of(kid.id)
+    assert kid_base not in (None, base)
+    assert kid.commands.run("cat /proc/self/uid_map").stdout.split() == ["0", str(kid_base), str(idmap.SIZE)]
+    kid.files.write("/root/f", "x")
+    assert kid.commands.run("stat -c %u /root/f").stdout.strip() == "0"
+    record_property("figure", f"root inside = host uid {base}; fork child on {kid_base}; ranges of {idmap.SIZE}")
+
+
+def test_many_open_files_bounded(arena, debian_template, record_property):
+    record_property("attack", "many processes x many open files")
+    pids = 32
+    s = arena.create(template="debian", memory_mb=512, pids=pids)
+    limit = confine.nofile(pids)
+    assert s.commands.run("ulimit -Hn").stdout.strip() == str(limit)
+    before = file_nr()
+    # 24 processes each open descriptors until refused, then report how many they hold and wait.
+    s.files.write("/root/fds.py", """
+import os, resource, time
+resource.setrlimit(resource.RLIMIT_NOFILE, (resource.getrlimit(resource.RLIMIT_NOFILE)[1],) * 2)
+fds = []
+try:
+    while True:
+        fds.append(os.open("/dev/null", os.O_RDONLY))
+except OSError:
+    os.close(fds.pop())  # one free, to report
+open("/tmp/n.%d" % os.getpid(), "w").write("%d\\n" % (len(fds) + 1))
+time.sleep(60)
+""")
+    s.commands.run("for i in $(seq 24); do python3 /root/fds.py & done", timeout=30)
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        counts = s.commands.run("cat /tmp/n.* 2>/dev/null").stdout.split()
+        if len(counts) == 24:
+            break
+        time.sleep(0.5)
+    held = sum(int(c) for c in counts)
+    grew = file_nr() - before
+    assert len(counts) == 24 and all(int(c) <= limit for c in counts)
+    assert held <= confine.FD_BUDGET and grew < confine.FD_BUDGET + 10_000
+    record_property("figure", f"24 procs held {held} fds (RLIMIT_NOFILE {limit} at pids={pids}); "
+                              f"sandbox bound {pids * limit} <= {confine.FD_BUDGET}; host file-nr +{grew}")
+
+
+def test_ghost_file_survives_checkpoint_fork_hibernate(arena, debian_template, record_property):
+    record_property("attack", "deleted-but-open 5 MB file")
+    s = arena.create(template="debian", memory_mb=256)
+    s.commands.run("""python3 -c '
+import os, time
+f = open("/root/ghost", "wb+"); f.write(os.urandom(5 << 20)); f.flush(); os.unlink("/root/ghost")
+open("/root/ready", "w").write(str(os.getpid()))
+while True:
+    time.sleep(0.2)
+' &""", timeout=10)
+    while s.commands.run("test -e /root/ready").exit_code != 0:
+        time.sleep(0.1)
+    size = "ls -l /proc/$(cat /root/ready)/fd | grep -c 'ghost (deleted)'"
+    ck = s.checkpoint()
+    kid = s.fork(1)[0]
+    arena.track([kid])
+    assert kid.commands.run(size).stdout.strip() == "1"
+    s.hibernate()
+    s.resume()
+    assert s.commands.run(size).stdout.strip() == "1"
+    assert ck.id
+    record_property("figure", "5 MiB ghost file: checkpoint, fork, hibernate+resume all work")
+
+
+def test_create_parameters_bounded(sec_rt, record_property):
+    record_property("attack", "pids: 4194304 at create")
+    with pytest.raises(InvalidArgumentError, match=rf"pids: expected an integer in \[8, {MAX_PIDS}\].*got 4194304"):
+        Sandbox.create(runtime=sec_rt, pids=4194304)
+    record_property("figure", f"refused with InvalidArgumentError naming 4194304 and the bound {MAX_PIDS}")
