@@ -42,7 +42,8 @@ def run_suite(console: Console) -> list[dict[str, str]]:
         xml = Path(d) / "security.xml"
         env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}:{os.environ.get('PYTHONPATH', '')}"}
         subprocess.run([sys.executable, "-m", "pytest", str(ROOT / "tests/sandbox/security"), "-q", "-p",
-                        "no:cacheprovider", f"--junitxml={xml}"], cwd=ROOT, env=env, check=False)
+                        "no:cacheprovider", "-o", "junit_family=legacy", f"--junitxml={xml}"],
+                       cwd=ROOT, env=env, check=False)
         rows = []
         for case in ET.parse(xml).getroot().iter("testcase"):
             props = {p.get("name"): p.get("value") for p in case.iter("property")}

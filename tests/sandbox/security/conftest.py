@@ -120,7 +120,7 @@ class Arena:
         held = [line for line in leftovers(self.rt.root, ids) if self.bystander.id not in line]
         assert held == []
         assert not [p for p in driver.visible.iterdir() if p.name in ids]
-        assert all(driver.ranges.base_of(i) is None for i in ids)
+        assert all(driver.ranges.base_of(self.rt._dirs(i).root) is None for i in ids)
 
 
 @pytest.fixture

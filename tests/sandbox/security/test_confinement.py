@@ -135,14 +135,14 @@ def test_root_inside_is_not_root_outside(arena, record_property):
     for pid in (_cgroup(s.id) / "cgroup.procs").read_text().split():
         status = Path(f"/proc/{pid}/status").read_text()
         host_uids.append(int(next(line for line in status.splitlines() if line.startswith("Uid:")).split()[1]))
-    base = arena.rt.driver.ranges.base_of(s.id)
+    base = arena.rt.driver.ranges.base_of(arena.rt._dirs(s.id).root)
     assert base is not None and base >= idmap.BASE
     assert host_uids and all(base <= u < base + idmap.SIZE for u in host_uids), host_uids
     assert s.commands.run("id -u").stdout.strip() == "0"
     # A fork child gets a range of its own; a file root writes inside is root's inside, not the host's.
     kid = s.fork(1)[0]
     arena.track([kid])
-    kid_base = arena.rt.driver.ranges.base_of(kid.id)
+    kid_base = arena.rt.driver.ranges.base_of(arena.rt._dirs(kid.id).root)
     assert kid_base not in (None, base)
     assert kid.commands.run("cat /proc/self/uid_map").stdout.split() == ["0", str(kid_base), str(idmap.SIZE)]
     kid.files.write("/root/f", "x")

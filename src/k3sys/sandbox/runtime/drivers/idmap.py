@@ -2,8 +2,9 @@
 mounts that show the shared, read-only lower layers to it with the right owners.
 
 Ranges: sandbox i of a host gets host ids `BASE + i * SIZE .. + SIZE - 1` for its ids 0..SIZE-1.
-A range is claimed by creating `<state>/userns/<i>` (O_EXCL, content: the sandbox id) and released
-when the sandbox is destroyed, so claims survive a runtime crash and a restarted runtime keeps them.
+A range is claimed by creating `/run/k3sys/userns/<i>` (O_EXCL, content: the sandbox's directory)
+and released when the sandbox is destroyed, so claims survive a runtime crash and a restarted
+runtime keeps them; all runtimes of a host share the claims.
 
 Owners on disk: templates and sealed layers keep canonical ids (0 = the sandbox's root) and are
 never chowned; each sandbox mounts them through an idmapped mount (canonical id k -> host id
@@ -39,40 +40,50 @@ _MOVE_MOUNT_F_EMPTY_PATH = 4
 
 
 class Ranges:
-    """Claims of host id ranges under `dir` (one file per claimed range)."""
+    """Claims of host id ranges, host-wide (every runtime on the host draws from the same ranges):
+    one file per claimed range under `dir`, holding the claiming sandbox's directory. A claim whose
+    directory is gone (its runtime crashed mid-create, or its directory was deleted) is stale and
+    taken over."""
 
-    def __init__(self, dir: Path) -> None:
+    def __init__(self, dir: Path = Path("/run/k3sys/userns")) -> None:
         self.dir = dir
-        dir.mkdir(mode=0o700, exist_ok=True)
+        dir.mkdir(mode=0o700, parents=True, exist_ok=True)
 
-    def claim(self, sid: str) -> int:
-        """The first host id of a free range, now claimed for `sid` (the claim it holds already, if any)."""
-        held = self.base_of(sid)
+    def _claims(self) -> dict[int, str]:
+        out = {}
+        for p in self.dir.iterdir():
+            with contextlib.suppress(OSError):
+                if p.name.isdigit():
+                    out[int(p.name)] = p.read_text()
+        return out
+
+    def claim(self, sandbox: Path) -> int:
+        """The first host id of a free range, now claimed for the sandbox whose directory is `sandbox`
+        (the range it holds already, if any)."""
+        held = self.base_of(sandbox)
         if held is not None:
             return held
-        taken = {int(p.name) for p in self.dir.iterdir() if p.name.isdigit()}
+        claims = self._claims()
         for i in range(MAX_RANGES):
-            if i in taken:
-                continue
+            if i in claims:
+                if os.path.isdir(claims[i]):
+                    continue
+                (self.dir / str(i)).unlink(missing_ok=True)  # stale
             try:
                 fd = os.open(self.dir / str(i), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             except FileExistsError:  # claimed by a concurrent create since the listing
                 continue
             with os.fdopen(fd, "w") as f:
-                f.write(sid)
+                f.write(str(sandbox))
             return BASE + i * SIZE
         raise DriverError(f"no free uid range: all {MAX_RANGES} are claimed by live sandboxes")
 
-    def base_of(self, sid: str) -> int | None:
-        """The first host id of `sid`'s range, None if it claims none."""
-        for p in self.dir.iterdir():
-            with contextlib.suppress(OSError):
-                if p.name.isdigit() and p.read_text() == sid:
-                    return BASE + int(p.name) * SIZE
-        return None
+    def base_of(self, sandbox: Path) -> int | None:
+        """The first host id of the range the sandbox at `sandbox` claims, None if none."""
+        return next((BASE + i * SIZE for i, who in self._claims().items() if who == str(sandbox)), None)
 
-    def release(self, sid: str) -> None:
-        base = self.base_of(sid)
+    def release(self, sandbox: Path) -> None:
+        base = self.base_of(sandbox)
         if base is not None:
             (self.dir / str((base - BASE) // SIZE)).unlink(missing_ok=True)
 

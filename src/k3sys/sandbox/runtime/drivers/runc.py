@@ -37,9 +37,9 @@ from k3sys.sandbox.runtime.drivers.cgroups import Cgroups
 from k3sys.sandbox.runtime.system import SystemPaths, system_paths
 from k3sys.sandbox.spec import SandboxSpec
 
-# Without hardening only (benchmark baseline): Docker's default set minus NET_RAW.
-_CAPS = ["CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FSETID", "CAP_FOWNER", "CAP_MKNOD", "CAP_SETGID", "CAP_SETUID",
-         "CAP_SETFCAP", "CAP_SETPCAP", "CAP_NET_BIND_SERVICE", "CAP_SYS_CHROOT", "CAP_KILL", "CAP_AUDIT_WRITE"]
+_CAPS_UNHARDENED = ["CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FSETID", "CAP_FOWNER", "CAP_MKNOD", "CAP_SETGID",
+                    "CAP_SETUID", "CAP_SETFCAP", "CAP_SETPCAP", "CAP_NET_BIND_SERVICE", "CAP_SYS_CHROOT", "CAP_KILL",
+                    "CAP_AUDIT_WRITE"]  # hardened=False only (the benchmark's baseline): Docker's minus NET_RAW
 # Masked by runc (a file gets /dev/null, a directory an empty read-only tmpfs: runc allows nothing
 # else inside /proc). /sys/firmware is masked with a bind instead, which CRIU need not archive.
 _MASKED = ["/proc/acpi", "/proc/scsi", "/proc/kcore", "/proc/keys", "/proc/latency_stats", "/proc/timer_list",
@@ -74,17 +74,15 @@ class RuncDriver:
         self.runc_root.mkdir(parents=True, exist_ok=True)
         # What runc opens from inside a sandbox's user namespace (its root, the sources of binds) must
         # be reachable by an unprivileged host uid: not under the state directory, whose parents may
-        # be private (~root, a 0700 temporary directory), but under this world-searchable directory.
+        # be private (~root, a 0700 temporary directory), but under this world-searchable directory,
+        # made while a sandbox is prepared and removed with the last one (`_visible_*`).
         tag = hashlib.sha256(str(self.state_dir).encode()).hexdigest()[:12]
         self.visible = Path("/run/k3sys") / tag
-        self.visible.mkdir(mode=0o711, parents=True, exist_ok=True)
-        for d in (self.visible.parent, self.visible):
-            d.chmod(0o711)
         self.empty = self.visible / "empty"
-        self.empty.mkdir(mode=0o555, exist_ok=True)
+        self._visible_mu = threading.Lock()
         self.cgroups = Cgroups()
         self.hardened = hardened
-        self.ranges = idmap.Ranges(self.state_dir / "userns")
+        self.ranges = idmap.Ranges()
         self._userns: dict[int, int] = {}  # range base -> descriptor of a user namespace with its mapping
         self._agents: dict[str, Agent] = {}
         self._agents_mu = threading.Lock()
@@ -138,7 +136,7 @@ class RuncDriver:
                 "args": [_AGENT],
                 "env": [f"PATH={_PATH}", "HOME=/root", "LANG=C.UTF-8"],
                 "cwd": "/",
-                "capabilities": {k: _CAPS for k in ("bounding", "effective", "permitted")},
+                "capabilities": {k: _CAPS_UNHARDENED for k in ("bounding", "effective", "permitted")},
                 "rlimits": [{"type": "RLIMIT_NOFILE", "hard": confine.nofile(spec.pids),
                              "soft": min(1024, confine.nofile(spec.pids))}],
                 "noNewPrivileges": True,
@@ -170,15 +168,31 @@ class RuncDriver:
             d.mkdir(parents=True, exist_ok=True)
         config = self._config(sid, dirs, spec)
         if self.hardened:
-            uid_base = self.ranges.claim(sid)
+            uid_base = self.ranges.claim(dirs.root)
             confine.confine(config, uid_base)
             lowers = self._idmapped_lowers(dirs, [*lowers[:-1], idmap.dev_mask(self.state_dir), lowers[-1]], uid_base)
             os.chown(dirs.upper, uid_base, uid_base)  # the root directory belongs to root inside
         (dirs.bundle / "config.json").write_text(json.dumps(config))
         (dirs.bundle / "criu.conf").write_text(confine.criu_options(self.system.criu_override, spec))
         layers.mount_overlay(lowers, dirs.upper, dirs.work, dirs.rootfs)
-        (self.visible / sid).mkdir(exist_ok=True)
+        self._visible_add(sid)
         layers.bind(dirs.rootfs, self.visible / sid)
+
+    def _visible_add(self, sid: str) -> None:
+        with self._visible_mu:
+            for d in (self.visible.parent, self.visible, self.empty, self.visible / sid):
+                d.mkdir(exist_ok=True)
+                d.chmod(0o555 if d == self.empty else 0o711)  # after mkdir: the umask is not ours
+
+    def _visible_drop(self, sid: str) -> None:
+        """Unmount the sandbox's root there; the last one takes the directory (locked: `empty` stays
+        while any sandbox is being prepared, it is their bind source)."""
+        layers.unmount(self.visible / sid)
+        with self._visible_mu, contextlib.suppress(FileNotFoundError):
+            (self.visible / sid).rmdir()
+            if os.listdir(self.visible) == ["empty"]:
+                self.empty.rmdir()
+                self.visible.rmdir()
 
     def _idmapped_lowers(self, dirs: SandboxDirs, lowers: list[Path], uid_base: int) -> list[Path]:
         with self._agents_mu:  # one user namespace per range, kept for the driver's life
@@ -187,9 +201,9 @@ class RuncDriver:
                 ns = self._userns[uid_base] = idmap.userns_fd(uid_base)
         return idmap.views(dirs.bundle, lowers, ns)
 
-    def _uid_base(self, sid: str) -> int:
+    def _uid_base(self, dirs: SandboxDirs) -> int:
         """The first host id of the sandbox's range (0: it runs without a user namespace)."""
-        return (self.ranges.base_of(sid) or 0) if self.hardened else 0
+        return (self.ranges.base_of(dirs.root) or 0) if self.hardened else 0
 
     # --- life cycle ---------------------------------------------------------------------------
 
@@ -224,7 +238,7 @@ class RuncDriver:
         t = {"mount": t1 - t0}
         own = images.with_name(f"{images.name}.{sid}")
         if self.hardened:  # into this sandbox's own range (idmap.rebased_images)
-            images = idmap.rebased_images(images, own, self._uid_base(sid))
+            images = idmap.rebased_images(images, own, self._uid_base(dirs))
         args = ["restore", "-d", "--image-path", str(images), "--work-path", str(work), "--bundle", str(dirs.bundle),
                 "--tcp-established", "--file-locks"]
         if not spec.network:
@@ -312,7 +326,7 @@ class RuncDriver:
             t["runc+criu"] = time.perf_counter() - t1
             t["criu"] = criulog.criu_seconds(work / "dump.log")
             t1 = time.perf_counter()
-            layers.seal(dirs.upper, fs, layer, uid_base=self._uid_base(sid))
+            layers.seal(dirs.upper, fs, layer, uid_base=self._uid_base(dirs))
             t["seal"] = time.perf_counter() - t1
             ok = True
         finally:
@@ -333,13 +347,11 @@ class RuncDriver:
         if (self.runc_root / sid).exists():
             self._run(["delete", "--force", sid], timeout=60)
         self.cgroups.remove(sid)
-        layers.unmount(self.visible / sid)
-        with contextlib.suppress(FileNotFoundError):
-            (self.visible / sid).rmdir()
+        self._visible_drop(sid)
         layers.unmount(dirs.rootfs)
         for view in sorted(dirs.bundle.glob("lower-*")):
             layers.unmount(view)
-        self.ranges.release(sid)
+        self.ranges.release(dirs.root)
 
     def status(self, sid: str) -> str:
         state = self.runc_root / sid / "state.json"
