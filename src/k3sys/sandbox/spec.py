@@ -27,6 +27,7 @@ MAX_FORK = 256  # children of one fork call
 # Most tasks of one sandbox: with the smallest per-process descriptor limit (64), its processes can
 # hold at most MAX_PIDS x 64 = 131072 host descriptors, its budget (runtime/drivers/confine.py).
 MAX_PIDS = 2048
+MAX_DISK_MB = 1 << 18  # 256 GiB: a sandbox's writable layer at most
 
 
 def check_number(name: str, value: object, lo: float, hi: float, unit: str, integer: bool = False) -> None:
@@ -44,7 +45,8 @@ class SandboxSpec:
     `cpu` in cores (a CFS quota), `memory_mb` in MiB (a hard cgroup limit, no swap), `pids` the most
     tasks at once (at most MAX_PIDS), `network` False for a private network namespace with loopback only, True to share
     the host's; `timeout_s` the sandbox's lifetime in seconds (None: until killed); `on_timeout` what
-    happens then: "kill", or "hibernate" (its time starts again on `resume`); None: the runtime's default.
+    happens then: "kill", or "hibernate" (its time starts again on `resume`); None: the runtime's default;
+    `disk_mb` the size of its writable layer in MiB (a file system of its own: writes past it get ENOSPC).
     """
 
     template: str = "busybox"
@@ -54,6 +56,7 @@ class SandboxSpec:
     network: bool = False
     timeout_s: float | None = None
     on_timeout: str | None = None
+    disk_mb: int = 2048
 
     def __post_init__(self) -> None:
         if not isinstance(self.template, str) or not self.template:
@@ -65,6 +68,7 @@ class SandboxSpec:
             raise InvalidArgumentError(f"network: expected a bool, got {self.network!r}")
         if self.timeout_s is not None:
             check_number("timeout_s", self.timeout_s, 1e-3, 1e9, "seconds (or None)")
+        check_number("disk_mb", self.disk_mb, 64, MAX_DISK_MB, "MiB", integer=True)
         if self.on_timeout not in ON_TIMEOUT + (None,):
             raise InvalidArgumentError(f"on_timeout: expected one of {ON_TIMEOUT} or None, got {self.on_timeout!r}")
 

@@ -214,3 +214,26 @@ def test_create_parameters_bounded(sec_rt, record_property):
     with pytest.raises(InvalidArgumentError, match=rf"pids: expected an integer in \[8, {MAX_PIDS}\].*got 4194304"):
         Sandbox.create(runtime=sec_rt, pids=4194304)
     record_property("figure", f"refused with InvalidArgumentError naming 4194304 and the bound {MAX_PIDS}")
+
+
+def test_disk_filled_past_disk_mb(arena, record_property):
+    record_property("attack", "dd past disk_mb")
+    s = arena.create(memory_mb=64, disk_mb=64)
+    image = arena.rt._dirs(s.id).root / "disk.img"
+    assert s.commands.run("df -m / | tail -1").stdout.split()[1] in {str(n) for n in range(56, 65)}
+    r = s.commands.run("dd if=/dev/zero of=/root/big bs=1M count=200", timeout=60)
+    assert r.exit_code != 0 and "No space left on device" in r.stderr
+    held = image.stat().st_blocks * 512
+    assert held <= (64 + 8) << 20, held
+    # Deleting inside gives the space back to the host (discard punches holes in the image).
+    s.commands.run("rm /root/big && sync")
+    after_rm = image.stat().st_blocks * 512
+    # A checkpoint of a full disk, then kill and checkpoint delete: nothing of it stays on the host.
+    s.commands.run("dd if=/dev/zero of=/root/big bs=1M count=200", timeout=60)
+    ck = s.checkpoint()
+    layer = arena.rt._layer_dir(ck.id)
+    s.kill()
+    ck.delete()
+    assert not image.exists() and not layer.exists()
+    record_property("figure", f"200 MB into disk_mb=64: ENOSPC; host image {held >> 20} MiB, {after_rm >> 20} MiB "
+                              "after rm; all gone after kill + checkpoint delete")

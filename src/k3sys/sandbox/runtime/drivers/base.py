@@ -35,12 +35,17 @@ class SandboxDirs:
         return self.root / "bundle" / "rootfs"
 
     @property
+    def disk(self) -> Path:
+        """Where the sandbox's writable file system is mounted (drivers/disk.py), upper and work in it."""
+        return self.root / "disk"
+
+    @property
     def upper(self) -> Path:
-        return self.root / "upper"
+        return self.disk / "upper"
 
     @property
     def work(self) -> Path:
-        return self.root / "work"
+        return self.disk / "work"
 
     @property
     def logs(self) -> Path:

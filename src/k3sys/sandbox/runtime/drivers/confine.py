@@ -62,13 +62,18 @@ def confine(config: dict[str, Any], uid_base: int | None) -> None:
     process["noNewPrivileges"] = True
     linux = config["linux"]
     linux["seccomp"] = seccomp()
-    if uid_base is not None:
-        linux["namespaces"].append({"type": "user"})
-        linux["uidMappings"] = linux["gidMappings"] = [{"containerID": 0, "hostID": uid_base, "size": SIZE}]
-
+    if uid_base is None:
+        return
+    linux["namespaces"].append({"type": "user"})
+    linux["uidMappings"] = linux["gidMappings"] = [{"containerID": 0, "hostID": uid_base, "size": SIZE}]
+    if not any(ns["type"] == "network" and "path" not in ns for ns in linux["namespaces"]):
+        # Only the user namespace owning a network namespace may mount a sysfs for it, and a bind of
+        # the host's /sys must take its submounts (EINVAL otherwise), which CRIU cannot restore in a
+        # user namespace: in a network namespace the sandbox joins (the host's), /sys stays empty.
+        config["mounts"] = [m for m in config["mounts"] if m["destination"] != "/sys"]
 
 def criu_options(base: Path, spec: SandboxSpec) -> str:
     """The sandbox's CRIU options read after runc's: the shared ones (`base`, a file) plus a ghost-file
-    limit (a deleted file a process still holds is copied into the images) as large as its memory,
-    since the images are staged in memory (tmpfs) too."""
-    return base.read_text().rstrip("\n") + f"\nghost-limit {spec.memory_mb}M\n"
+    limit (a deleted file a process still holds is copied into the images) of its disk size: no
+    ghost can be larger than the file system it was on."""
+    return base.read_text().rstrip("\n") + f"\nghost-limit {spec.disk_mb}M\n"

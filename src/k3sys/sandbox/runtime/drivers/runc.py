@@ -18,7 +18,6 @@ Choices that keep checkpoints small and fast, measured on this host (see docs/sa
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import shutil
@@ -31,9 +30,10 @@ from pathlib import Path
 from k3sys.sandbox.errors import DriverError
 from k3sys.sandbox.runtime import layers
 from k3sys.sandbox.runtime.agent import Agent
-from k3sys.sandbox.runtime.drivers import confine, criulog, idmap
+from k3sys.sandbox.runtime.drivers import confine, criulog, disk, idmap
 from k3sys.sandbox.runtime.drivers.base import SandboxDirs
 from k3sys.sandbox.runtime.drivers.cgroups import Cgroups
+from k3sys.sandbox.runtime.drivers.reach import Reachable
 from k3sys.sandbox.runtime.system import SystemPaths, system_paths
 from k3sys.sandbox.spec import SandboxSpec
 
@@ -72,14 +72,7 @@ class RuncDriver:
         self.runc_root = self.state_dir / "runc"
         self._runc = [self.runc, "--root", str(self.runc_root), "--criu", str(self.system.criu)]  # global options
         self.runc_root.mkdir(parents=True, exist_ok=True)
-        # What runc opens from inside a sandbox's user namespace (its root, the sources of binds) must
-        # be reachable by an unprivileged host uid: not under the state directory, whose parents may
-        # be private (~root, a 0700 temporary directory), but under this world-searchable directory,
-        # made while a sandbox is prepared and removed with the last one (`_visible_*`).
-        tag = hashlib.sha256(str(self.state_dir).encode()).hexdigest()[:12]
-        self.visible = Path("/run/k3sys") / tag
-        self.empty = self.visible / "empty"
-        self._visible_mu = threading.Lock()
+        self.reach = Reachable(self.state_dir)  # the sandboxes' roots, reachable from their user namespaces
         self.cgroups = Cgroups()
         self.hardened = hardened
         self.ranges = idmap.Ranges()
@@ -121,7 +114,8 @@ class RuncDriver:
             {"destination": "/dev/pts", "type": "devpts", "source": "devpts",
              "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620"]},
         ] + [
-            {"destination": d, "type": "bind", "source": str(self.empty), "options": ["rbind", "ro", "nosuid", "nodev"]}
+            {"destination": d, "type": "bind", "source": str(self.reach.empty),
+             "options": ["rbind", "ro", "nosuid", "nodev"]}
             for d in _MASKED_BY_BIND if os.path.isdir(d)
         ] + [{"destination": _AGENT, "type": "bind", "source": str(self.system.agent), "options": ["bind", "ro"]}]
         if spec.network:  # the host's resolver configuration, read-only
@@ -141,7 +135,7 @@ class RuncDriver:
                              "soft": min(1024, confine.nofile(spec.pids))}],
                 "noNewPrivileges": True,
             },
-            "root": {"path": str(self.visible / sid), "readonly": False},  # dirs.rootfs, bound there
+            "root": {"path": str(self.reach.dir / sid), "readonly": False},  # dirs.rootfs, bound there
             # CRIU options that replace runc's (read after them); see scripts/install-sandbox.sh.
             "annotations": {"org.criu.config": str(dirs.bundle / "criu.conf")},
             # Constant on purpose: a fork keeps its source's UTS namespace, so an id here would lie.
@@ -164,6 +158,8 @@ class RuncDriver:
         }
 
     def _prepare(self, sid: str, dirs: SandboxDirs, spec: SandboxSpec, lowers: list[Path]) -> None:
+        if self.hardened:
+            disk.create(self.state_dir / "disks", dirs.root / "disk.img", dirs.disk, spec.disk_mb)
         for d in (dirs.upper, dirs.work, dirs.rootfs, dirs.logs):
             d.mkdir(parents=True, exist_ok=True)
         config = self._config(sid, dirs, spec)
@@ -175,24 +171,7 @@ class RuncDriver:
         (dirs.bundle / "config.json").write_text(json.dumps(config))
         (dirs.bundle / "criu.conf").write_text(confine.criu_options(self.system.criu_override, spec))
         layers.mount_overlay(lowers, dirs.upper, dirs.work, dirs.rootfs)
-        self._visible_add(sid)
-        layers.bind(dirs.rootfs, self.visible / sid)
-
-    def _visible_add(self, sid: str) -> None:
-        with self._visible_mu:
-            for d in (self.visible.parent, self.visible, self.empty, self.visible / sid):
-                d.mkdir(exist_ok=True)
-                d.chmod(0o555 if d == self.empty else 0o711)  # after mkdir: the umask is not ours
-
-    def _visible_drop(self, sid: str) -> None:
-        """Unmount the sandbox's root there; the last one takes the directory (locked: `empty` stays
-        while any sandbox is being prepared, it is their bind source)."""
-        layers.unmount(self.visible / sid)
-        with self._visible_mu, contextlib.suppress(FileNotFoundError):
-            (self.visible / sid).rmdir()
-            if os.listdir(self.visible) == ["empty"]:
-                self.empty.rmdir()
-                self.visible.rmdir()
+        self.reach.add(sid, dirs.rootfs)
 
     def _idmapped_lowers(self, dirs: SandboxDirs, lowers: list[Path], uid_base: int) -> list[Path]:
         with self._agents_mu:  # one user namespace per range, kept for the driver's life
@@ -347,10 +326,11 @@ class RuncDriver:
         if (self.runc_root / sid).exists():
             self._run(["delete", "--force", sid], timeout=60)
         self.cgroups.remove(sid)
-        self._visible_drop(sid)
+        self.reach.drop(sid)
         layers.unmount(dirs.rootfs)
         for view in sorted(dirs.bundle.glob("lower-*")):
             layers.unmount(view)
+        disk.remove(dirs.root / "disk.img", dirs.disk)
         self.ranges.release(dirs.root)
 
     def status(self, sid: str) -> str:
