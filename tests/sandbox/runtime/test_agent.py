@@ -193,8 +193,13 @@ def test_pty_output_is_whole_at_its_end_and_the_master_is_the_relays(agent):
     # A long-lived one: the master is open in its relay only, never in the agent (CRIU's rule).
     pid = agent.start(["cat"], pty=(24, 80), stdin=True)
     agent_pid = agent._pid()
-    relay = [int(c) for c in Path(f"/proc/{agent_pid}/task/{agent_pid}/children").read_text().split()
-             if Path(f"/proc/{c}/comm").read_text().strip() == "k3sys-pty"]
+    deadline = time.monotonic() + 5
+    while True:  # the relay names itself once it runs, maybe after the start's answer
+        relay = [int(c) for c in Path(f"/proc/{agent_pid}/task/{agent_pid}/children").read_text().split()
+                 if Path(f"/proc/{c}/comm").read_text().strip() == "k3sys-pty"]
+        if relay or time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
     assert len(relay) == 1
 
     def ptmx(p: int) -> int:
