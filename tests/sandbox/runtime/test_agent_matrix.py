@@ -129,3 +129,37 @@ def test_every_kind_of_process_survives_every_operation(private_root: Path, temp
     finally:
         rt.kill_all()
         rt.close()
+
+
+def test_a_foreground_job_in_a_tty_holding_shell_fails_the_checkpoint_cleanly(private_root: Path) -> None:
+    # What is left of CRIU's ctty rule (docs/sandbox-agent.md): the terminal's foreground group must
+    # be its session's. The refusal is an error, the sandbox and the shell run on, and the same
+    # sandbox checkpoints once the shell is back at its prompt.
+    from k3sys.sandbox.errors import SandboxError
+
+    with Runtime(private_root) as rt, Sandbox.create(runtime=rt) as s:
+        agent = rt._agent(s.id)
+        pid = agent.start(["sh", "-i"], pty=(24, 80), stdin=True)
+        sh = Kind("pty", pid)
+        agent.write_stdin(pid, b"X=42; head -n 1; echo fg-done\n")  # `head`: a foreground job
+        deadline = time.monotonic() + 10
+        while True:  # until the terminal's foreground group (tpgid, in the shell's stat) is the job's
+            stat = s.commands.run(f"cat /proc/{pid}/stat").stdout
+            if int(stat.rsplit(")", 1)[1].split()[5]) not in (pid, -1):
+                break
+            assert time.monotonic() < deadline, stat
+            time.sleep(0.05)
+        with pytest.raises(SandboxError, match="ctty"):
+            s.checkpoint()
+        assert s.commands.run("echo alive").stdout == "alive\n"
+        agent.write_stdin(pid, b"go\n")  # the job ends: the shell is in the foreground again
+        deadline = time.monotonic() + 10
+        while b"\nfg-done\n" not in sh.output(rt, s.id):  # its output, not the typed line's echo
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        s.checkpoint()
+        agent.write_stdin(pid, b"echo val=$X\n")
+        deadline = time.monotonic() + 10
+        while b"val=42" not in sh.output(rt, s.id):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
