@@ -28,7 +28,7 @@ from sandbox_fixtures import MISSING
 from k3sys.sandbox import Runtime
 from k3sys.sandbox.egress import ALL_TRAFFIC, EgressPolicy
 from k3sys.sandbox.errors import InvalidArgumentError
-from k3sys.sandbox.runtime.drivers.network import INSIDE, NETNS_DIR, TABLE, _addresses
+from k3sys.sandbox.runtime.drivers.network import INSIDE, NETNS_DIR, TABLE, _addresses, names
 from k3sys.sandbox.spec import SandboxSpec
 
 NEEDS = MISSING or (None if shutil.which("nft") else "nft missing: run scripts/install-network.sh")
@@ -121,16 +121,12 @@ def _address(rt: Runtime, sid: str) -> str:
 
 def _leftovers(slot: int) -> list[str]:
     """What of slot `slot`'s network is still on the host."""
-    found = []
-    if (NETNS_DIR / f"k3sys-{slot}").exists():
-        found.append(f"namespace k3sys-{slot}")
-    if Path(f"/sys/class/net/k3s{slot}").exists():
-        found.append(f"veth k3s{slot}")
+    ns, veth = names(slot)
+    found = [f"namespace {ns}"] if (NETNS_DIR / ns).exists() else []
+    found += [f"veth {veth}"] if Path(f"/sys/class/net/{veth}").exists() else []
     table = subprocess.run(["nft", "list", "table", "ip", TABLE], capture_output=True, text=True).stdout
-    if f"chain sb{slot} " in table:
-        found.append(f"chain sb{slot}")
-    if f'"k3s{slot}"' in table:
-        found.append(f"map element k3s{slot}")
+    found += [f"chain sb{slot}"] if f"chain sb{slot} " in table else []
+    found += [f"map element {veth}"] if f'"{veth}"' in table else []
     return found
 
 
@@ -162,12 +158,12 @@ def test_own_namespace_and_nat_egress(net_rt, record_property):
 def test_host_loopback_addresses_and_ports_out_of_reach(net_rt, record_property):
     record_property("attack", "network=True reaches host loopback services and binds host ports")
     servers = []
-    for addr in ("127.0.0.1", "0.0.0.0"):
-        s = socket.socket()
+    for family, addr in ((socket.AF_INET, "127.0.0.1"), (socket.AF_INET, "0.0.0.0"), (socket.AF_INET6, "::")):
+        s = socket.socket(family)
         s.bind((addr, 0))
         s.listen(8)
         servers.append(s)
-    lo_port, any_port = servers[0].getsockname()[1], servers[1].getsockname()[1]
+    lo_port, any_port, v6_port = (s.getsockname()[1] for s in servers)
 
     def answer() -> None:
         for s in servers:
@@ -184,9 +180,17 @@ def test_host_loopback_addresses_and_ports_out_of_reach(net_rt, record_property)
     try:
         gateway = _addresses(_slot(net_rt, sid))[0]
         assert _host_reach("127.0.0.1", lo_port) == "host" and _host_reach(OUT_HOST, any_port) == "host"
+        # The link-local IPv6 address the host end of the veth pair would have (EUI-64 of its MAC).
+        veth = names(_slot(net_rt, sid))[1]
+        mac = bytes.fromhex(Path(f"/sys/class/net/{veth}/address").read_text().strip().replace(":", ""))
+        eui = bytes([mac[0] ^ 2]) + mac[1:3] + b"\xff\xfe" + mac[3:]
+        link_local = "fe80::" + ":".join(eui[i:i + 2].hex() for i in range(0, 8, 2))
+        assert "inet6" not in subprocess.run(["ip", "-6", "addr", "show", "dev", veth], capture_output=True,
+                                             text=True).stdout
         tried = {f"127.0.0.1:{lo_port}": _reach(net_rt, sid, "127.0.0.1", lo_port),
                  f"{gateway}:{any_port}": _reach(net_rt, sid, gateway, any_port),
-                 f"{OUT_HOST}:{any_port}": _reach(net_rt, sid, OUT_HOST, any_port)}
+                 f"{OUT_HOST}:{any_port}": _reach(net_rt, sid, OUT_HOST, any_port),
+                 f"[{link_local}%eth0]:{v6_port}": _reach(net_rt, sid, f"{link_local}%eth0", v6_port)}
         assert tried == dict.fromkeys(tried, "")
         # Its ports are its own: it listens on the host's busy port, and the host keeps its own.
         _listen(net_rt, sid, 8080)

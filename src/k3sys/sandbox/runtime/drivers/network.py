@@ -4,7 +4,7 @@ host, NAT to the outside, and an egress policy in nftables (docs/sandbox-network
 Per sandbox, slot `n` of a host-wide pool (10.201.0.0/16 cut into /30s; 16384 slots):
 
     host                                         sandbox namespace /run/netns/k3sys-<n>
-    k3s<n> 10.201.x.y+1/30  <---- veth ---->  eth0 10.201.x.y+2/30 and 10.200.0.2/32 (the same in all)
+    k3sb<n> 10.201.x.y+1/30  <---- veth ---->  eth0 10.201.x.y+2/30 and 10.200.0.2/32 (the same in all)
 
 Processes inside use 10.200.0.2 (the default route's source): a checkpoint restored into another
 slot (a fork child, a resume after the slot went to someone else) finds its sockets' address again;
@@ -17,7 +17,9 @@ so runtimes on one host never share one; `<sandbox dir>/network.json` records it
 after a runtime restart. The host's rules live in one nftables table, `ip k3sys` (input, forward,
 NAT), shared by every runtime on the host: a sandbox reaches nothing of the host's own (its
 addresses, loopback), nothing link-local (169.254.0.0/16: cloud metadata), no other sandbox, and
-outside only what its policy allows; nothing from outside starts a connection into a sandbox.
+outside only what its policy allows, and only from its own address; nothing from outside starts
+a connection into a sandbox. IPv6 is off on the veth pairs and dropped from them (a host service
+listening on `::` would otherwise answer a sandbox at the host end's link-local address).
 """
 
 from __future__ import annotations
@@ -52,23 +54,39 @@ table ip {TABLE} {{
     map egress {{ type ifname : verdict; }}
     chain input {{
         type filter hook input priority filter - 1; policy accept;
-        iifname "k3s*" ct state established,related accept
-        iifname "k3s*" drop
+        iifname "k3sb*" ct state established,related accept
+        iifname "k3sb*" drop
     }}
     chain forward {{
         type filter hook forward priority filter - 1; policy accept;
-        oifname "k3s*" ct state established,related accept
-        oifname "k3s*" drop
-        iifname "k3s*" ip daddr {{ {", ".join(BLOCKED)} }} drop
-        iifname "k3s*" iifname vmap @egress
-        iifname "k3s*" drop
+        oifname "k3sb*" ct state established,related accept
+        oifname "k3sb*" drop
+        iifname "k3sb*" ip daddr {{ {", ".join(BLOCKED)} }} drop
+        iifname "k3sb*" iifname vmap @egress
+        iifname "k3sb*" drop
     }}
     chain postrouting {{
         type nat hook postrouting priority srcnat; policy accept;
-        ip saddr {POOL} oifname != "k3s*" masquerade
+        ip saddr {POOL} oifname != "k3sb*" masquerade
+    }}
+}}
+table ip6 {TABLE} {{
+    chain input {{
+        type filter hook input priority filter - 1; policy accept;
+        iifname "k3sb*" drop
+    }}
+    chain forward {{
+        type filter hook forward priority filter - 1; policy accept;
+        iifname "k3sb*" drop
+        oifname "k3sb*" drop
     }}
 }}
 """
+
+
+def names(slot: int) -> tuple[str, str]:
+    """(network namespace, host end of the veth pair) of slot `slot`."""
+    return f"k3sys-{slot}", f"k3sb{slot}"
 
 
 def _addresses(slot: int) -> tuple[str, str]:
@@ -98,7 +116,8 @@ class Network:
         with open(_LOCK, "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             try:
-                if subprocess.run(["nft", "list", "table", "ip", TABLE], capture_output=True).returncode != 0:
+                tables = _run(["nft", "list", "tables"]).stdout.splitlines()
+                if not {f"table ip {TABLE}", f"table ip6 {TABLE}"} <= set(tables):
                     _run(["nft", "-f", "-"], _BASE)
             except FileNotFoundError:
                 raise DriverError("network=True needs nftables: run scripts/install-network.sh") from None
@@ -144,9 +163,10 @@ class Network:
 
     def _wire(self, slot: int, allow: list[str], deny: list[str]) -> None:
         host, mine = _addresses(slot)
-        ns, veth = f"k3sys-{slot}", f"k3s{slot}"
+        ns, veth = names(slot)
         _run(["ip", "-b", "-"], f"link add {veth} type veth peer name eth0 netns {ns}\n"
                                 f"addr add {host}/30 dev {veth}\nlink set {veth} up\n")
+        Path(f"/proc/sys/net/ipv6/conf/{veth}/disable_ipv6").write_text("1")  # and the ip6 table drops it
         _run(["ip", "-n", ns, "-b", "-"], f"link set lo up\naddr add {mine}/30 dev eth0\n"
                                           f"addr add {INSIDE}/32 dev eth0\nlink set eth0 up\n"
                                           f"route add default via {host} dev eth0 src {INSIDE}\n")
@@ -154,8 +174,9 @@ class Network:
         _run(["ip", "netns", "exec", ns, "nft", "-f", "-"],
              f"table ip {TABLE} {{ chain out {{ type nat hook postrouting priority srcnat; "
              f"oifname \"eth0\" ip saddr {INSIDE} snat to {mine}; }}; }}\n")
-        rules = [f"add rule ip {TABLE} sb{slot} ip daddr {{ {', '.join(nets)} }} {verdict}"
-                 for nets, verdict in ((allow, "accept"), (deny, "drop")) if nets]
+        rules = [f"add rule ip {TABLE} sb{slot} ip saddr != {mine} drop"]  # no address but its own
+        rules += [f"add rule ip {TABLE} sb{slot} ip daddr {{ {', '.join(nets)} }} {verdict}"
+                  for nets, verdict in ((allow, "accept"), (deny, "drop")) if nets]
         _run(["nft", "-f", "-"], "\n".join([f"add chain ip {TABLE} sb{slot}", *rules,
                                              f"add rule ip {TABLE} sb{slot} accept",
                                              f"add element ip {TABLE} egress {{ \"{veth}\" : jump sb{slot} }}"]) + "\n")
@@ -169,7 +190,7 @@ class Network:
             return
         if not 0 <= slot < SLOTS:
             raise DriverError(f"{root / 'network.json'}: slot {slot} is outside the pool")
-        veth = f"k3s{slot}"
+        ns, veth = names(slot)
         if subprocess.run(["nft", "list", "chain", "ip", TABLE, f"sb{slot}"], capture_output=True).returncode == 0:
             # Made whole first, so one transaction removes it however far its setup got.
             _run(["nft", "-f", "-"], f"flush chain ip {TABLE} sb{slot}\n"
@@ -178,8 +199,8 @@ class Network:
                                      f"delete chain ip {TABLE} sb{slot}\n")
         if Path(f"/sys/class/net/{veth}").exists():
             _run(["ip", "link", "del", veth])  # its peer goes with it
-        if (NETNS_DIR / f"k3sys-{slot}").exists():
-            _run(["ip", "netns", "del", f"k3sys-{slot}"])
+        if (NETNS_DIR / ns).exists():
+            _run(["ip", "netns", "del", ns])
         with contextlib.suppress(FileNotFoundError):
             os.unlink(root / "network.json")
 
