@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 from sandbox_fixtures import MISSING
 
-from k3sys.sandbox import Runtime
+from k3sys.sandbox import Runtime, Sandbox
 from k3sys.sandbox.egress import ALL_TRAFFIC, EgressPolicy
 from k3sys.sandbox.errors import InvalidArgumentError
 from k3sys.sandbox.runtime.drivers.network import INSIDE, NETNS_DIR, TABLE, _addresses, names
@@ -312,14 +312,11 @@ def test_pause_hibernate_recovery_and_kill(outside, tmp_path, record_property):
 def test_remote_create_with_egress(outside, service, record_property):
     record_property("attack", "egress policy through the service (remote create)")
     policy = EgressPolicy(allow_out=(OUT_B,), deny_out=(ALL_TRAFFIC,))
-    with service.client() as client:
-        info = client.create(SandboxSpec(network=True, memory_mb=128, egress=policy))
-        try:
-            assert info.spec.egress == policy
-            assert (_reach(client, info.id, OUT_A), _reach(client, info.id, OUT_B)) == ("", OUT_HOST)
-        finally:
-            client.kill(info.id)
-    record_property("figure", "policy round-trips through the HTTP create body and holds")
+    with Sandbox.create(network=True, memory_mb=128, egress=policy, api_url=service.url, api_key=service.key) as s:
+        assert s.info.spec.egress == policy
+        got = [s.commands.run(f"nc -w 2 {ip} 7000 </dev/null 2>/dev/null").stdout.strip() for ip in (OUT_A, OUT_B)]
+        assert got == ["", OUT_HOST]
+    record_property("figure", "policy round-trips through the SDK and the HTTP create body, and holds")
 
 
 @pytest.mark.parametrize(("egress", "message"), [
