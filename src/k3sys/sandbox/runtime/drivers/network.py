@@ -191,16 +191,18 @@ class Network:
         if not 0 <= slot < SLOTS:
             raise DriverError(f"{root / 'network.json'}: slot {slot} is outside the pool")
         ns, veth = names(slot)
-        if subprocess.run(["nft", "list", "chain", "ip", TABLE, f"sb{slot}"], capture_output=True).returncode == 0:
-            # Made whole first, so one transaction removes it however far its setup got.
-            _run(["nft", "-f", "-"], f"flush chain ip {TABLE} sb{slot}\n"
-                                     f"add element ip {TABLE} egress {{ \"{veth}\" : jump sb{slot} }}\n"
-                                     f"delete element ip {TABLE} egress {{ \"{veth}\" }}\n"
-                                     f"delete chain ip {TABLE} sb{slot}\n")
-        if Path(f"/sys/class/net/{veth}").exists():
-            _run(["ip", "link", "del", veth])  # its peer goes with it
-        if (NETNS_DIR / ns).exists():
-            _run(["ip", "netns", "del", ns])
+        # Made whole first (`add` is a no-op on what exists), so one transaction removes it however
+        # far its setup got (even after a reboot took the table).
+        _run(["nft", "-f", "-"], f"add table ip {TABLE}\nadd map ip {TABLE} egress {{ type ifname : verdict; }}\n"
+                                 f"add chain ip {TABLE} sb{slot}\nflush chain ip {TABLE} sb{slot}\n"
+                                 f"add element ip {TABLE} egress {{ \"{veth}\" : jump sb{slot} }}\n"
+                                 f"delete element ip {TABLE} egress {{ \"{veth}\" }}\n"
+                                 f"delete chain ip {TABLE} sb{slot}\n")
+        # The veth pair goes with the namespace too, but only once the kernel has cleaned it up
+        # (asynchronously): deleted here, its name is free for the slot's next owner at once.
+        links = f"link del {veth}\n" if Path(f"/sys/class/net/{veth}").exists() else ""
+        if links or (NETNS_DIR / ns).exists():
+            _run(["ip", "-force", "-b", "-"], links + (f"netns del {ns}\n" if (NETNS_DIR / ns).exists() else ""))
         with contextlib.suppress(FileNotFoundError):
             os.unlink(root / "network.json")
 
