@@ -143,7 +143,7 @@ class Network:
             raise
         resolv = root / "resolv.conf"
         resolv.write_text("".join(f"nameserver {s}\n" for s in nameservers))
-        return ({"type": "network", "path": str(NETNS_DIR / f"k3sys-{slot}")},
+        return ({"type": "network", "path": str(NETNS_DIR / names(slot)[0])},
                 {"destination": "/etc/resolv.conf", "type": "bind", "source": str(resolv), "options": ["rbind", "ro"]})
 
     def _claim(self, root: Path) -> int:
@@ -151,14 +151,15 @@ class Network:
         start = random.randrange(SLOTS)  # spread runtimes over the pool: fewer collisions to walk past
         for i in range(SLOTS):
             slot = (start + i) % SLOTS
-            if (NETNS_DIR / f"k3sys-{slot}").exists():
+            ns = names(slot)[0]
+            if (NETNS_DIR / ns).exists():
                 continue
-            p = subprocess.run(["ip", "netns", "add", f"k3sys-{slot}"], capture_output=True, text=True)
+            p = subprocess.run(["ip", "netns", "add", ns], capture_output=True, text=True)
             if p.returncode == 0:
                 (root / "network.json").write_text(json.dumps({"slot": slot}))
                 return slot
             if "exists" not in p.stderr:
-                raise DriverError(f"ip netns add k3sys-{slot} failed: {p.stderr.strip()}")
+                raise DriverError(f"ip netns add {ns} failed: {p.stderr.strip()}")
         raise DriverError(f"no free network slot: all {SLOTS} sandbox networks of this host are in use")
 
     def _wire(self, slot: int, allow: list[str], deny: list[str]) -> None:
