@@ -4,8 +4,9 @@ sandboxes are out of reach; the egress policy holds; the network follows the lif
 restore, fork, pause, hibernate, recovery) and a kill leaves nothing behind.
 
 With no internet here, "outside" is a network namespace of the test's own behind a veth pair
-(198.51.100.0/24, TEST-NET-2), serving on port 7000 (answers with the address it sees the client
-at, then closes) and 7001 (the same, then holds the connection open).
+(198.51.100.0/24, TEST-NET-2), serving on TCP port 7000 (answers with the address it sees the
+client at, then closes), 7001 (the same, then holds the connection open) and 7003 (the source
+addresses of the UDP datagrams it received on 7002 since the last ask).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from k3sys.sandbox import Runtime, Sandbox
 from k3sys.sandbox.egress import ALL_TRAFFIC, EgressPolicy
 from k3sys.sandbox.errors import InvalidArgumentError
 from k3sys.sandbox.runtime.drivers.network import INSIDE, NETNS_DIR, TABLE, _addresses, names
+from k3sys.sandbox.runtime.templates import template_rootfs
 from k3sys.sandbox.spec import SandboxSpec
 
 NEEDS = MISSING or (None if shutil.which("nft") else "nft missing: run scripts/install-network.sh")
@@ -48,6 +50,20 @@ def serve(port, hold):
                 while hold and c.recv(4096):
                     pass
         threading.Thread(target=one, daemon=True).start()
+seen = set()
+def udp():
+    u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); u.bind(("0.0.0.0", 7002))
+    while True:
+        seen.add(u.recvfrom(100)[1][0])
+def report():
+    s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("0.0.0.0", 7003)); s.listen(8)
+    while True:
+        c, _ = s.accept()
+        with c:
+            c.sendall((" ".join(sorted(seen)) + "\\n").encode()); seen.clear()
+threading.Thread(target=udp, daemon=True).start()
+threading.Thread(target=report, daemon=True).start()
 threading.Thread(target=serve, args=(7001, True), daemon=True).start()
 threading.Timer(0.2, lambda: print("ready", flush=True)).start()
 serve(7000, False)
@@ -247,6 +263,51 @@ def test_egress_policy(net_rt, record_property):
     finally:
         for sid in (deny, only, free):
             net_rt.kill(sid)
+
+
+# Every way to send from an address not its own that a sandbox's process may try: IP_FREEBIND (no
+# capability; the kernel then refuses to route it), IP_TRANSPARENT (needs CAP_NET_ADMIN/NET_RAW), a
+# raw socket (CAP_NET_RAW). Prints what each got; the outside's view is what the test asserts.
+_SPOOF = """
+import socket, sys
+src, dst = sys.argv[1], sys.argv[2]
+for name, opt in (("freebind", 15), ("transparent", 19)):
+    try:
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        s.setsockopt(socket.SOL_IP, opt, 1)
+        s.bind((src, 0))
+        s.sendto(b"x", (dst, 7002))
+        print(name, "sent")
+    except OSError as e:
+        print(name, e.errno)
+try:
+    socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_UDP)
+    print("raw", "opened")
+except OSError as e:
+    print("raw", e.errno)
+"""
+
+
+def test_source_address_spoofing_dropped(net_rt, record_property):
+    record_property("attack", "network=True sandbox sends with another sandbox's or a foreign source address")
+    template_rootfs("debian")  # python3 inside (built on first use, then cached)
+    victim = net_rt.create(SandboxSpec(network=True, memory_mb=128)).id
+    sid = net_rt.create(SandboxSpec("debian", network=True, memory_mb=256)).id
+    try:
+        net_rt.write_file(sid, "/tmp/spoof.py", _SPOOF)
+        seen, tries = {}, {}
+        for src in (_address(net_rt, victim), "192.0.2.77", INSIDE):  # the last: its own, the control
+            tries[src] = net_rt.run(sid, f"python3 /tmp/spoof.py {src} {OUT_A}").stdout.split("\n")
+            time.sleep(0.2)
+            seen[src] = _host_reach(OUT_A, 7003)  # the sources the outside received datagrams from
+        spoofed = [_address(net_rt, victim), "192.0.2.77"]
+        assert seen == {**dict.fromkeys(spoofed, ""), INSIDE: OUT_HOST}
+        assert "freebind sent" in tries[INSIDE] and "raw 1" in tries[INSIDE]  # EPERM: no CAP_NET_RAW
+        record_property("figure", f"datagrams from spoofed sources {spoofed} never left the host; tried: "
+                                  f"{tries['192.0.2.77']}")
+    finally:
+        net_rt.kill(sid)
+        net_rt.kill(victim)
 
 
 def test_listener_and_connections_across_checkpoint_restore_and_fork(net_rt, record_property):
