@@ -199,8 +199,9 @@ class Network:
                                  f"add element ip {TABLE} egress {{ \"{veth}\" : jump sb{slot} }}\n"
                                  f"delete element ip {TABLE} egress {{ \"{veth}\" }}\n"
                                  f"delete chain ip {TABLE} sb{slot}\n")
-        # The veth pair goes with the namespace too, but only once the kernel has cleaned it up
-        # (asynchronously): deleted here, its name is free for the slot's next owner at once.
+        # Then, not at once: deleting the namespace frees the slot, whose next owner must not find
+        # our chain. The veth pair would go with the namespace, but only once the kernel has cleaned
+        # it up (asynchronously): deleted first, its name is free for that next owner at once.
         links = f"link del {veth}\n" if Path(f"/sys/class/net/{veth}").exists() else ""
         if links or (NETNS_DIR / ns).exists():
             _run(["ip", "-force", "-b", "-"], links + (f"netns del {ns}\n" if (NETNS_DIR / ns).exists() else ""))
