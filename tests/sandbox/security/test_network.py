@@ -414,3 +414,29 @@ def test_egress_policy_shape():
     policy = EgressPolicy(allow_out=("10.0.0.0/8", "10.1.0.0/16", "localhost"))
     assert policy.resolve(("9.9.9.9",)) == (["9.9.9.9/32", "10.0.0.0/8", "127.0.0.1/32"], [])
     assert EgressPolicy(allow_out=("10.0.0.0/8",)).resolve(("9.9.9.9",)) == (["10.0.0.0/8"], [])
+
+
+def test_cli_create_with_egress(outside, tmp_path, record_property):
+    from typer.testing import CliRunner
+
+    from k3sys.cli import app
+    from k3sys.sandbox.cli import exit_code
+
+    record_property("attack", "egress policy through the CLI")
+    runner = CliRunner()
+
+    def cli(*args: str):
+        return runner.invoke(app, ["sandbox", args[0], "--data-dir", str(tmp_path / "rt"), *args[1:]])
+
+    r = cli("create", "--deny-out", ALL_TRAFFIC)  # a policy without --network
+    assert (r.exit_code, "egress: a policy needs network=True" in r.output) == (
+        exit_code(InvalidArgumentError("")), True)
+    r = cli("create", "--network", "--memory-mb", "128", "--deny-out", ALL_TRAFFIC, "--allow-out", OUT_B)
+    assert r.exit_code == 0, r.output
+    sid = r.stdout.strip()
+    try:
+        got = [cli("exec", sid, f"nc -w 2 {ip} 7000 </dev/null").stdout.strip() for ip in (OUT_A, OUT_B)]
+        assert got == ["", OUT_HOST]
+    finally:
+        assert cli("kill", sid).exit_code == 0
+    record_property("figure", "--allow-out/--deny-out hold; a policy without --network refused")
