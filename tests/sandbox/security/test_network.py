@@ -23,6 +23,7 @@ import threading
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 from sandbox_fixtures import MISSING
 
@@ -377,7 +378,16 @@ def test_remote_create_with_egress(outside, service, record_property):
         assert s.info.spec.egress == policy
         got = [s.commands.run(f"nc -w 2 {ip} 7000 </dev/null 2>/dev/null").stdout.strip() for ip in (OUT_A, OUT_B)]
         assert got == ["", OUT_HOST]
-    record_property("figure", "policy round-trips through the SDK and the HTTP create body, and holds")
+    # Bad policies over HTTP: a typed 422 naming the value, and no sandbox.
+    with httpx.Client(base_url=service.url, headers={"authorization": f"Bearer {service.key}"}, timeout=60) as http:
+        before = http.get("/sandboxes").json()
+        for body, what in (({"allow_out": ["::1"]}, "'::1' is IPv6"), ({"deny_out": [7]}, "deny_out"),
+                           ({"allow": []}, "allow")):
+            r = http.post("/sandboxes", json={"network": True, "egress": body})
+            assert (r.status_code, r.json()["error"]["type"]) == (422, "invalid_argument") and what in r.text, r.text
+        assert http.get("/sandboxes").json() == before
+    record_property("figure", "policy round-trips through the SDK and the HTTP create body, and holds; "
+                              "bad policies get 422 invalid_argument")
 
 
 @pytest.mark.parametrize(("egress", "message"), [
