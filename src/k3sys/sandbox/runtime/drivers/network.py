@@ -18,7 +18,7 @@ after a runtime restart. The host's rules live in one nftables table, `ip k3sys`
 NAT), shared by every runtime on the host: a sandbox reaches nothing of the host's own (its
 addresses, loopback), nothing link-local (169.254.0.0/16: cloud metadata), no other sandbox, and
 outside only what its policy allows, and only from its own address; nothing from outside starts
-a connection into a sandbox. IPv6 is off on the veth pairs and dropped from them (a host service
+a connection into a sandbox. IPv6 is off on the host ends of the veth pairs and dropped (a host service
 listening on `::` would otherwise answer a sandbox at the host end's link-local address).
 """
 
