@@ -450,3 +450,26 @@ def test_cli_create_with_egress(outside, tmp_path, record_property):
     finally:
         assert cli("kill", sid).exit_code == 0
     record_property("figure", "--allow-out/--deny-out hold; a policy without --network refused")
+
+
+def test_teardown_never_takes_a_later_owners_slot(outside, tmp_path, record_property):
+    record_property("attack", "a stale network record names a slot another sandbox owns now")
+    from k3sys.sandbox.runtime.drivers.network import Network
+
+    net = Network()
+    mine, theirs = tmp_path / "mine", tmp_path / "theirs"
+    mine.mkdir()
+    theirs.mkdir()
+    net.setup(mine, None)
+    stale = (mine / "network.json").read_text()
+    net.teardown(mine)
+    net.setup(theirs, None)
+    slot = json.loads((theirs / "network.json").read_text())["slot"]
+    # Our record, from before our teardown freed the slot, now naming the later owner's slot.
+    (mine / "network.json").write_text(json.dumps({**json.loads(stale), "slot": slot}))
+    net.teardown(mine)
+    assert not (mine / "network.json").exists()
+    assert len(_leftovers(slot)) == 4  # namespace, veth, chain, map element: all still the owner's
+    net.teardown(theirs)
+    assert _leftovers(slot) == []
+    record_property("figure", "a stale record's teardown touched nothing of the slot's new owner")

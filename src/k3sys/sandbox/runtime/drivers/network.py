@@ -24,7 +24,6 @@ listening on `::` would otherwise answer a sandbox at the host end's link-local 
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import ipaddress
 import json
@@ -156,7 +155,8 @@ class Network:
                 continue
             p = subprocess.run(["ip", "netns", "add", ns], capture_output=True, text=True)
             if p.returncode == 0:
-                (root / "network.json").write_text(json.dumps({"slot": slot}))
+                # Which namespace is ours, against a later owner's of the same slot (teardown).
+                (root / "network.json").write_text(json.dumps({"slot": slot, "netns": _identity(ns)}))
                 return slot
             if "exists" not in p.stderr:
                 raise DriverError(f"ip netns add {ns} failed: {p.stderr.strip()}")
@@ -186,12 +186,18 @@ class Network:
         """Remove the network of the sandbox whose directory is `root` (its rules, veth pair and
         namespace); nothing to do when it has none. Safe on a half-made one."""
         try:
-            slot = int(json.loads((root / "network.json").read_text())["slot"])
+            rec = json.loads((root / "network.json").read_text())
+            slot, identity = int(rec["slot"]), rec["netns"]
         except (OSError, ValueError, KeyError, TypeError):
             return
         if not 0 <= slot < SLOTS:
             raise DriverError(f"{root / 'network.json'}: slot {slot} is outside the pool")
         ns, veth = names(slot)
+        # The namespace is made first and removed last, so none of ours means nothing of ours is left;
+        # another one is the slot's next owner's (a teardown that died after freeing it): not ours.
+        if _identity(ns) != identity:
+            os.unlink(root / "network.json")
+            return
         # Made whole first (`add` is a no-op on what exists), so one transaction removes it however
         # far its setup got (even after a reboot took the table).
         _run(["nft", "-f", "-"], f"add table ip {TABLE}\nadd map ip {TABLE} egress {{ type ifname : verdict; }}\n"
@@ -203,10 +209,18 @@ class Network:
         # our chain. The veth pair would go with the namespace, but only once the kernel has cleaned
         # it up (asynchronously): deleted first, its name is free for that next owner at once.
         links = f"link del {veth}\n" if Path(f"/sys/class/net/{veth}").exists() else ""
-        if links or (NETNS_DIR / ns).exists():
-            _run(["ip", "-force", "-b", "-"], links + (f"netns del {ns}\n" if (NETNS_DIR / ns).exists() else ""))
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(root / "network.json")
+        _run(["ip", "-force", "-b", "-"], f"{links}netns del {ns}\n")
+        os.unlink(root / "network.json")
+
+
+def _identity(ns: str) -> list[int] | None:
+    """[inode, ctime in ns] of the network namespace mounted at /run/netns/`ns` (None: none there).
+    The kernel reuses a freed namespace's inode number; the time tells the two apart."""
+    try:
+        st = os.stat(NETNS_DIR / ns)
+    except FileNotFoundError:
+        return None
+    return [st.st_ino, st.st_ctime_ns]
 
 
 def _read(path: str) -> str:
