@@ -354,7 +354,7 @@ def test_openapi_spec(http):
         assert op.get("security") == [{"HTTPBearer": []}], (path, method)
         assert any(code.startswith("2") for code in op["responses"]), (path, method)
     create = spec["components"]["schemas"]["CreateSandbox"]["properties"]
-    assert {"template", "cpu", "memory_mb", "pids", "network", "timeout_s", "on_timeout", "disk_mb",
+    assert {"template", "cpu", "memory_mb", "pids", "network", "timeout_s", "on_timeout", "disk_mb", "egress",
             "id"} == set(create)
     assert create["memory_mb"]["default"] == 512 and create["template"]["default"] == "busybox"
     # Every reference resolves.

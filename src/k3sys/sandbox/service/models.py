@@ -13,10 +13,23 @@ from k3sys.sandbox.spec import MAX_FORK, SandboxSpec
 from k3sys.sandbox.types import SandboxInfo
 
 _STRICT = ConfigDict(extra="forbid", strict=True)
-# The create body is SandboxSpec's fields (defaults from there) plus an optional id.
+
+
+class Egress(BaseModel):
+    """SandboxSpec.egress on the wire (k3sys.sandbox.egress.EgressPolicy checks the entries)."""
+
+    model_config = _STRICT
+    allow_out: list[str] = []
+    deny_out: list[str] = []
+    dns_servers: list[str] | None = None
+
+
+# The create body is SandboxSpec's fields (defaults from there) plus an optional id; `egress` arrives
+# as a plain object (strict mode takes no dict for a dataclass) and SandboxSpec makes it a policy.
+_FIELD_TYPES = {**typing.get_type_hints(SandboxSpec), "egress": Egress | None}
 CreateSandbox = create_model(
     "CreateSandbox", __config__=_STRICT, id=(str | None, None),
-    **{f.name: (typing.get_type_hints(SandboxSpec)[f.name], f.default) for f in dataclasses.fields(SandboxSpec)})
+    **{f.name: (_FIELD_TYPES[f.name], f.default) for f in dataclasses.fields(SandboxSpec)})
 
 
 class RunCommand(BaseModel):

@@ -1,10 +1,11 @@
 """The runc driver: each sandbox is an OCI container run by runc and checkpointed by CRIU through runc.
 
 Shape of a sandbox: root = overlay (sealed layer, template; own upper); own mount, pid, ipc, uts and
-(by default) network namespaces, the last with loopback only; cgroup limits on memory (no swap),
-pids and CPU. Hardened (the default; confine.py, idmap.py): its own user namespace on a host uid
-range of its own, lowers idmapped to it, a minimal capability set, a seccomp profile, no new
-privileges. `hardened=False` keeps the older shape (host root inside), for the benchmark only.
+network namespaces (loopback only; with network=True one that network.py made, joined by path);
+cgroup limits on memory (no swap), pids and CPU. Hardened (the default; confine.py, idmap.py, disk.py):
+its own user namespace on a host uid range of its own, lowers idmapped to it, a minimal capability
+set, a seccomp profile, no new privileges, a writable layer of `disk_mb` on a file system of its own.
+`hardened=False` keeps the older shape (host root inside), for the benchmark only.
 
 Choices that keep checkpoints small and fast, measured on this host (see docs/sandbox.md):
 - as few tmpfs mounts as possible (`/dev` lives in the overlay, /sys/firmware is masked by a bind):
@@ -33,6 +34,7 @@ from k3sys.sandbox.runtime.agent import Agent
 from k3sys.sandbox.runtime.drivers import confine, criulog, disk, idmap
 from k3sys.sandbox.runtime.drivers.base import SandboxDirs
 from k3sys.sandbox.runtime.drivers.cgroups import Cgroups
+from k3sys.sandbox.runtime.drivers.network import Network
 from k3sys.sandbox.runtime.drivers.reach import Reachable
 from k3sys.sandbox.runtime.system import SystemPaths, system_paths
 from k3sys.sandbox.spec import SandboxSpec
@@ -77,6 +79,7 @@ class RuncDriver:
         self.hardened = hardened
         self.ranges = idmap.Ranges()
         self._userns: dict[int, int] = {}  # range base -> descriptor of a user namespace with its mapping
+        self.network = Network()  # network=True: own namespace, veth, NAT, egress policy (network.py)
         self._agents: dict[str, Agent] = {}
         self._agents_mu = threading.Lock()
         criulog.ensure_kdat_dir()
@@ -103,10 +106,8 @@ class RuncDriver:
             raise DriverError(f"runc {args[0]} failed ({p.returncode}): {detail}")
         return p
 
-    def _config(self, sid: str, dirs: SandboxDirs, spec: SandboxSpec) -> dict:
-        namespaces = [{"type": t} for t in ("pid", "ipc", "uts", "mount")]
-        if not spec.network:
-            namespaces.append({"type": "network"})
+    def _config(self, sid: str, dirs: SandboxDirs, spec: SandboxSpec, net: tuple[dict, dict] | None) -> dict:
+        namespaces = [{"type": t} for t in ("pid", "ipc", "uts", "mount")] + [net[0] if net else {"type": "network"}]
         mounts = [
             {"destination": "/proc", "type": "proc", "source": "proc", "options": ["nosuid", "noexec", "nodev"]},
             {"destination": "/sys", "type": "sysfs", "source": "sysfs", "options": ["nosuid", "noexec", "nodev", "ro"]},
@@ -118,9 +119,7 @@ class RuncDriver:
              "options": ["rbind", "ro", "nosuid", "nodev"]}
             for d in _MASKED_BY_BIND if os.path.isdir(d)
         ] + [{"destination": _AGENT, "type": "bind", "source": str(self.system.agent), "options": ["bind", "ro"]}]
-        if spec.network:  # the host's resolver configuration, read-only
-            mounts.append({"destination": "/etc/resolv.conf", "type": "bind", "source": "/etc/resolv.conf",
-                           "options": ["rbind", "ro"]})
+        mounts += [net[1]] if net else []
         memory = spec.memory_mb << 20
         return {
             "ociVersion": "1.0.2",
@@ -162,10 +161,12 @@ class RuncDriver:
             disk.create(self.state_dir / "disks", dirs.root / "disk.img", dirs.disk, spec.disk_mb)
         for d in (dirs.upper, dirs.work, dirs.rootfs, dirs.logs):
             d.mkdir(parents=True, exist_ok=True)
-        config = self._config(sid, dirs, spec)
+        net = self.network.setup(dirs.root, spec.egress) if spec.network else None
+        config = self._config(sid, dirs, spec, net)
         if self.hardened:
             uid_base = self.ranges.claim(dirs.root)
             confine.confine(config, uid_base)
+            self.reach.expose_binds(sid, config, dirs.root)
             lowers = self._idmapped_lowers(dirs, [*lowers[:-1], idmap.dev_mask(self.state_dir), lowers[-1]], uid_base)
             os.chown(dirs.upper, uid_base, uid_base)  # the root directory belongs to root inside
         (dirs.bundle / "config.json").write_text(json.dumps(config))
@@ -326,6 +327,7 @@ class RuncDriver:
         if (self.runc_root / sid).exists():
             self._run(["delete", "--force", sid], timeout=60)
         self.cgroups.remove(sid)
+        self.network.teardown(dirs.root)
         self.reach.drop(sid)
         layers.unmount(dirs.rootfs)
         for view in sorted(dirs.bundle.glob("lower-*")):
