@@ -62,15 +62,10 @@ def confine(config: dict[str, Any], uid_base: int | None) -> None:
     process["noNewPrivileges"] = True
     linux = config["linux"]
     linux["seccomp"] = seccomp()
-    if uid_base is None:
-        return
-    linux["namespaces"].append({"type": "user"})
-    linux["uidMappings"] = linux["gidMappings"] = [{"containerID": 0, "hostID": uid_base, "size": SIZE}]
-    if not any(ns["type"] == "network" and "path" not in ns for ns in linux["namespaces"]):
-        # Only the user namespace owning a network namespace may mount a sysfs for it, and a bind of
-        # the host's /sys must take its submounts (EINVAL otherwise), which CRIU cannot restore in a
-        # user namespace: in a network namespace the sandbox joins (the host's), /sys stays empty.
-        config["mounts"] = [m for m in config["mounts"] if m["destination"] != "/sys"]
+    if uid_base is not None:
+        linux["namespaces"].append({"type": "user"})
+        linux["uidMappings"] = linux["gidMappings"] = [{"containerID": 0, "hostID": uid_base, "size": SIZE}]
+
 
 def criu_options(base: Path, spec: SandboxSpec) -> str:
     """The sandbox's CRIU options read after runc's: the shared ones (`base`, a file) plus a ghost-file

@@ -24,39 +24,20 @@ class Reachable:
         self.empty = self.dir / "empty"
         self._mu = threading.Lock()
 
-    def _make(self, sid: str) -> None:
-        """The directory and `<sid>` in it (the lock held: `<sid>` keeps `drop` from removing them)."""
-        for d in (self.dir.parent, self.dir, self.empty, self.dir / sid):
-            d.mkdir(exist_ok=True)
-            d.chmod(0o555 if d == self.empty else 0o711)  # after mkdir: the umask is not ours
-
     def add(self, sid: str, rootfs: Path) -> Path:
         """Bind `rootfs` at `<dir>/<sid>` (returned), making the directory if needed."""
         with self._mu:
-            self._make(sid)
+            for d in (self.dir.parent, self.dir, self.empty, self.dir / sid):
+                d.mkdir(exist_ok=True)
+                d.chmod(0o555 if d == self.empty else 0o711)  # after mkdir: the umask is not ours
         layers.bind(rootfs, self.dir / sid)
         return self.dir / sid
-
-    def expose_binds(self, sid: str, config: dict, private: Path) -> None:
-        """Copy the sources of the file binds in `config` that lie under `private` (the sandbox's own
-        directory, e.g. its resolv.conf) to `<dir>/<sid>.<name>`, and point the binds there."""
-        with self._mu:
-            self._make(sid)
-        for m in config["mounts"]:
-            source = Path(m["source"])
-            if m["type"] == "bind" and source.is_relative_to(private) and source.is_file():
-                copy = self.dir / f"{sid}.{source.name}"
-                copy.write_bytes(source.read_bytes())
-                copy.chmod(0o644)
-                m["source"] = str(copy)
 
     def drop(self, sid: str) -> None:
         """Unmount and remove `<dir>/<sid>`; the last sandbox takes the directory (under the lock
         `add` holds, so `empty` stays while a sandbox is being prepared: it is its bind source)."""
         layers.unmount(self.dir / sid)
         with self._mu, contextlib.suppress(FileNotFoundError):
-            for copy in self.dir.glob(f"{sid}.*"):
-                copy.unlink()
             (self.dir / sid).rmdir()
             if os.listdir(self.dir) == ["empty"]:
                 self.empty.rmdir()

@@ -163,10 +163,12 @@ class RuncDriver:
             d.mkdir(parents=True, exist_ok=True)
         net = self.network.setup(dirs.root, spec.egress) if spec.network else None
         config = self._config(sid, dirs, spec, net)
+        # No user namespace with network=True: its namespace (network.py's, joined by path) belongs to
+        # the host's user namespace, and CRIU dumps only namespaces the sandbox's own one owns.
+        uid_base = self.ranges.claim(dirs.root) if self.hardened and not spec.network else None
         if self.hardened:
-            uid_base = self.ranges.claim(dirs.root)
             confine.confine(config, uid_base)
-            self.reach.expose_binds(sid, config, dirs.root)
+        if uid_base is not None:
             lowers = self._idmapped_lowers(dirs, [*lowers[:-1], idmap.dev_mask(self.state_dir), lowers[-1]], uid_base)
             os.chown(dirs.upper, uid_base, uid_base)  # the root directory belongs to root inside
         (dirs.bundle / "config.json").write_text(json.dumps(config))
