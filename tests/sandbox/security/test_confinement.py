@@ -238,3 +238,18 @@ def test_disk_filled_past_disk_mb(arena, record_property):
     assert not image.exists() and not layer.exists()
     record_property("figure", f"200 MB into disk_mb=64: ENOSPC; host image {held >> 20} MiB, {after_rm >> 20} MiB "
                               "after rm; all gone after kill + checkpoint delete")
+
+
+def test_network_sandbox_keeps_seccomp_and_capabilities(arena, record_property):
+    record_property("attack", "network=True: unshare, mknod (no user namespace there yet)")
+    s = arena.create(memory_mb=64, network=True)
+    status = dict(line.split(":\t", 1) for line in s.commands.run("cat /proc/self/status").stdout.splitlines()
+                  if ":\t" in line)
+    assert status["Seccomp"] == "2" and status["NoNewPrivs"] == "1"
+    allowed = sum(1 << n for n in (0, 1, 3, 4, 5, 6, 7, 10, 18))  # the nine of confine.CAPABILITIES
+    assert int(status["CapBnd"], 16) == allowed
+    assert "Operation not permitted" in s.commands.run("unshare -U true").stderr
+    assert "Operation not permitted" in s.commands.run("mknod /tmp/n c 1 3").stderr
+    s.checkpoint()
+    record_property("figure", f"Seccomp 2, NoNewPrivs 1, CapBnd {status['CapBnd']}; unshare and mknod refused; "
+                              "checkpoint works")
