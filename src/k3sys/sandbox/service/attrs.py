@@ -1,0 +1,84 @@
+"""What E2B's protocol keeps per sandbox beyond our runtime's record: the template id the caller
+named, metadata, environment variables, and the envd access token. One small JSON file per sandbox
+under `<data dir>/e2b/`, written atomically, so they survive a restart of the service as the
+sandboxes do; a sandbox made before (or without) them gets defaults and a token on first use.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import threading
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from k3sys.sandbox.spec import check_id
+
+
+@dataclass(frozen=True)
+class SandboxAttrs:
+    """`template_id`: what the create call named (a template or a snapshot id; "" for the spec's
+    template); `token`: the envd access token (`X-Access-Token`) of this sandbox."""
+
+    token: str
+    template_id: str = ""
+    metadata: dict[str, str] = field(default_factory=dict)
+    envs: dict[str, str] = field(default_factory=dict)
+
+
+def new_token() -> str:
+    """A fresh envd access token (192 random bits)."""
+    return secrets.token_urlsafe(24)
+
+
+class AttrsTable:
+    """`SandboxAttrs` by sandbox id, cached in memory, one file each under `root` (thread-safe)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        root.mkdir(parents=True, exist_ok=True)
+        self._mu = threading.Lock()
+        self._cache: dict[str, SandboxAttrs] = {}
+
+    def _path(self, sid: str) -> Path:
+        return self.root / f"{check_id('sandbox id', sid)}.json"  # an id never names a path elsewhere
+
+    def get(self, sid: str) -> SandboxAttrs:
+        """The sandbox's attributes; made (with a new token) and stored if it has none."""
+        with self._mu:
+            if (a := self._cache.get(sid)) is not None:
+                return a
+            try:
+                d = json.loads(self._path(sid).read_text())
+                a = SandboxAttrs(str(d["token"]), str(d["template_id"]), dict(d["metadata"]), dict(d["envs"]))
+            except (OSError, ValueError, KeyError, TypeError):  # none yet, or damaged: a fresh token
+                a = SandboxAttrs(new_token())
+                self._write(sid, a)
+            self._cache[sid] = a
+            return a
+
+    def put(self, sid: str, attrs: SandboxAttrs) -> None:
+        with self._mu:
+            self._write(sid, attrs)
+            self._cache[sid] = attrs
+
+    def drop(self, sid: str) -> None:
+        """Forget a killed sandbox's attributes."""
+        with self._mu:
+            self._cache.pop(sid, None)
+            self._path(sid).unlink(missing_ok=True)
+
+    def prune(self, live: set[str]) -> None:
+        """Forget every sandbox not in `live` (killed by its timeout, or while the service was down)."""
+        for p in self.root.glob("*.json"):
+            if p.stem not in live:
+                self.drop(p.stem)
+
+    def _write(self, sid: str, attrs: SandboxAttrs) -> None:
+        path = self._path(sid)
+        tmp = path.with_name(path.name + ".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # the token is a secret
+        with os.fdopen(fd, "w") as f:
+            json.dump(asdict(attrs), f)
+        os.replace(tmp, path)
