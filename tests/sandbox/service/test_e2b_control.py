@@ -85,7 +85,7 @@ def test_wrong_key_and_missing_sandbox(server):
     r = httpx.get(f"{server.url}/v2/sandboxes", timeout=30)  # no key at all
     assert r.status_code == 401 and r.json()["code"] == 401 and r.json()["type"] == "unauthorized"
     for call in (lambda: Sandbox.connect("sbx-nonexistent"), lambda: Sandbox.set_timeout("sbx-nonexistent", 10),
-                 lambda: Sandbox.pause("sbx-nonexistent")):
+                 lambda: Sandbox.pause("sbx-nonexistent"), lambda: Sandbox.fork("sbx-nonexistent", count=2)):
         with pytest.raises(NotFoundException):
             call()
 
@@ -152,6 +152,32 @@ def test_timeout_kills_when_it_runs_out(server):
             return
         time.sleep(0.3)
     pytest.fail("the sandbox outlived its timeout")
+
+
+def test_timeout_pauses_with_lifecycle_pause(server, ours):
+    s = Sandbox.create(TEMPLATE, timeout=2, lifecycle={"on_timeout": "pause"})
+    try:
+        assert s.get_info().lifecycle["on_timeout"] == "pause"
+        ours.write_file(s.sandbox_id, "/tmp/kept", b"yes")
+        deadline = time.monotonic() + 30
+        while ours.info(s.sandbox_id).state != "hibernated":
+            assert time.monotonic() < deadline, "not paused by its timeout"
+            time.sleep(0.3)
+        assert s.get_info().state == SandboxState.PAUSED
+        back = Sandbox.connect(s.sandbox_id, timeout=60)
+        assert back.get_info().state == SandboxState.RUNNING
+        assert ours.read_file(s.sandbox_id, "/tmp/kept") == b"yes"
+    finally:
+        s.kill()
+
+
+def test_env_vars_reach_commands(server, ours):
+    s = Sandbox.create(TEMPLATE, timeout=60, envs={"GREETING": "hello e2b", "OTHER": "1"})
+    try:
+        assert ours.run(s.sandbox_id, "echo $GREETING-$OTHER").stdout == "hello e2b-1\n"
+        assert ours.run(s.sandbox_id, "echo $GREETING", env={"GREETING": "call wins"}).stdout == "call wins\n"
+    finally:
+        s.kill()
 
 
 def test_pause_connect_keeps_processes(sbx, ours):

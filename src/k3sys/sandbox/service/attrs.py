@@ -6,6 +6,7 @@ sandboxes do; a sandbox made before (or without) them gets defaults and a token 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -69,11 +70,14 @@ class AttrsTable:
             self._cache.pop(sid, None)
             self._path(sid).unlink(missing_ok=True)
 
-    def prune(self, live: set[str]) -> None:
-        """Forget every sandbox not in `live` (killed by its timeout, or while the service was down)."""
+    def prune(self, live: set[str], before: float) -> None:
+        """Forget every sandbox not in `live` (killed by its timeout, or while the service was down)
+        whose file is older than `before` (unix seconds: when `live` was read), so a sandbox made
+        while `live` was being read keeps its attributes."""
         for p in self.root.glob("*.json"):
-            if p.stem not in live:
-                self.drop(p.stem)
+            with contextlib.suppress(FileNotFoundError):
+                if p.stem not in live and p.stat().st_mtime < before:
+                    self.drop(p.stem)
 
     def _write(self, sid: str, attrs: SandboxAttrs) -> None:
         path = self._path(sid)

@@ -112,8 +112,9 @@ async def list_sandboxes(svc: Svc, response: Response, metadata: str | None = No
     """Sandboxes (every state unless `state` says), oldest first unless `order=desc`."""
     states, wanted = e2b_states(state), _metadata_filter(metadata)
     after = startedAfter.timestamp() if startedAfter else None
+    t0 = time.time()
     infos = svc.rt.list()
-    svc.attrs.prune({i.id for i in infos})
+    svc.attrs.prune({i.id for i in infos}, before=t0)
     bodies = [b for b in (_body(svc, i) for i in infos)
               if (states is None or b["state"] in states) and wanted.items() <= b["metadata"].items()
               and (template is None or template in (b["templateID"], b["alias"]))
@@ -235,8 +236,8 @@ async def delete_snapshot(svc: Svc, tid: str) -> Response:
 async def fork(svc: Svc, sid: str, body: Fork | None = None) -> list[dict[str, Any]]:
     """`count` copies of the sandbox now (processes, memory, files), with its metadata and envVars."""
     body = body or Fork()
-    parent = svc.attrs.get(sid)
     kids = await svc.call("fork", svc.fork, sid, body.count)
+    parent = svc.attrs.get(sid)  # after the fork: an unknown id is a 404, with no attributes made for it
     out = []
     for kid in kids:
         svc.attrs.put(kid.id, SandboxAttrs(new_token(), parent.template_id, parent.metadata, parent.envs))
