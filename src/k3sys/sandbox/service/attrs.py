@@ -1,7 +1,7 @@
 """What E2B's protocol keeps per sandbox beyond our runtime's record: the template id the caller
-named, metadata, environment variables, and the envd access token. One small JSON file per sandbox
-under `<data dir>/e2b/`, written atomically, so they survive a restart of the service as the
-sandboxes do; a sandbox made before (or without) them gets defaults and a token on first use.
+named, metadata and environment variables (the envd access token is derived, not kept: see
+envd/app.py). One small JSON file per sandbox under `<data dir>/e2b/`, written atomically, so they
+survive a restart of the service as the sandboxes do; a sandbox without one has the defaults.
 """
 
 from __future__ import annotations
@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import secrets
 import threading
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -20,17 +19,11 @@ from k3sys.sandbox.spec import check_id
 @dataclass(frozen=True)
 class SandboxAttrs:
     """`template_id`: what the create call named (a template or a snapshot id; "" for the spec's
-    template); `token`: the envd access token (`X-Access-Token`) of this sandbox."""
+    template); `envs`: environment variables of every command started in the sandbox."""
 
-    token: str
     template_id: str = ""
     metadata: dict[str, str] = field(default_factory=dict)
     envs: dict[str, str] = field(default_factory=dict)
-
-
-def new_token() -> str:
-    """A fresh envd access token (192 random bits)."""
-    return secrets.token_urlsafe(24)
 
 
 class AttrsTable:
@@ -46,16 +39,15 @@ class AttrsTable:
         return self.root / f"{check_id('sandbox id', sid)}.json"  # an id never names a path elsewhere
 
     def get(self, sid: str) -> SandboxAttrs:
-        """The sandbox's attributes; made (with a new token) and stored if it has none."""
+        """The sandbox's attributes (the defaults if it has none, or a damaged file)."""
         with self._mu:
             if (a := self._cache.get(sid)) is not None:
                 return a
             try:
                 d = json.loads(self._path(sid).read_text())
-                a = SandboxAttrs(str(d["token"]), str(d["template_id"]), dict(d["metadata"]), dict(d["envs"]))
-            except (OSError, ValueError, KeyError, TypeError):  # none yet, or damaged: a fresh token
-                a = SandboxAttrs(new_token())
-                self._write(sid, a)
+                a = SandboxAttrs(str(d["template_id"]), dict(d["metadata"]), dict(d["envs"]))
+            except (OSError, ValueError, KeyError, TypeError):
+                return SandboxAttrs()
             self._cache[sid] = a
             return a
 
@@ -82,7 +74,7 @@ class AttrsTable:
     def _write(self, sid: str, attrs: SandboxAttrs) -> None:
         path = self._path(sid)
         tmp = path.with_name(path.name + ".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # the token is a secret
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # envVars may hold secrets
         with os.fdopen(fd, "w") as f:
             json.dump(asdict(attrs), f)
         os.replace(tmp, path)

@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse
 
 from k3sys.sandbox._wire import checkpoint_json
 from k3sys.sandbox.errors import InvalidArgumentError, InvalidStateError, StoreError
-from k3sys.sandbox.service.attrs import SandboxAttrs, new_token
+from k3sys.sandbox.service.attrs import SandboxAttrs
 from k3sys.sandbox.service.core import Service
 from k3sys.sandbox.service.deps import Svc, authorize
 from k3sys.sandbox.service.e2b_models import (
@@ -37,6 +37,7 @@ from k3sys.sandbox.service.e2b_models import (
     sandbox_body,
     unsupported,
 )
+from k3sys.sandbox.service.envd.app import access_token
 from k3sys.sandbox.service.models import Cpu, Memory, Prefetched
 from k3sys.sandbox.spec import SandboxSpec
 from k3sys.sandbox.types import SandboxInfo
@@ -48,7 +49,8 @@ _ON_TIMEOUT = {True: "hibernate", False: "kill", None: None}
 
 
 def _body(svc: Service, info: SandboxInfo) -> dict[str, Any]:
-    return sandbox_body(info, svc.attrs.get(info.id), svc.config.on_timeout)
+    return sandbox_body(info, svc.attrs.get(info.id), access_token(svc.config.api_key, info.id),
+                        svc.config.on_timeout)
 
 
 def _page(items: Sequence[T], key: Callable[[T], tuple[float, str]], limit: int | None, token: str | None,
@@ -90,7 +92,7 @@ def _is_checkpoint(svc: Service, tid: str) -> bool:
 async def create_sandbox(svc: Svc, body: NewSandbox) -> dict[str, Any]:
     """A sandbox from a template, or restored from a snapshot (`templateID` = its id)."""
     body.check_supported()
-    attrs = SandboxAttrs(new_token(), body.templateID, body.metadata or {}, body.envVars or {})
+    attrs = SandboxAttrs(body.templateID, body.metadata or {}, body.envVars or {})
     if await svc.call("lookup", _is_checkpoint, svc, body.templateID, io=True):
         info = await svc.call("restore", svc.restore, body.templateID, body.sandboxID, body.timeout)
     else:
@@ -240,7 +242,7 @@ async def fork(svc: Svc, sid: str, body: Fork | None = None) -> list[dict[str, A
     parent = svc.attrs.get(sid)  # after the fork: an unknown id is a 404, with no attributes made for it
     out = []
     for kid in kids:
-        svc.attrs.put(kid.id, SandboxAttrs(new_token(), parent.template_id, parent.metadata, parent.envs))
+        svc.attrs.put(kid.id, parent)
         if body.timeout is not None:
             await svc.call("set_timeout", svc.rt.set_timeout, kid.id, body.timeout)
         out.append({"sandbox": _body(svc, svc.rt.info(kid.id))})
@@ -302,6 +304,6 @@ async def restore(svc: Svc, ck: str, body: Restore | None = None) -> dict[str, A
     """A new sandbox from any checkpoint, with the id asked for (`timeout` omitted: the checkpoint's)."""
     body = body or Restore()
     info = await svc.call("restore", svc.restore, ck, body.sandboxID, body.timeout)
-    svc.attrs.put(info.id, SandboxAttrs(new_token(), ck))
+    svc.attrs.put(info.id, SandboxAttrs(ck))
     return _body(svc, info)
 

@@ -143,14 +143,14 @@ def iso(t: float) -> str:
     return datetime.fromtimestamp(t, UTC).isoformat().replace("+00:00", "Z")
 
 
-def sandbox_body(info: SandboxInfo, attrs: SandboxAttrs, default_on_timeout: str) -> dict[str, Any]:
+def sandbox_body(info: SandboxInfo, attrs: SandboxAttrs, token: str | None, default_on_timeout: str) -> dict[str, Any]:
     """One body for E2B's Sandbox, SandboxDetail and ListedSandbox (each ignores what it lacks), with
-    our view of the sandbox in `k3sys`."""
+    our view of the sandbox in `k3sys`; `token`: its envd access token (None: envd asks for none)."""
     spec = info.spec
     on_timeout = spec.on_timeout or default_on_timeout
     body: dict[str, Any] = {
         "templateID": attrs.template_id or spec.template, "alias": spec.template, "sandboxID": info.id,
-        "clientID": CLIENT_ID, "envdVersion": ENVD_VERSION, "envdAccessToken": attrs.token, "domain": None,
+        "clientID": CLIENT_ID, "envdVersion": ENVD_VERSION, "domain": None,
         "startedAt": iso(info.created), "endAt": iso(info.deadline) if info.deadline is not None else NO_END,
         "cpuCount": max(1, math.ceil(spec.cpu)), "memoryMB": spec.memory_mb, "diskSizeMB": 0,
         "state": E2B_STATE.get(info.state, "paused"), "metadata": attrs.metadata,
@@ -158,6 +158,8 @@ def sandbox_body(info: SandboxInfo, attrs: SandboxAttrs, default_on_timeout: str
         "lifecycle": {"autoResume": False, "onTimeout": "pause" if on_timeout == "hibernate" else "kill"},
         "k3sys": sandbox_json(info),
     }
+    if token is not None:
+        body["envdAccessToken"] = token
     if body["state"] == "paused":
         body["pauseMode"] = "full"
     return body

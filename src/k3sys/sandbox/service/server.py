@@ -53,6 +53,7 @@ from k3sys.sandbox.service import metrics as _metrics
 from k3sys.sandbox.service.auth import check_bind
 from k3sys.sandbox.service.core import Service, ServiceConfig
 from k3sys.sandbox.service.deps import Svc, authorize
+from k3sys.sandbox.service.envd.app import install as install_envd
 from k3sys.sandbox.service.errors import install_error_handlers
 from k3sys.sandbox.service.limits import BodyLimit
 from k3sys.sandbox.service.metrics import CountRequests
@@ -258,11 +259,12 @@ def create_app(config: ServiceConfig, runtime: Runtime | None = None) -> FastAPI
 
     app = FastAPI(title="k3sys sandbox service", version=__version__, lifespan=lifespan,
                   docs_url=None, redoc_url=None, openapi_url=None,
-                  description="Agent sandboxes (runc + CRIU) with a managed life cycle. Errors: "
-                              '`{"error": {"type": ..., "message": ...}}`.')
+                  description="Agent sandboxes (runc + CRIU) with a managed life cycle, over E2B's protocol. "
+                              'Errors: `{"code": <status>, "message": ..., "type": ...}`.')
     app.state.service = service
     app.include_router(control.router)
     app.include_router(router)
+    install_envd(app)  # requests with E2b-Sandbox-Id: envd (envd/app.py)
     app.add_api_route("/health", health, methods=["GET"], tags=["service"], response_model=Health)
 
     install_error_handlers(app)
