@@ -54,9 +54,8 @@ def ours(server):
 
 @pytest.fixture
 def sbx(server):
-    s = Sandbox.create(TEMPLATE, timeout=120)
-    yield s
-    s.kill()
+    with Sandbox.create(TEMPLATE, timeout=120) as s:  # killed on the way out
+        yield s
 
 
 def _tag() -> str:
@@ -290,9 +289,8 @@ def _reattach(s: Sandbox, pid: int) -> None:
 
 @pytest.fixture
 def dsbx(server):
-    s = Sandbox.create(SHELL, timeout=120)
-    yield s
-    s.kill()
+    with Sandbox.create(SHELL, timeout=120) as s:  # killed on the way out
+        yield s
 
 
 def test_background_command_through_pause_and_connect(dsbx):
