@@ -118,9 +118,11 @@ def test_list_filters_and_pages(server):
         while paginator.has_next:
             pages.append([i.sandbox_id for i in paginator.next_items()])
         assert [len(p) for p in pages] == [2, 1]
-        assert [x for p in pages for x in p] == [b.sandbox_id for b in boxes]  # oldest first, no repeats
-        desc = Sandbox.list(query=mine, order="desc").next_items()
-        assert [i.sandbox_id for i in desc] == [b.sandbox_id for b in reversed(boxes)]
+        assert [x for p in pages for x in p] == [b.sandbox_id for b in reversed(boxes)]  # newest first, no repeats
+        pages, paginator = [], Sandbox.list(query=mine, limit=1, order="asc")
+        while paginator.has_next:
+            pages.append([i.sandbox_id for i in paginator.next_items()])
+        assert pages == [[b.sandbox_id] for b in boxes]
         one = Sandbox.list(query=SandboxQuery(metadata={"group": tag, "i": "1"})).next_items()
         assert [i.sandbox_id for i in one] == [boxes[1].sandbox_id]
         assert boxes[2].pause() is True
@@ -218,6 +220,23 @@ def test_snapshot_then_create_from_it(sbx, ours):
     assert Sandbox.delete_snapshot(snap.snapshot_id) is False
     with pytest.raises(SandboxException, match="not supported"):
         sbx.create_snapshot(mode="filesystem")
+
+
+def test_named_snapshots(sbx, ours):
+    name = f"snap-{_tag()}"
+    first = sbx.create_snapshot(name=name)
+    assert first.names == [name] and first.snapshot_id != name
+    ours.write_file(sbx.sandbox_id, "/tmp/mark", b"second")
+    second = sbx.create_snapshot(name=name)  # the name moves to the newer snapshot
+    assert [s.snapshot_id for s in Sandbox.list_snapshots(name=name).next_items()] == [second.snapshot_id]
+    assert Sandbox.list_snapshots(name=name + "-nothing").next_items() == []
+    with Sandbox.create(name, timeout=60) as copy:
+        assert ours.read_file(copy.sandbox_id, "/tmp/mark") == b"second"
+    assert Sandbox.delete_snapshot(name) is True  # by name: the snapshot it names
+    assert Sandbox.list_snapshots(name=name).next_items() == []
+    assert Sandbox.delete_snapshot(first.snapshot_id) is True
+    with pytest.raises(SandboxException, match="name"):
+        sbx.create_snapshot(name="../bad name")
 
 
 def test_fork_two(sbx, ours):
