@@ -344,3 +344,47 @@ def test_background_command_through_snapshot_and_fork(dsbx):
         for s in (copy, *kids):
             s.kill()
         Sandbox.delete_snapshot(snap.snapshot_id)
+
+
+def _stopped(s: Sandbox) -> None:
+    """No counter runs in `s` (its processes did not survive a cold boot), but its files did."""
+    n = _count(s)
+    assert n > 0
+    time.sleep(0.5)
+    assert _count(s) == n
+
+
+def test_filesystem_only_pause_and_reboot_resume(dsbx, server):
+    sbx = dsbx
+    h = sbx.commands.run(COUNTER, background=True)
+    _counting(sbx)
+    assert sbx.pause(mode="filesystem") is True
+    r = httpx.get(f"{server.url}/sandboxes/{sbx.sandbox_id}", headers={"x-api-key": KEY}, timeout=30)
+    assert r.json()["pauseMode"] == "filesystem"
+    back = Sandbox.connect(sbx.sandbox_id)  # boots cold: files kept, processes not
+    _stopped(back)
+    assert h.pid not in [p.pid for p in back.commands.list()]
+    assert back.commands.run("echo fresh").stdout == "fresh\n"
+    h = back.commands.run(COUNTER, background=True)  # a full pause keeps them again
+    assert back.pause() is True
+    _counting(Sandbox.connect(sbx.sandbox_id))
+    assert back.pause() is True
+    _stopped(Sandbox.connect(sbx.sandbox_id, on_resume="reboot"))  # memory ignored when asked
+
+
+def test_auto_pause_filesystem_only_boots_cold(server, ours):
+    s = Sandbox.create(TEMPLATE, timeout=2, lifecycle={"on_timeout": {"action": "pause", "keep_memory": False}})
+    try:
+        loop = "while :; do date +%s%N > /tmp/t.new && mv /tmp/t.new /tmp/t; sleep 0.1; done"
+        ours.start_command(s.sandbox_id, f"sh -c '{loop}'")
+        deadline = time.monotonic() + 30
+        while ours.info(s.sandbox_id).state != "hibernated":
+            assert time.monotonic() < deadline, "not paused by its timeout"
+            time.sleep(0.3)
+        Sandbox.connect(s.sandbox_id, timeout=60)
+        t = ours.read_file(s.sandbox_id, "/tmp/t")
+        time.sleep(0.5)
+        assert t and ours.read_file(s.sandbox_id, "/tmp/t") == t  # the loop did not come back
+        assert [p for p in ours.processes(s.sandbox_id) if p.running] == []
+    finally:
+        s.kill()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from datetime import datetime
@@ -97,7 +98,8 @@ def _snapshot(svc: Service, ck: CheckpointInfo) -> dict[str, Any]:
 async def create_sandbox(svc: Svc, body: NewSandbox) -> dict[str, Any]:
     """A sandbox from a template, or restored from a snapshot (`templateID` = its id)."""
     body.check_supported()
-    attrs = SandboxAttrs(body.templateID, body.metadata or {}, body.envVars or {})
+    keep = body.autoPauseMemory is not False
+    attrs = SandboxAttrs(body.templateID, body.metadata or {}, body.envVars or {}, keep, keep)
     if (ck := await svc.call("lookup", _snapshot_of, svc, body.templateID, io=True)) is not None:
         info = await svc.call("restore", svc.restore, ck, body.sandboxID, body.timeout)
     else:
@@ -154,12 +156,26 @@ async def set_timeout(svc: Svc, sid: str, body: Timeout) -> Response:
 
 @router.post("/sandboxes/{sid}/pause", status_code=204, tags=["life cycle"])
 async def pause(svc: Svc, sid: str, body: Pause | None = None) -> Response:
-    """Hibernate a running sandbox (409 if it is not running)."""
-    no_memory((body or Pause()).memory, "pause")
+    """Hibernate a running sandbox (409 if it is not running); `memory: false`: its next resume boots
+    it cold (files kept, processes not)."""
     if (state := svc.rt.info(sid).state) != "running":
         raise InvalidStateError(f"sandbox {sid} is {state}: only a running sandbox can be paused")
     await svc.call("hibernate", svc.rt.hibernate, sid)
+    _set_attrs(svc, sid, pause_memory=(body or Pause()).memory is not False)
     return Response(status_code=204)
+
+
+def _set_attrs(svc: Service, sid: str, **changes: Any) -> None:
+    svc.attrs.put(sid, dataclasses.replace(svc.attrs.get(sid), **changes))
+
+
+async def _resume(svc: Service, sid: str, memory: bool | None) -> None:
+    """Resume as the sandbox's last pause asked (or cold when `memory` is False); later pauses by its
+    timeout keep the memory as its create asked."""
+    attrs = svc.attrs.get(sid)
+    await svc.call("resume", svc.resume, sid, memory is not False and attrs.pause_memory)
+    if attrs.pause_memory != attrs.auto_pause_memory:
+        _set_attrs(svc, sid, pause_memory=attrs.auto_pause_memory)
 
 
 async def _extend(svc: Service, sid: str, timeout: float | None) -> None:
@@ -176,10 +192,9 @@ async def _extend(svc: Service, sid: str, timeout: float | None) -> None:
 async def connect(svc: Svc, sid: str, body: Connect | None = None) -> JSONResponse:
     """200 with a running sandbox; a paused one is resumed first (201)."""
     body = body or Connect()
-    no_memory(body.memory, "resume")
     status = 200
     if svc.rt.info(sid).state != "running":
-        await svc.call("resume", svc.resume, sid)
+        await _resume(svc, sid, body.memory)
         status = 201
     await _extend(svc, sid, body.timeout)
     return JSONResponse(_body(svc, svc.rt.info(sid)), status_code=status)
@@ -189,8 +204,7 @@ async def connect(svc: Svc, sid: str, body: Connect | None = None) -> JSONRespon
 async def resume(svc: Svc, sid: str, body: Connect | None = None) -> dict[str, Any]:
     """Resume a paused, frozen or hibernated sandbox (409 if it runs)."""
     body = body or Connect()
-    no_memory(body.memory, "resume")
-    await svc.call("resume", svc.resume, sid)
+    await _resume(svc, sid, body.memory)
     await _extend(svc, sid, body.timeout)
     return _body(svc, svc.rt.info(sid))
 
@@ -216,7 +230,7 @@ async def create_snapshot(svc: Svc, sid: str, body: Snapshot | None = None) -> d
     """Checkpoint the sandbox (it runs on); create from the returned `snapshotID` (or the `name`, which
     moves to the newest snapshot given it) to restore it."""
     body = body or Snapshot()
-    no_memory(body.memory, "snapshot")
+    no_memory(body.memory)
     ck = await svc.call("checkpoint", svc.rt.checkpoint, sid)
     if body.name:
         svc.names.set(body.name, ck.id)

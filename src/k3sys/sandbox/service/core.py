@@ -146,11 +146,15 @@ class Service:
         with self.admission.admit(n, self.rt.info(sid).spec.memory_mb):
             return self.rt.fork(sid, n)
 
-    def resume(self, sid: str) -> SandboxInfo:
+    def resume(self, sid: str, memory: bool = True) -> SandboxInfo:
+        """Resume (see `Runtime.resume`; `memory=False`: a hibernated sandbox boots cold)."""
         info = self.rt.info(sid)
         room = self.admission.admit(1, info.spec.memory_mb) if info.state == "hibernated" else contextlib.nullcontext()
         with room:
-            self.rt.resume(sid)
+            if memory:
+                self.rt.resume(sid)
+            else:
+                self.rt.resume(sid, memory=False)
         return self.rt.info(sid)
 
     def pause(self, sid: str) -> SandboxInfo:

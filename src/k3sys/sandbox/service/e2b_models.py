@@ -76,8 +76,6 @@ class NewSandbox(BaseModel):
 
     def check_supported(self) -> None:
         """Refuse what E2B offers and this service does not serve (rather than ignore it)."""
-        if self.autoPauseMemory is False:
-            raise unsupported("autoPauseMemory", "a pause always keeps the memory")
         if self.autoResume and self.autoResume.get("enabled"):
             raise unsupported("autoResume", "resume with connect")
         for name in ("network", "mcp", "iam", "volumeMounts"):
@@ -133,10 +131,11 @@ class Prefetch(BaseModel):
     ttlS: float = Field(60.0, description="seconds the staged images are kept unless used (the runtime checks it)")
 
 
-def no_memory(memory: bool | None, what: str) -> None:
-    """Refuse `memory: false`: a filesystem-only pause or snapshot (a cold boot) is not served yet."""
+def no_memory(memory: bool | None) -> None:
+    """Refuse `memory: false` for a snapshot: a filesystem-only one (creates from it boot cold) is not
+    served (a filesystem-only pause and a cold-boot resume are)."""
     if memory is False:
-        raise unsupported("memory", f"a {what} always keeps the memory (filesystem-only mode is not served)")
+        raise unsupported("memory", "a snapshot always keeps the memory (filesystem-only snapshots are not served)")
 
 
 def iso(t: float) -> str:
@@ -161,7 +160,7 @@ def sandbox_body(info: SandboxInfo, attrs: SandboxAttrs, token: str | None, defa
     if token is not None:
         body["envdAccessToken"] = token
     if body["state"] == "paused":
-        body["pauseMode"] = "full"
+        body["pauseMode"] = "full" if attrs.pause_memory else "filesystem"
     return body
 
 
