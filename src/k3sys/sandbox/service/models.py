@@ -19,21 +19,6 @@ CreateSandbox = create_model(
     **{f.name: (typing.get_type_hints(SandboxSpec)[f.name], f.default) for f in dataclasses.fields(SandboxSpec)})
 
 
-class RunCommand(BaseModel):
-    model_config = _STRICT
-    cmd: str
-    timeout: float | None = Field(60.0, description="seconds; null: the service's cap")
-    cwd: str | None = None
-    env: dict[str, str] | None = None
-    stdin_base64: str | None = None
-    background: bool = False
-
-
-class Wait(BaseModel):
-    model_config = _STRICT
-    timeout: float | None = Field(None, description="seconds; null: the service's cap")
-
-
 class Fork(BaseModel):
     model_config = _STRICT
     count: int = Field(1, ge=1, le=MAX_FORK, description="children to make")
@@ -54,25 +39,8 @@ class Restore(BaseModel):
     timeout_s: float | None = None
 
 
-class CommandStarted(BaseModel):
-    id: str
-
-
-class CommandStatus(BaseModel):
-    id: str
-    pid: int  # inside the sandbox
-    running: bool
-    stdout: str
-    stderr: str
-
-
 class Forked(BaseModel):
     sandboxes: list[SandboxInfo]
-
-
-class Written(BaseModel):
-    path: str
-    bytes: int
 
 
 class Memory(BaseModel):
