@@ -103,8 +103,9 @@ async def start(rpc: Rpc) -> AsyncIterator[dict[str, Any]]:
     pty = _pty_size(rpc.msg)
     # Our extension: stdin's whole content in the request (written, then closed), for one-call runs.
     stdin = _b64("k3sysStdin", rpc.msg["k3sysStdin"]) if "k3sysStdin" in rpc.msg else bool(rpc.msg.get("stdin"))
+    envs = {**rpc.svc.attrs.get(rpc.sid).envs, **(proc.get("envs") or {})}  # the sandbox's envVars, then the call's
     cid = await rpc.svc.call("envd.start", rpc.svc.rt.start_process, rpc.sid, argv, proc.get("cwd") or None,
-                             proc.get("envs") or {}, rpc.user, stdin, pty, io=True)
+                             envs, rpc.user, stdin, pty, io=True)
     async for event in _output(rpc, cid, rpc.svc.rt.command_pid(cid), pty is not None):
         yield event
 
