@@ -27,7 +27,7 @@ from e2b import Sandbox as E2B
 from packaging.version import Version
 from service_process import ServiceProcess
 
-from k3sys.sandbox._connect import STREAM_CONTENT_TYPE, FrameReader
+from k3sys.sandbox._connect import STREAM_CONTENT_TYPE, FrameReader, frame
 from k3sys.sandbox.service.envd.app import access_token, url_signature
 from k3sys.sandbox.spec import SandboxSpec
 
@@ -280,3 +280,22 @@ def test_k3sys_client_watch_and_processes(envd_service, box):
         ended = [p for p in s.commands.list() if p.pid == h.pid]
         assert ended and not ended[0].running and ended[0].exit_code == 5
         assert h.wait(10).exit_code == 5
+
+
+def test_async_background_connect_and_start_refusals(envd_service, box):
+    async def main():
+        abox = _handle(envd_service, box.sandbox_id, cls=E2BAsync)
+        h = await abox.commands.run("read x; echo got:$x", background=True, stdin=True)
+        again = await abox.commands.connect(h.pid)
+        await abox.commands.send_stdin(h.pid, "y\n")
+        assert (await again.wait()).stdout == "got:y\n"
+        assert (await h.wait()).stdout == "got:y\n"
+    asyncio.run(main())
+    h = {"E2b-Sandbox-Id": box.sandbox_id, "X-Access-Token": access_token(envd_service.key, box.sandbox_id),
+         "content-type": STREAM_CONTENT_TYPE}
+    for process, field in (({"cmd": "/bin/true", "envs": ["A=1"]}, "process.envs"),
+                           ({"cmd": "/bin/true", "args": "-c"}, "process.args"), ({"cmd": ""}, "process.cmd"),
+                           ({"cmd": "/bin/true", "cwd": "relative"}, "cwd")):
+        r = httpx.post(f"{envd_service.url}/process.Process/Start", content=frame({"process": process}), headers=h)
+        end = [m for _, m in FrameReader().feed(r.content)][-1]
+        assert end["error"]["code"] == "invalid_argument" and field in end["error"]["message"], end

@@ -95,7 +95,10 @@ async def _output(rpc: Rpc, cid: str, pid: int, pty: bool) -> AsyncIterator[dict
 async def start(rpc: Rpc) -> AsyncIterator[dict[str, Any]]:
     proc = rpc.msg.get("process") or {}
     if not isinstance(proc, dict) or not isinstance(proc.get("cmd"), str) or not proc["cmd"]:
-        raise InvalidArgumentError(f"process.cmd: expected a program to run, got {proc!r}")
+        raise InvalidArgumentError(f"process.cmd: expected a program to run, got {str(proc)[:200]}")
+    for name, kind in (("args", list), ("envs", dict), ("cwd", str)):
+        if proc.get(name) is not None and not isinstance(proc[name], kind):
+            raise InvalidArgumentError(f"process.{name}: expected a JSON {kind.__name__}, got {str(proc[name])[:200]}")
     # Our extension: a shell string (run by `/bin/sh -c`, as the embedded runtime runs commands).
     shell = rpc.msg.get("k3sysShell")
     argv = shell if isinstance(shell, str) else [proc["cmd"], *proc.get("args", [])]
