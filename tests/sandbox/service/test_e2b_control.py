@@ -25,6 +25,12 @@ TEMPLATE = "busybox"
 KEY = "e2b-control-test-" + uuid.uuid4().hex
 
 
+def _point_sdk(mp: pytest.MonkeyPatch, url: str) -> None:
+    """E2B's environment variables, as a user sets them, for a service at `url` with key KEY."""
+    for k, v in {"E2B_API_URL": url, "E2B_SANDBOX_URL": url, "E2B_API_KEY": KEY}.items():
+        mp.setenv(k, v)
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """A service whose key is E2B_API_KEY, the SDK pointed at it by E2B's environment variables."""
@@ -35,8 +41,7 @@ def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("e2bsvc")
     mp = pytest.MonkeyPatch()
     with ServiceProcess(root, env={"K3SYS_API_KEY": KEY}) as svc:
-        for k, v in {"E2B_API_URL": svc.url, "E2B_SANDBOX_URL": svc.url, "E2B_API_KEY": KEY}.items():
-            mp.setenv(k, v)
+        _point_sdk(mp, svc.url)
         try:
             yield svc
         finally:
@@ -388,3 +393,29 @@ def test_auto_pause_filesystem_only_boots_cold(server, ours):
         assert [p for p in ours.processes(s.sandbox_id) if p.running] == []
     finally:
         s.kill()
+
+
+def test_attributes_and_names_survive_a_restart(tmp_path, monkeypatch):
+    from sandbox_fixtures import leftovers
+
+    root = tmp_path / "svc"
+    svc = ServiceProcess(root, env={"K3SYS_API_KEY": KEY}).start()
+    try:
+        _point_sdk(monkeypatch, svc.url)
+        s = Sandbox.create(TEMPLATE, timeout=120, metadata={"keep": "me"}, envs={"V": "1"})
+        snap = s.create_snapshot(name="survivor")
+        token = s._envd_access_token
+        svc.stop()  # hibernates the sandbox (on_shutdown)
+        svc.start()  # on another port
+        _point_sdk(monkeypatch, svc.url)
+        info = Sandbox.get_info(s.sandbox_id)
+        assert info.metadata == {"keep": "me"} and info.state == SandboxState.PAUSED
+        back = Sandbox.connect(s.sandbox_id)
+        assert back._envd_access_token == token
+        with svc.client() as ours:
+            assert ours.run(s.sandbox_id, "echo $V").stdout == "1\n"
+        assert [x.snapshot_id for x in Sandbox.list_snapshots(name="survivor").next_items()] == [snap.snapshot_id]
+    finally:
+        ids = svc.kill_all() if svc.proc and svc.proc.poll() is None else set()
+        svc.stop()
+    assert leftovers(root, ids) == []
