@@ -207,16 +207,22 @@ def test_pause_connect_keeps_processes(sbx, ours):
     assert again.get_info().state == SandboxState.RUNNING
 
 
-def test_snapshot_then_create_from_it(sbx, ours):
+def test_snapshot_then_create_from_it(server, sbx, ours):
     sid = sbx.sandbox_id
     ours.write_file(sid, "/tmp/mark", b"before")
     snap = sbx.create_snapshot()
     ours.write_file(sid, "/tmp/mark", b"after")
     assert snap.snapshot_id in [s.snapshot_id for s in Sandbox.list_snapshots(sandbox_id=sid).next_items()]
     assert [s.snapshot_id for s in sbx.list_snapshots(name=snap.snapshot_id).next_items()] == [snap.snapshot_id]
-    copy = Sandbox.create(snap.snapshot_id, timeout=60, metadata={"from": "snapshot"})
+    copy = Sandbox.create(snap.snapshot_id, timeout=60, metadata={"from": "snapshot"},
+                          lifecycle={"on_timeout": "pause"})
     try:
-        assert copy.sandbox_id != sid and copy.get_info().template_id == snap.snapshot_id
+        info = copy.get_info()
+        assert copy.sandbox_id != sid and info.template_id == snap.snapshot_id
+        assert info.lifecycle["on_timeout"] == "pause" and info.metadata == {"from": "snapshot"}
+        r = httpx.post(f"{server.url}/v2/sandboxes", json={"templateID": snap.snapshot_id, "memoryMB": 4096},
+                       headers={"x-api-key": KEY}, timeout=30)
+        assert r.status_code == 422 and "memoryMB" in r.json()["message"]
         assert ours.read_file(copy.sandbox_id, "/tmp/mark") == b"before"
         assert ours.read_file(sid, "/tmp/mark") == b"after"  # the source ran on
     finally:

@@ -101,7 +101,10 @@ async def create_sandbox(svc: Svc, body: NewSandbox) -> dict[str, Any]:
     keep = body.autoPauseMemory is not False
     attrs = SandboxAttrs(body.templateID, body.metadata or {}, body.envVars or {}, keep, keep)
     if (ck := await svc.call("lookup", _snapshot_of, svc, body.templateID, io=True)) is not None:
-        info = await svc.call("restore", svc.restore, ck, body.sandboxID, body.timeout)
+        if given := [n for n in ("cpu", "memoryMB", "pids", "allow_internet_access") if getattr(body, n) is not None]:
+            raise InvalidArgumentError(f"{', '.join(given)}: {body.templateID!r} is a snapshot: a sandbox made "
+                                       f"from it has the size and network of the one it was taken of")
+        info = await svc.call("restore", svc.restore, ck, body.sandboxID, body.timeout, _ON_TIMEOUT[body.autoPause])
     else:
         sized = {k: v for k, v in (("cpu", body.cpu), ("memory_mb", body.memoryMB), ("pids", body.pids))
                  if v is not None}
@@ -121,13 +124,18 @@ async def list_sandboxes(svc: Svc, response: Response, metadata: str | None = No
     """Sandboxes (every state unless `state` says), newest first (E2B's order) unless `order=asc`."""
     states, wanted = e2b_states(state), _metadata_filter(metadata)
     after = startedAfter.timestamp() if startedAfter else None
-    t0 = time.time()
-    infos = svc.rt.list()
-    svc.attrs.prune({i.id for i in infos}, before=t0)
-    bodies = [b for b in (_body(svc, i) for i in infos)
+
+    def every() -> list[dict[str, Any]]:  # in a worker thread: attributes are files
+        t0 = time.time()
+        infos = svc.rt.list()
+        svc.attrs.prune({i.id for i in infos}, before=t0)
+        return [_body(svc, i) for i in infos]
+
+    bodies = [b for b in await svc.call("list", every, io=True)
               if (states is None or b["state"] in states) and wanted.items() <= b["metadata"].items()
               and (template is None or template in (b["templateID"], b["alias"]))
               and (after is None or b["k3sys"]["created"] >= after)]
+
     def key(b: dict[str, Any]) -> tuple[float, str]:
         return b["k3sys"]["created"], b["sandboxID"]
 
