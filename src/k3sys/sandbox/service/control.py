@@ -33,6 +33,7 @@ from k3sys.sandbox.service.e2b_models import (
     Restore,
     Snapshot,
     Timeout,
+    cpu_count,
     e2b_states,
     no_memory,
     sandbox_body,
@@ -226,10 +227,9 @@ async def metrics(svc: Svc, sid: str, start: int | None = None, end: int | None 
     now = time.time()
     if (start is not None and now < start) or (end is not None and now > end + 1):
         return []
-    cores = max(1, -(-info.spec.cpu // 1))
     pct = 100.0 * cpu_s / max(now - info.created, 1e-3) / info.spec.cpu
     return [{"timestamp": datetime.fromtimestamp(now).astimezone().isoformat(), "timestampUnix": int(now),
-             "cpuCount": int(cores), "cpuUsedPct": round(min(pct, 100.0), 2), "memUsed": mem,
+             "cpuCount": cpu_count(info.spec), "cpuUsedPct": round(min(pct, 100.0), 2), "memUsed": mem,
              "memTotal": info.spec.memory_mb << 20, "memCache": 0, "diskUsed": 0, "diskTotal": 0}]
 
 
