@@ -112,6 +112,8 @@ def test_bad_input_is_refused_by_name(server):
     assert r.status_code == 422 and "nextToken" in r.json()["message"]
     r = httpx.get(f"{server.url}/v2/sandboxes", params={"state": "sleeping"}, headers=h, timeout=30)
     assert r.status_code == 422 and "sleeping" in r.json()["message"]
+    with Sandbox.create(TEMPLATE, timeout=30) as s, pytest.raises(SandboxException, match="network: not supported"):
+        s.update_network({"deny_out": ["0.0.0.0/0"]})
 
 
 def test_list_filters_and_pages(server):

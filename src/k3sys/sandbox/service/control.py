@@ -37,6 +37,7 @@ from k3sys.sandbox.service.e2b_models import (
     e2b_states,
     no_memory,
     sandbox_body,
+    unsupported,
 )
 from k3sys.sandbox.service.envd.app import access_token
 from k3sys.sandbox.service.models import Cpu, Memory, Prefetched
@@ -161,6 +162,13 @@ async def set_timeout(svc: Svc, sid: str, body: Timeout) -> Response:
     """The sandbox's `on_timeout` applies `timeout` seconds from now."""
     await svc.call("set_timeout", svc.rt.set_timeout, sid, body.timeout)
     return Response(status_code=204)
+
+
+@router.put("/sandboxes/{sid}/network", status_code=204, tags=["sandboxes"])
+async def update_network(svc: Svc, sid: str) -> Response:
+    """E2B's egress rules: not served (a sandbox's network is its namespace, chosen at create)."""
+    svc.rt.info(sid)  # an unknown sandbox is a 404, as E2B's
+    raise unsupported("network", "egress rules are an E2B cloud feature; choose allow_internet_access at create")
 
 
 @router.post("/sandboxes/{sid}/pause", status_code=204, tags=["life cycle"])
