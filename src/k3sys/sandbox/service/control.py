@@ -11,7 +11,7 @@ import binascii
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Annotated, Any, TypeVar
 from urllib.parse import parse_qsl, unquote
 
@@ -125,7 +125,7 @@ async def list_sandboxes(svc: Svc, response: Response, metadata: str | None = No
                          nextToken: str | None = None) -> list[dict[str, Any]]:  # noqa: N803
     """Sandboxes (every state unless `state` says), newest first (E2B's order) unless `order=asc`."""
     states, wanted = e2b_states(state), _metadata_filter(metadata)
-    after = startedAfter.timestamp() if startedAfter else None
+    since = startedAfter.replace(tzinfo=startedAfter.tzinfo or UTC) if startedAfter else None
 
     def every() -> list[dict[str, Any]]:  # in a worker thread: attributes are files
         t0 = time.time()
@@ -136,7 +136,8 @@ async def list_sandboxes(svc: Svc, response: Response, metadata: str | None = No
     bodies = [b for b in await svc.call("list", every, io=True)
               if (states is None or b["state"] in states) and wanted.items() <= b["metadata"].items()
               and (template is None or template in (b["templateID"], b["alias"]))
-              and (after is None or b["k3sys"]["created"] >= after)]
+              # compared as the `startedAt` we send (whole microseconds), so that value finds its sandbox
+              and (since is None or datetime.fromtimestamp(b["k3sys"]["created"], UTC) >= since)]
 
     def key(b: dict[str, Any]) -> tuple[float, str]:
         return b["k3sys"]["created"], b["sandboxID"]
