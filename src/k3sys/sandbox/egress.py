@@ -93,14 +93,14 @@ class EgressPolicy:
         `dnsServers`; other keys are not egress filtering and are ignored here) and its
         `allow_internet_access` (False is `deny_out=[ALL_TRAFFIC]`). None when it asks for nothing."""
         network = network or {}
-        deny = list(network.get("denyOut") or [])
+        deny = network.get("denyOut") or ()
         if allow_internet_access is False and ALL_TRAFFIC not in deny:
-            deny.append(ALL_TRAFFIC)
-        allow = list(network.get("allowOut") or [])
+            deny = (*_entries("deny_out", deny, hosts=True), ALL_TRAFFIC)
+        allow = network.get("allowOut") or ()
         dns = network.get("dnsServers")
         if not allow and not deny and dns is None:
             return None
-        return cls(tuple(allow), tuple(deny), None if dns is None else tuple(dns))
+        return cls(allow, deny, dns)  # __post_init__ checks each (a string is no list) and makes tuples
 
     def nameservers(self, host_resolv: str) -> tuple[str, ...]:
         """The sandbox's nameservers: ours, else the host's (from its resolv.conf text) that are not

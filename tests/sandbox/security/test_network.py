@@ -381,10 +381,10 @@ def test_remote_create_with_egress(outside, service, record_property):
     # Bad policies over HTTP: a typed 422 naming the value, and no sandbox.
     with httpx.Client(base_url=service.url, headers={"authorization": f"Bearer {service.key}"}, timeout=60) as http:
         before = http.get("/sandboxes").json()
-        for body, what in (({"allow_out": ["::1"]}, "'::1' is IPv6"), ({"deny_out": [7]}, "deny_out"),
-                           ({"allow": []}, "allow")):
-            r = http.post("/sandboxes", json={"network": True, "egress": body})
-            assert (r.status_code, r.json()["error"]["type"]) == (422, "invalid_argument") and what in r.text, r.text
+        for body, what in (({"allowOut": ["::1"]}, "'::1' is IPv6"), ({"denyOut": [7]}, "deny_out"),
+                           ({"allowOut": "1.2.3.4"}, "allow_out: expected a list")):
+            r = http.post("/sandboxes", json={"templateID": "busybox", "network": body})
+            assert (r.status_code, r.json()["type"]) == (422, "invalid_argument") and what in r.text, r.text
         assert http.get("/sandboxes").json() == before
     record_property("figure", "policy round-trips through the SDK and the HTTP create body, and holds; "
                               "bad policies get 422 invalid_argument")

@@ -49,7 +49,7 @@ from k3sys.sandbox.runtime.state import Record, State
 from k3sys.sandbox.runtime.store import Store
 from k3sys.sandbox.runtime.table import Table, _rmtree
 from k3sys.sandbox.runtime.templates import template_rootfs
-from k3sys.sandbox.spec import ON_TIMEOUT, SandboxSpec
+from k3sys.sandbox.spec import ON_TIMEOUT, SandboxSpec, check_number
 from k3sys.sandbox.types import SandboxInfo
 
 
@@ -175,8 +175,10 @@ class Runtime(Recovery, Checkpoints, Files, Commands, Table):
             self.driver.pause(sid)
             self._set(rec, State.PAUSED)
 
-    def resume(self, sid: str) -> None:
-        """Thaw a paused sandbox, or restore a hibernated one (same id, same processes)."""
+    def resume(self, sid: str, memory: bool = True) -> None:
+        """Thaw a paused sandbox, or restore a hibernated one (same id, same processes). `memory=False`
+        boots a hibernated one cold instead: its files as they were, none of its processes (E2B's
+        filesystem-only resume)."""
         with self._locked(sid) as rec:
             self._require(rec, "resume", State.PAUSED, State.HIBERNATED)
             if rec.state is State.PAUSED:
@@ -185,7 +187,12 @@ class Runtime(Recovery, Checkpoints, Files, Commands, Table):
                 return
             self._set(rec, State.RESUMING, prev=State.HIBERNATED)
             try:
-                self._restore_into(rec, rec.head)
+                if memory:
+                    self._restore_into(rec, rec.head)
+                else:  # the sealed fs of its last checkpoint under a fresh upper, the template's PID 1
+                    self._ensure_layer(rec.head)
+                    self.driver.create(sid, self._dirs(sid), rec.spec,
+                                       [self._layer_dir(rec.head), template_rootfs(rec.spec.template)])
             except BaseException:
                 with contextlib.suppress(SandboxError):
                     self.driver.destroy(sid, self._dirs(sid))
@@ -196,6 +203,13 @@ class Runtime(Recovery, Checkpoints, Files, Commands, Table):
             deadline = rec.deadline if rec.deadline or not rec.spec.timeout_s else time.time() + rec.spec.timeout_s
             self._set(rec, State.RUNNING, layer=rec.head, prev=None, deadline=deadline, reason="")
             self._gc_layers()
+
+    def set_timeout(self, sid: str, timeout_s: float | None) -> None:
+        """The sandbox's `on_timeout` applies `timeout_s` seconds from now (None: never)."""
+        if timeout_s is not None:
+            check_number("timeout_s", timeout_s, 0, 1e9, "seconds (or None)")
+        with self._locked(sid) as rec:
+            self._set(rec, rec.state, deadline=None if timeout_s is None else time.time() + timeout_s)
 
     def close(self) -> None:
         """Let go of the directory; sandboxes keep running and the next runtime adopts them."""

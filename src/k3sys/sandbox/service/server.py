@@ -1,86 +1,49 @@
-"""The sandbox service: the embedded runtime behind an HTTP API (FastAPI on uvicorn).
+"""The sandbox service: the embedded runtime behind an HTTP API (FastAPI on uvicorn), speaking E2B's
+protocol, so the official `e2b` SDK works unchanged against it.
 
-    k3sys sandbox serve --host 127.0.0.1 --port 8765 --data-dir DIR
+    k3sys sandbox serve --host 127.0.0.1 --port 3000 --data-dir DIR
 
-Resources (all but /health need `Authorization: Bearer <key>`; see `_auth.py` for the key):
+Every route but /health needs the API key in `X-API-Key` (or `Authorization: Bearer`; see auth.py).
+The life cycle (E2B's REST routes and our extensions) is control.py; the table of routes is at the
+top of docs/sandbox_service.md. Commands and files are envd's, E2B's in-sandbox API, on the same
+port: a request that carries `E2b-Sandbox-Id` goes there (envd/app.py: Connect RPC process.Process
+and filesystem.Filesystem, /files, the sandbox's /health). This module serves /metrics (Prometheus
+text), /openapi.json and /health.
 
-    POST   /sandboxes                         create                   -> 201 SandboxInfo
-    GET    /sandboxes                         list                     -> [SandboxInfo]
-    GET    /sandboxes/{id}                    info                     -> SandboxInfo
-    DELETE /sandboxes/{id}                    kill                     -> 204
-    GET    /sandboxes/{id}/memory             memory charged now       -> {"bytes": n}
-    POST   /sandboxes/{id}/pause|resume       freeze / thaw or restore -> SandboxInfo
-    POST   /sandboxes/{id}/hibernate          checkpoint + stop        -> CheckpointInfo
-    POST   /sandboxes/{id}/prefetch {"ttl_s"} stage a hibernated one's images for a resume -> {"staged"}
-    POST   /sandboxes/{id}/checkpoints        checkpoint               -> 201 CheckpointInfo
-    POST   /sandboxes/{id}/fork  {"count": n} n copies                 -> 201 {"sandboxes"}
-    POST   /sandboxes/{id}/commands           run (or start, with "background": true)
-    GET    /commands/{cid}                    running?, output so far
-    GET    /commands/{cid}/events             output as server-sent events (stdout, stderr, end)
-    POST   /commands/{cid}/wait               exit code and output     -> CommandResult
-    DELETE /commands/{cid}                    kill the command         -> 204
-    GET|PUT|DELETE|HEAD /sandboxes/{id}/files?path=   raw bytes, streamed both ways; HEAD: exists
-    GET|POST /sandboxes/{id}/dirs?path=       list / make a directory
-    GET    /checkpoints, /checkpoints/{ck}    stored checkpoints
-    POST   /checkpoints/{ck}/restore          a new sandbox from it    -> 201 SandboxInfo
-    DELETE /checkpoints/{ck}                                           -> 204
-    GET    /health, /metrics (Prometheus text), /openapi.json
-
-Errors: one body shape, in `_wire.py` (statuses: errors.py), answered by errors.py's handlers.
-Request and answer bodies: models.py. Every runtime call that can block runs in a
-worker thread (two pools: life-cycle operations, and commands/files, so long commands never starve a
-pause or kill); the runtime serialises operations per sandbox, so one slow checkpoint holds up only
+Errors: E2B's body shape plus our type, in `_wire.py` (statuses: errors.py), answered by errors.py's
+handlers. Request and answer bodies: models.py, e2b_models.py. Every runtime call that can block
+runs in a worker thread (two pools: life-cycle operations, and commands/files, so long commands
+never starve a pause or kill); the runtime serialises operations per sandbox, so one slow checkpoint holds up only
 its own sandbox. Reads of the runtime's tables (list, info, command output) answer on the event loop:
 they never wait for a sandbox's lock. Limits (`ServiceConfig`): sandboxes and memory (429),
 body size (413), command timeouts (422 above the cap), shutting down (503). A sandbox past its
-`timeout_s` is hibernated (or killed) by the runtime's reaper. Stopping the service hibernates the
+timeout is hibernated (or killed) by the runtime's reaper. Stopping the service hibernates the
 sandboxes that hold memory (`on_shutdown`); the next start finds them and every checkpoint again.
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
 import contextlib
-import dataclasses
-import json
-import tempfile
 from collections.abc import AsyncIterator
-from typing import Annotated, Any
 
 import anyio
 import anyio.to_thread
-from fastapi import APIRouter, Depends, FastAPI, Query, Request, Response
-from fastapi.responses import JSONResponse, StreamingResponse
-from fastapi.security import HTTPBearer
+from fastapi import APIRouter, Depends, FastAPI, Request, Response
+from fastapi.responses import JSONResponse
 
-from k3sys.sandbox._wire import ERROR_HEADER, error_body
-from k3sys.sandbox.errors import InvalidArgumentError, SandboxError
 from k3sys.sandbox.runtime.runtime import Runtime
+from k3sys.sandbox.service import control
 from k3sys.sandbox.service import metrics as _metrics
-from k3sys.sandbox.service.auth import check_bind, check_key
+from k3sys.sandbox.service.auth import check_bind
 from k3sys.sandbox.service.core import Service, ServiceConfig
+from k3sys.sandbox.service.deps import Svc, authorize
+from k3sys.sandbox.service.envd.app import install as install_envd
 from k3sys.sandbox.service.errors import install_error_handlers
 from k3sys.sandbox.service.limits import BodyLimit
 from k3sys.sandbox.service.metrics import CountRequests
 from k3sys.sandbox.service.models import (
-    CommandStarted,
-    CommandStatus,
-    Cpu,
-    CreateSandbox,
-    Fork,
-    Forked,
     Health,
-    Memory,
-    Prefetch,
-    Prefetched,
-    Restore,
-    RunCommand,
-    Wait,
-    Written,
 )
-from k3sys.sandbox.spec import CommandResult, OutputPieces, SandboxSpec
-from k3sys.sandbox.types import CheckpointInfo, EntryInfo, ProcessInfo, SandboxInfo
 
 __all__ = ["ServiceConfig", "create_app", "serve"]
 KEEP_ALIVE_S = 75  # seconds an idle connection stays open (clients must drop theirs sooner)
@@ -89,246 +52,7 @@ KEEP_ALIVE_S = 75  # seconds an idle connection stays open (clients must drop th
 # --- routes ------------------------------------------------------------------------------------------
 
 
-def _service(request: Request) -> Service:
-    return request.app.state.service
-
-
-async def _authorize(request: Request, _: Annotated[Any, Depends(HTTPBearer(auto_error=False))]) -> None:
-    # HTTPBearer only documents the scheme in the OpenAPI spec; the check is ours (constant time).
-    check_key(request.app.state.service.config.api_key, request.headers.get("authorization"))
-
-
-Svc = Annotated[Service, Depends(_service)]
-PathQ = Annotated[str, Query(description="a path inside the sandbox")]
-router = APIRouter(dependencies=[Depends(_authorize)])
-
-
-@router.post("/sandboxes", status_code=201, response_model=SandboxInfo, tags=["sandboxes"])
-async def create_sandbox(svc: Svc, body: CreateSandbox | None = None) -> Any:  # type: ignore[valid-type]
-    fields = (body or CreateSandbox()).model_dump()
-    sid = fields.pop("id")
-    spec = SandboxSpec(**fields)
-    return await svc.call("create", svc.create, spec, sid)
-
-
-@router.get("/sandboxes", response_model=list[SandboxInfo], tags=["sandboxes"])
-async def list_sandboxes(svc: Svc) -> Any:
-    return svc.rt.list()
-
-
-@router.get("/sandboxes/{sid}", response_model=SandboxInfo, tags=["sandboxes"])
-async def get_sandbox(svc: Svc, sid: str) -> Any:
-    return svc.rt.info(sid)
-
-
-@router.delete("/sandboxes/{sid}", status_code=204, tags=["sandboxes"])
-async def kill_sandbox(svc: Svc, sid: str) -> Response:
-    await svc.call("kill", svc.rt.kill, sid)
-    return Response(status_code=204)
-
-
-@router.get("/sandboxes/{sid}/memory", response_model=Memory, tags=["sandboxes"])
-async def sandbox_memory(svc: Svc, sid: str) -> Any:
-    svc.rt.info(sid)
-    return {"bytes": await svc.call("memory", svc.rt.memory_bytes, sid, io=True)}
-
-
-@router.get("/sandboxes/{sid}/cpu", response_model=Cpu, tags=["sandboxes"])
-async def sandbox_cpu(svc: Svc, sid: str) -> Any:
-    """CPU seconds charged to the sandbox's cgroup (restarts at 0 when a hibernated sandbox resumes)."""
-    svc.rt.info(sid)
-    return {"seconds": await svc.call("cpu", svc.rt.cpu_seconds, sid, io=True)}
-
-
-@router.post("/sandboxes/{sid}/pause", response_model=SandboxInfo, tags=["life cycle"])
-async def pause(svc: Svc, sid: str) -> Any:
-    return await svc.call("pause", svc.pause, sid)
-
-
-@router.post("/sandboxes/{sid}/resume", response_model=SandboxInfo, tags=["life cycle"])
-async def resume(svc: Svc, sid: str) -> Any:
-    return await svc.call("resume", svc.resume, sid)
-
-
-@router.post("/sandboxes/{sid}/hibernate", response_model=CheckpointInfo, tags=["life cycle"])
-async def hibernate(svc: Svc, sid: str) -> Any:
-    return await svc.call("hibernate", svc.rt.hibernate, sid)
-
-
-@router.post("/sandboxes/{sid}/prefetch", response_model=Prefetched, tags=["life cycle"])
-async def prefetch(svc: Svc, sid: str, body: Prefetch | None = None) -> Any:
-    """Stage a hibernated sandbox's images for a likely resume (a hint; see `Runtime.prefetch`)."""
-    return {"staged": await svc.call("prefetch", svc.rt.prefetch, sid, (body or Prefetch()).ttl_s)}
-
-
-@router.post("/sandboxes/{sid}/checkpoints", status_code=201, response_model=CheckpointInfo, tags=["life cycle"])
-async def checkpoint(svc: Svc, sid: str) -> Any:
-    return await svc.call("checkpoint", svc.rt.checkpoint, sid)
-
-
-@router.post("/sandboxes/{sid}/fork", status_code=201, response_model=Forked, tags=["life cycle"])
-async def fork(svc: Svc, sid: str, body: Fork | None = None) -> Any:
-    kids = await svc.call("fork", svc.fork, sid, (body or Fork()).count)
-    return {"sandboxes": kids}
-
-
-@router.post("/sandboxes/{sid}/commands", tags=["commands"], status_code=200,
-             responses={200: {"model": CommandResult}, 201: {"model": CommandStarted}})
-async def run_command(svc: Svc, sid: str, body: RunCommand) -> Any:
-    try:
-        stdin = base64.b64decode(body.stdin_base64, validate=True) if body.stdin_base64 is not None else None
-    except binascii.Error:
-        raise InvalidArgumentError(f"stdin_base64: not base64: {body.stdin_base64[:40]!r}") from None
-    rt = svc.rt
-    if body.background:
-        cid = await svc.call("exec", rt.start_command, sid, body.cmd, body.cwd, body.env, stdin, io=True)
-        return JSONResponse({"id": cid}, status_code=201)
-    timeout = svc.cap_timeout(body.timeout)
-    return dataclasses.asdict(await svc.call("exec", rt.run, sid, body.cmd, timeout, body.cwd, body.env, stdin,
-                                             io=True))
-
-
-@router.get("/sandboxes/{sid}/processes", response_model=list[ProcessInfo], tags=["commands"])
-async def processes(svc: Svc, sid: str) -> Any:
-    return await svc.call("processes", svc.rt.processes, sid, io=True)
-
-
-@router.post("/sandboxes/{sid}/processes/{pid}/connect", status_code=201, response_model=CommandStarted,
-             tags=["commands"])
-async def connect_command(svc: Svc, sid: str, pid: int) -> Any:
-    return {"id": await svc.call("connect_command", svc.rt.connect_command, sid, pid, io=True)}
-
-
-@router.get("/commands/{cid}", response_model=CommandStatus, tags=["commands"])
-async def command_status(svc: Svc, cid: str) -> Any:
-    # Off the loop: output is fetched from the sandbox's agent (a checkpoint in progress holds it).
-    running = await anyio.to_thread.run_sync(svc.rt.command_running, cid, limiter=svc.io)
-    out, err = await anyio.to_thread.run_sync(svc.rt.command_output, cid, limiter=svc.io)
-    return {"id": cid, "running": running, "stdout": out, "stderr": err, "pid": svc.rt.command_pid(cid)}
-
-
-@router.get("/commands/{cid}/events", tags=["commands"],
-            responses={200: {"content": {"text/event-stream": {}},
-                             "description": "events `stdout` and `stderr` (data: a JSON string), then `end`; "
-                                            "`error` (data: an error body) if the command vanishes"}})
-async def command_events(svc: Svc, cid: str, poll: Annotated[float, Query(gt=0, le=1)] = 0.02) -> StreamingResponse:
-    rt = svc.rt
-    # Unknown id -> 404 now, not inside the stream.
-    await anyio.to_thread.run_sync(rt.read_command_output, cid, (1 << 62, 1 << 62), limiter=svc.io)
-
-    async def events() -> AsyncIterator[str]:
-        pieces = OutputPieces()
-        try:
-            while True:
-                # Off the loop: each look asks the sandbox's agent (~1 ms; a checkpoint in progress
-                # holds it, so the stream pauses, then goes on from where it was).
-                out, err, done = await anyio.to_thread.run_sync(rt.read_command_output, cid, pieces.offsets,
-                                                                limiter=svc.io)
-                for name, text in pieces.feed(out, err, final=done):
-                    yield f"event: {name}\ndata: {json.dumps(text)}\n\n"
-                if done:
-                    yield "event: end\ndata: {}\n\n"
-                    return
-                await anyio.sleep(poll)
-        except SandboxError as e:
-            yield f"event: error\ndata: {json.dumps(error_body(e))}\n\n"
-
-    return StreamingResponse(events(), media_type="text/event-stream", headers={"cache-control": "no-cache"})
-
-
-@router.post("/commands/{cid}/wait", response_model=CommandResult, tags=["commands"])
-async def wait_command(svc: Svc, cid: str, body: Wait | None = None) -> Any:
-    return await svc.call("wait", svc.rt.wait_command, cid, svc.cap_timeout((body or Wait()).timeout), io=True)
-
-
-@router.delete("/commands/{cid}", status_code=204, tags=["commands"])
-async def kill_command(svc: Svc, cid: str) -> Response:
-    await svc.call("kill_command", svc.rt.kill_command, cid, io=True)
-    return Response(status_code=204)
-
-
-@router.get("/sandboxes/{sid}/files", tags=["files"], response_class=StreamingResponse,
-            responses={200: {"content": {"application/octet-stream": {}}}})
-async def read_file(svc: Svc, sid: str, path: PathQ) -> StreamingResponse:
-    f = await svc.call("read_file", svc.rt.open_file, sid, path, io=True)
-    size = f.size  # what the agent's stream delivers: the file's size when opened
-
-    async def chunks() -> AsyncIterator[bytes]:
-        # The file as long as it was when opened: a file that grows meanwhile (a log being written)
-        # must not send more than the declared content-length.
-        left = size
-        try:
-            while left and (chunk := await anyio.to_thread.run_sync(f.read, min(left, 1 << 20), limiter=svc.io)):
-                left -= len(chunk)
-                yield chunk
-        finally:
-            f.close()
-
-    return StreamingResponse(chunks(), media_type="application/octet-stream",
-                             headers={"content-length": str(size)})
-
-
-@router.put("/sandboxes/{sid}/files", response_model=Written, tags=["files"],
-            openapi_extra={"requestBody": {"content": {"application/octet-stream": {}}, "required": True}})
-async def write_file(svc: Svc, sid: str, path: PathQ, request: Request) -> Any:
-    # Spooled to the host first (memory up to 1 MiB, then disk; the body limit applies as it arrives),
-    # so the sandbox's lock is held for a local copy, never for a slow client's upload.
-    in_memory, written = 1 << 20, 0
-    with tempfile.SpooledTemporaryFile(max_size=in_memory) as spool:
-        async for chunk in request.stream():
-            written += len(chunk)
-            if written <= in_memory:
-                spool.write(chunk)
-            else:  # the spool is (or is about to be) a disk file: off the event loop
-                await anyio.to_thread.run_sync(spool.write, chunk, limiter=svc.io)
-        spool.seek(0)
-        n = await svc.call("write_file", svc.rt.write_file, sid, path, spool, io=True)
-    return {"path": path, "bytes": n}
-
-
-@router.delete("/sandboxes/{sid}/files", status_code=204, tags=["files"])
-async def remove_file(svc: Svc, sid: str, path: PathQ) -> Response:
-    await svc.call("remove", svc.rt.remove, sid, path, io=True)
-    return Response(status_code=204)
-
-
-@router.head("/sandboxes/{sid}/files", tags=["files"], responses={404: {"description": "no such entry"}})
-async def file_exists(svc: Svc, sid: str, path: PathQ) -> Response:
-    found = await svc.call("exists", svc.rt.exists, sid, path, io=True)
-    return Response(status_code=200 if found else 404, headers={} if found else {ERROR_HEADER: "file_not_found"})
-
-
-@router.get("/sandboxes/{sid}/dirs", response_model=list[EntryInfo], tags=["files"])
-async def list_dir(svc: Svc, sid: str, path: PathQ = "/") -> Any:
-    return await svc.call("list_dir", svc.rt.list_dir, sid, path, io=True)
-
-
-@router.post("/sandboxes/{sid}/dirs", status_code=201, tags=["files"])
-async def make_dir(svc: Svc, sid: str, path: PathQ) -> Response:
-    await svc.call("make_dir", svc.rt.make_dir, sid, path, io=True)
-    return Response(status_code=201)
-
-
-@router.get("/checkpoints", response_model=list[CheckpointInfo], tags=["checkpoints"])
-async def list_checkpoints(svc: Svc) -> Any:
-    return await svc.call("list_checkpoints", svc.rt.checkpoints, io=True)
-
-
-@router.get("/checkpoints/{ck}", response_model=CheckpointInfo, tags=["checkpoints"])
-async def get_checkpoint(svc: Svc, ck: str) -> Any:
-    return await svc.call("get_checkpoint", svc.rt.get_checkpoint, ck, io=True)
-
-
-@router.post("/checkpoints/{ck}/restore", status_code=201, response_model=SandboxInfo, tags=["checkpoints"])
-async def restore(svc: Svc, ck: str, body: Restore | None = None) -> Any:
-    body = body or Restore()
-    return await svc.call("restore", svc.restore, ck, body.id, body.timeout_s)
-
-
-@router.delete("/checkpoints/{ck}", status_code=204, tags=["checkpoints"])
-async def delete_checkpoint(svc: Svc, ck: str) -> Response:
-    await svc.call("delete_checkpoint", svc.rt.delete_checkpoint, ck)
-    return Response(status_code=204)
+router = APIRouter(dependencies=[Depends(authorize)])
 
 
 @router.get("/metrics", tags=["service"], response_class=Response,
@@ -373,10 +97,12 @@ def create_app(config: ServiceConfig, runtime: Runtime | None = None) -> FastAPI
 
     app = FastAPI(title="k3sys sandbox service", version=__version__, lifespan=lifespan,
                   docs_url=None, redoc_url=None, openapi_url=None,
-                  description="Agent sandboxes (runc + CRIU) with a managed life cycle. Errors: "
-                              '`{"error": {"type": ..., "message": ...}}`.')
+                  description="Agent sandboxes (runc + CRIU) with a managed life cycle, over E2B's protocol. "
+                              'Errors: `{"code": <status>, "message": ..., "type": ...}`.')
     app.state.service = service
+    app.include_router(control.router)
     app.include_router(router)
+    install_envd(app)  # requests with E2b-Sandbox-Id: envd (envd/app.py)
     app.add_api_route("/health", health, methods=["GET"], tags=["service"], response_model=Health)
 
     install_error_handlers(app)
@@ -385,7 +111,7 @@ def create_app(config: ServiceConfig, runtime: Runtime | None = None) -> FastAPI
     return app
 
 
-def serve(config: ServiceConfig, host: str = "127.0.0.1", port: int = 8765, log_level: str = "warning") -> None:
+def serve(config: ServiceConfig, host: str = "127.0.0.1", port: int = 3000, log_level: str = "warning") -> None:
     """Serve until SIGINT/SIGTERM (then `on_shutdown` runs). Refuses a non-loopback `host` without a key."""
     import uvicorn
 
