@@ -253,3 +253,23 @@ def test_network_sandbox_keeps_seccomp_and_capabilities(arena, record_property):
     s.checkpoint()
     record_property("figure", f"Seccomp 2, NoNewPrivs 1, CapBnd {status['CapBnd']}; unshare and mknod refused; "
                               "checkpoint works")
+
+
+def test_concurrent_claims_never_share_a_uid_range(tmp_path, record_property):
+    record_property("attack", "two sandboxes on one uid range (concurrent creates, stale claims)")
+    from concurrent.futures import ThreadPoolExecutor
+
+    ranges = idmap.Ranges(tmp_path / "claims")
+    dirs = [tmp_path / f"sbx-{i}" for i in range(32)]
+    for d in dirs:
+        d.mkdir()
+    with ThreadPoolExecutor(16) as pool:
+        bases = list(pool.map(ranges.claim, dirs))
+    assert len(set(bases)) == 32 and min(bases) >= idmap.BASE
+    assert [ranges.base_of(d) for d in dirs] == bases
+    # A claim whose sandbox directory is gone is taken over; a live one never is.
+    dirs[3].rmdir()
+    assert ranges.claim(tmp_path / "sbx-new") == bases[3]
+    ranges.release(dirs[0])
+    assert ranges.base_of(dirs[0]) is None
+    record_property("figure", "32 concurrent claims: 32 ranges; a stale claim reused, a released one freed")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import fcntl
 import os
 import shutil
 import struct
@@ -63,19 +64,16 @@ class Ranges:
         held = self.base_of(sandbox)
         if held is not None:
             return held
-        claims = self._claims()
-        for i in range(MAX_RANGES):
-            if i in claims:
-                if os.path.isdir(claims[i]):
+        # One claimer at a time, host-wide: a claim being written (empty for a moment) or a stale one
+        # being taken over must not be judged by another claimer in between.
+        with open(self.dir / ".lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            claims = self._claims()
+            for i in range(MAX_RANGES):
+                if i in claims and os.path.isdir(claims[i]):
                     continue
-                (self.dir / str(i)).unlink(missing_ok=True)  # stale
-            try:
-                fd = os.open(self.dir / str(i), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            except FileExistsError:  # claimed by a concurrent create since the listing
-                continue
-            with os.fdopen(fd, "w") as f:
-                f.write(str(sandbox))
-            return BASE + i * SIZE
+                (self.dir / str(i)).write_text(str(sandbox))  # free, or stale: its sandbox is gone
+                return BASE + i * SIZE
         raise DriverError(f"no free uid range: all {MAX_RANGES} are claimed by live sandboxes")
 
     def base_of(self, sandbox: Path) -> int | None:
@@ -180,6 +178,8 @@ def rebased_images(images: Path, dest: Path, base: int) -> Path:
     found = sorted(images.glob("userns-*.img"))
     if not found:
         return images
+    if base < BASE:  # never map a sandbox onto host root's ids, whatever went wrong with its claim
+        raise DriverError(f"restore into host id {base}: the sandbox holds no uid range")
     data = found[0].read_bytes()
     old = _range_of(data)
     if old is None or data[12:] != _userns_entry(old):
