@@ -7,6 +7,7 @@
     k3sys sandbox exec $SID 'echo hi > /tmp/f'; k3sys sandbox cp $SID:/tmp/f ./f
     CK=$(k3sys sandbox checkpoint $SID); k3sys sandbox fork $SID -n 2; k3sys sandbox restore $CK
     k3sys sandbox ls; k3sys sandbox kill $SID
+    k3sys sandbox keys add --tenant alice     # a tenant's API key for the service (cli_keys.py)
 
 Results meant for scripts (ids, file contents, command output) go to stdout, everything else to
 stderr. Exit codes:
@@ -36,6 +37,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from k3sys.sandbox.cli_keys import app as keys_app
 from k3sys.sandbox.errors import (
     CommandTimeoutError,
     RuntimeLockedError,
@@ -52,6 +54,7 @@ app = typer.Typer(no_args_is_help=True, add_completion=False,
                   help="Agent sandboxes: create, exec, cp, pause, resume, hibernate, checkpoint, fork, restore, "
                        "kill; `serve` runs the HTTP service.")
 err = Console(stderr=True, soft_wrap=True)  # messages stay one line in logs
+app.add_typer(keys_app, name="keys")
 
 ApiUrl = Annotated[str | None, typer.Option("--api-url", envvar="K3SYS_API_URL",
                                             help="A sandbox service; default: the embedded runtime.")]

@@ -22,6 +22,8 @@ from k3sys.sandbox.runtime.runtime import Runtime
 from k3sys.sandbox.runtime.state import State
 from k3sys.sandbox.service import metrics as _metrics
 from k3sys.sandbox.service.limits import Admission
+from k3sys.sandbox.service.scope import Principal, Scope
+from k3sys.sandbox.service.tenants import Tenants
 from k3sys.sandbox.spec import ON_TIMEOUT, SandboxSpec
 from k3sys.sandbox.types import SandboxInfo
 
@@ -76,6 +78,7 @@ class Service:
         self.config = config
         self.runtime: Runtime | None = None
         self.admission: Admission | None = None
+        self.tenants: Tenants | None = None
         self.draining = False
         self.ops = anyio.CapacityLimiter(config.op_threads)
         self.io = anyio.CapacityLimiter(config.io_threads)
@@ -93,6 +96,14 @@ class Service:
         if self.runtime is None:
             self.runtime = Runtime(self.config.data_dir, on_timeout=self.config.on_timeout)
         self.admission = Admission(self.runtime, self.config.max_sandboxes, self.config.max_memory_mb)
+        self.tenants = Tenants(self.config.data_dir)
+        # Owners of sandboxes gone for good (not alive, no checkpoint of them left) are forgotten.
+        rt = self.runtime
+        self.tenants.prune({i.id for i in rt.list()} | {c.sandbox_id for c in rt.checkpoints()})
+
+    def scope(self, who: Principal) -> Scope:
+        """What `who` may see and reach (every route's filter)."""
+        return Scope(self.rt, self.tenants, who)
 
     def stop(self) -> None:
         """Apply `on_shutdown` to the sandboxes holding memory, then let go of the runtime directory."""
@@ -109,6 +120,8 @@ class Service:
                     with contextlib.suppress(SandboxError):
                         f.result()  # a failed hibernation leaves the sandbox running, adopted next start
         rt.close()
+        if self.tenants is not None:
+            self.tenants.close()
 
     async def call(self, op: str, fn: Callable[..., T], *args: Any, io: bool = False) -> T:
         """Run `fn(*args)` in a worker thread, timed as `op` in the metrics."""
@@ -130,22 +143,31 @@ class Service:
 
     # --- operations that admit new sandboxes (run in worker threads) -----------------------------
 
-    def create(self, spec: SandboxSpec, id: str | None) -> SandboxInfo:
-        with self.admission.admit(1, spec.memory_mb):
-            return self.rt.create(spec, id)
+    def create(self, spec: SandboxSpec, id: str | None, scope: Scope) -> SandboxInfo:
+        scope.check_new_id(id)
+        with self.admission.admit(1, spec, scope):
+            info = self.rt.create(spec, id)
+        scope.claim([info])
+        return info
 
-    def restore(self, ck: str, id: str | None, timeout_s: float | None) -> SandboxInfo:
-        spec = self.rt.store.get(ck).meta.get("spec", {})
-        with self.admission.admit(1, int(spec.get("memory_mb", 0))):
-            return self.rt.restore(ck, id, timeout_s)
+    def restore(self, ck: str, id: str | None, timeout_s: float | None, scope: Scope) -> SandboxInfo:
+        scope.checkpoint(ck)
+        scope.check_new_id(id)
+        spec = SandboxSpec.from_json(self.rt.store.get(ck).meta.get("spec", {}))
+        with self.admission.admit(1, spec, scope):
+            info = self.rt.restore(ck, id, timeout_s)
+        scope.claim([info])
+        return info
 
-    def fork(self, sid: str, n: int) -> list[SandboxInfo]:
-        with self.admission.admit(n, self.rt.info(sid).spec.memory_mb):
-            return self.rt.fork(sid, n)
+    def fork(self, sid: str, n: int, scope: Scope) -> list[SandboxInfo]:
+        with self.admission.admit(n, scope.sandbox(sid).spec, scope):
+            kids = self.rt.fork(sid, n)
+        scope.claim(kids)
+        return kids
 
-    def resume(self, sid: str) -> SandboxInfo:
-        info = self.rt.info(sid)
-        room = self.admission.admit(1, info.spec.memory_mb) if info.state == "hibernated" else contextlib.nullcontext()
+    def resume(self, sid: str, scope: Scope) -> SandboxInfo:
+        info = scope.sandbox(sid)
+        room = self.admission.admit(1, info.spec, scope) if info.state == "hibernated" else contextlib.nullcontext()
         with room:
             self.rt.resume(sid)
         return self.rt.info(sid)

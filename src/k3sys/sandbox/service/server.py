@@ -52,13 +52,13 @@ import anyio
 import anyio.to_thread
 from fastapi import APIRouter, Depends, FastAPI, Query, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
-from fastapi.security import HTTPBearer
 
 from k3sys.sandbox._wire import ERROR_HEADER, error_body
 from k3sys.sandbox.errors import InvalidArgumentError, SandboxError
 from k3sys.sandbox.runtime.runtime import Runtime
 from k3sys.sandbox.service import metrics as _metrics
-from k3sys.sandbox.service.auth import check_bind, check_key
+from k3sys.sandbox.service.access import Caller, Ck, Sid, scope_of
+from k3sys.sandbox.service.auth import check_bind
 from k3sys.sandbox.service.core import Service, ServiceConfig
 from k3sys.sandbox.service.errors import install_error_handlers
 from k3sys.sandbox.service.limits import BodyLimit
@@ -93,88 +93,83 @@ def _service(request: Request) -> Service:
     return request.app.state.service
 
 
-async def _authorize(request: Request, _: Annotated[Any, Depends(HTTPBearer(auto_error=False))]) -> None:
-    # HTTPBearer only documents the scheme in the OpenAPI spec; the check is ours (constant time).
-    check_key(request.app.state.service.config.api_key, request.headers.get("authorization"))
-
-
 Svc = Annotated[Service, Depends(_service)]
 PathQ = Annotated[str, Query(description="a path inside the sandbox")]
-router = APIRouter(dependencies=[Depends(_authorize)])
+router = APIRouter(dependencies=[Depends(scope_of)])  # every route: the caller's key, its tenant
 
 
 @router.post("/sandboxes", status_code=201, response_model=SandboxInfo, tags=["sandboxes"])
-async def create_sandbox(svc: Svc, body: CreateSandbox | None = None) -> Any:  # type: ignore[valid-type]
+async def create_sandbox(svc: Svc, scope: Caller, body: CreateSandbox | None = None) -> Any:  # type: ignore[valid-type]
     fields = (body or CreateSandbox()).model_dump()
     sid = fields.pop("id")
     spec = SandboxSpec(**fields)
-    return await svc.call("create", svc.create, spec, sid)
+    return await svc.call("create", svc.create, spec, sid, scope)
 
 
 @router.get("/sandboxes", response_model=list[SandboxInfo], tags=["sandboxes"])
-async def list_sandboxes(svc: Svc) -> Any:
-    return svc.rt.list()
+async def list_sandboxes(svc: Svc, scope: Caller) -> Any:
+    return scope.sandboxes(svc.rt.list())
 
 
 @router.get("/sandboxes/{sid}", response_model=SandboxInfo, tags=["sandboxes"])
-async def get_sandbox(svc: Svc, sid: str) -> Any:
+async def get_sandbox(svc: Svc, sid: Sid) -> Any:
     return svc.rt.info(sid)
 
 
 @router.delete("/sandboxes/{sid}", status_code=204, tags=["sandboxes"])
-async def kill_sandbox(svc: Svc, sid: str) -> Response:
+async def kill_sandbox(svc: Svc, sid: Sid) -> Response:
     await svc.call("kill", svc.rt.kill, sid)
     return Response(status_code=204)
 
 
 @router.get("/sandboxes/{sid}/memory", response_model=Memory, tags=["sandboxes"])
-async def sandbox_memory(svc: Svc, sid: str) -> Any:
+async def sandbox_memory(svc: Svc, sid: Sid) -> Any:
     svc.rt.info(sid)
     return {"bytes": await svc.call("memory", svc.rt.memory_bytes, sid, io=True)}
 
 
 @router.get("/sandboxes/{sid}/cpu", response_model=Cpu, tags=["sandboxes"])
-async def sandbox_cpu(svc: Svc, sid: str) -> Any:
+async def sandbox_cpu(svc: Svc, sid: Sid) -> Any:
     """CPU seconds charged to the sandbox's cgroup (restarts at 0 when a hibernated sandbox resumes)."""
     svc.rt.info(sid)
     return {"seconds": await svc.call("cpu", svc.rt.cpu_seconds, sid, io=True)}
 
 
 @router.post("/sandboxes/{sid}/pause", response_model=SandboxInfo, tags=["life cycle"])
-async def pause(svc: Svc, sid: str) -> Any:
+async def pause(svc: Svc, sid: Sid) -> Any:
     return await svc.call("pause", svc.pause, sid)
 
 
 @router.post("/sandboxes/{sid}/resume", response_model=SandboxInfo, tags=["life cycle"])
-async def resume(svc: Svc, sid: str) -> Any:
-    return await svc.call("resume", svc.resume, sid)
+async def resume(svc: Svc, sid: Sid, scope: Caller) -> Any:
+    return await svc.call("resume", svc.resume, sid, scope)
 
 
 @router.post("/sandboxes/{sid}/hibernate", response_model=CheckpointInfo, tags=["life cycle"])
-async def hibernate(svc: Svc, sid: str) -> Any:
+async def hibernate(svc: Svc, sid: Sid) -> Any:
     return await svc.call("hibernate", svc.rt.hibernate, sid)
 
 
 @router.post("/sandboxes/{sid}/prefetch", response_model=Prefetched, tags=["life cycle"])
-async def prefetch(svc: Svc, sid: str, body: Prefetch | None = None) -> Any:
+async def prefetch(svc: Svc, sid: Sid, body: Prefetch | None = None) -> Any:
     """Stage a hibernated sandbox's images for a likely resume (a hint; see `Runtime.prefetch`)."""
     return {"staged": await svc.call("prefetch", svc.rt.prefetch, sid, (body or Prefetch()).ttl_s)}
 
 
 @router.post("/sandboxes/{sid}/checkpoints", status_code=201, response_model=CheckpointInfo, tags=["life cycle"])
-async def checkpoint(svc: Svc, sid: str) -> Any:
+async def checkpoint(svc: Svc, sid: Sid) -> Any:
     return await svc.call("checkpoint", svc.rt.checkpoint, sid)
 
 
 @router.post("/sandboxes/{sid}/fork", status_code=201, response_model=Forked, tags=["life cycle"])
-async def fork(svc: Svc, sid: str, body: Fork | None = None) -> Any:
-    kids = await svc.call("fork", svc.fork, sid, (body or Fork()).count)
+async def fork(svc: Svc, sid: Sid, scope: Caller, body: Fork | None = None) -> Any:
+    kids = await svc.call("fork", svc.fork, sid, (body or Fork()).count, scope)
     return {"sandboxes": kids}
 
 
 @router.post("/sandboxes/{sid}/commands", tags=["commands"], status_code=200,
              responses={200: {"model": CommandResult}, 201: {"model": CommandStarted}})
-async def run_command(svc: Svc, sid: str, body: RunCommand) -> Any:
+async def run_command(svc: Svc, sid: Sid, body: RunCommand) -> Any:
     try:
         stdin = base64.b64decode(body.stdin_base64, validate=True) if body.stdin_base64 is not None else None
     except binascii.Error:
@@ -189,13 +184,13 @@ async def run_command(svc: Svc, sid: str, body: RunCommand) -> Any:
 
 
 @router.get("/sandboxes/{sid}/processes", response_model=list[ProcessInfo], tags=["commands"])
-async def processes(svc: Svc, sid: str) -> Any:
+async def processes(svc: Svc, sid: Sid) -> Any:
     return await svc.call("processes", svc.rt.processes, sid, io=True)
 
 
 @router.post("/sandboxes/{sid}/processes/{pid}/connect", status_code=201, response_model=CommandStarted,
              tags=["commands"])
-async def connect_command(svc: Svc, sid: str, pid: int) -> Any:
+async def connect_command(svc: Svc, sid: Sid, pid: int) -> Any:
     return {"id": await svc.call("connect_command", svc.rt.connect_command, sid, pid, io=True)}
 
 
@@ -249,7 +244,7 @@ async def kill_command(svc: Svc, cid: str) -> Response:
 
 @router.get("/sandboxes/{sid}/files", tags=["files"], response_class=StreamingResponse,
             responses={200: {"content": {"application/octet-stream": {}}}})
-async def read_file(svc: Svc, sid: str, path: PathQ) -> StreamingResponse:
+async def read_file(svc: Svc, sid: Sid, path: PathQ) -> StreamingResponse:
     f = await svc.call("read_file", svc.rt.open_file, sid, path, io=True)
     size = f.size  # what the agent's stream delivers: the file's size when opened
 
@@ -270,7 +265,7 @@ async def read_file(svc: Svc, sid: str, path: PathQ) -> StreamingResponse:
 
 @router.put("/sandboxes/{sid}/files", response_model=Written, tags=["files"],
             openapi_extra={"requestBody": {"content": {"application/octet-stream": {}}, "required": True}})
-async def write_file(svc: Svc, sid: str, path: PathQ, request: Request) -> Any:
+async def write_file(svc: Svc, sid: Sid, path: PathQ, request: Request) -> Any:
     # Spooled to the host first (memory up to 1 MiB, then disk; the body limit applies as it arrives),
     # so the sandbox's lock is held for a local copy, never for a slow client's upload.
     in_memory, written = 1 << 20, 0
@@ -287,46 +282,46 @@ async def write_file(svc: Svc, sid: str, path: PathQ, request: Request) -> Any:
 
 
 @router.delete("/sandboxes/{sid}/files", status_code=204, tags=["files"])
-async def remove_file(svc: Svc, sid: str, path: PathQ) -> Response:
+async def remove_file(svc: Svc, sid: Sid, path: PathQ) -> Response:
     await svc.call("remove", svc.rt.remove, sid, path, io=True)
     return Response(status_code=204)
 
 
 @router.head("/sandboxes/{sid}/files", tags=["files"], responses={404: {"description": "no such entry"}})
-async def file_exists(svc: Svc, sid: str, path: PathQ) -> Response:
+async def file_exists(svc: Svc, sid: Sid, path: PathQ) -> Response:
     found = await svc.call("exists", svc.rt.exists, sid, path, io=True)
     return Response(status_code=200 if found else 404, headers={} if found else {ERROR_HEADER: "file_not_found"})
 
 
 @router.get("/sandboxes/{sid}/dirs", response_model=list[EntryInfo], tags=["files"])
-async def list_dir(svc: Svc, sid: str, path: PathQ = "/") -> Any:
+async def list_dir(svc: Svc, sid: Sid, path: PathQ = "/") -> Any:
     return await svc.call("list_dir", svc.rt.list_dir, sid, path, io=True)
 
 
 @router.post("/sandboxes/{sid}/dirs", status_code=201, tags=["files"])
-async def make_dir(svc: Svc, sid: str, path: PathQ) -> Response:
+async def make_dir(svc: Svc, sid: Sid, path: PathQ) -> Response:
     await svc.call("make_dir", svc.rt.make_dir, sid, path, io=True)
     return Response(status_code=201)
 
 
 @router.get("/checkpoints", response_model=list[CheckpointInfo], tags=["checkpoints"])
-async def list_checkpoints(svc: Svc) -> Any:
-    return await svc.call("list_checkpoints", svc.rt.checkpoints, io=True)
+async def list_checkpoints(svc: Svc, scope: Caller) -> Any:
+    return scope.checkpoints(await svc.call("list_checkpoints", svc.rt.checkpoints, io=True))
 
 
 @router.get("/checkpoints/{ck}", response_model=CheckpointInfo, tags=["checkpoints"])
-async def get_checkpoint(svc: Svc, ck: str) -> Any:
+async def get_checkpoint(svc: Svc, ck: Ck) -> Any:
     return await svc.call("get_checkpoint", svc.rt.get_checkpoint, ck, io=True)
 
 
 @router.post("/checkpoints/{ck}/restore", status_code=201, response_model=SandboxInfo, tags=["checkpoints"])
-async def restore(svc: Svc, ck: str, body: Restore | None = None) -> Any:
+async def restore(svc: Svc, ck: Ck, scope: Caller, body: Restore | None = None) -> Any:
     body = body or Restore()
-    return await svc.call("restore", svc.restore, ck, body.id, body.timeout_s)
+    return await svc.call("restore", svc.restore, ck, body.id, body.timeout_s, scope)
 
 
 @router.delete("/checkpoints/{ck}", status_code=204, tags=["checkpoints"])
-async def delete_checkpoint(svc: Svc, ck: str) -> Response:
+async def delete_checkpoint(svc: Svc, ck: Ck) -> Response:
     await svc.call("delete_checkpoint", svc.rt.delete_checkpoint, ck)
     return Response(status_code=204)
 
