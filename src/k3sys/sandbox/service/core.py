@@ -21,6 +21,7 @@ from k3sys.sandbox.errors import InvalidArgumentError, SandboxError, Unavailable
 from k3sys.sandbox.runtime.runtime import Runtime
 from k3sys.sandbox.runtime.state import State
 from k3sys.sandbox.service import metrics as _metrics
+from k3sys.sandbox.service.guard import ConnectionLimits
 from k3sys.sandbox.service.limits import Admission
 from k3sys.sandbox.service.scope import Principal, Scope
 from k3sys.sandbox.service.tenants import Tenants
@@ -44,7 +45,8 @@ class ServiceConfig:
     host's RAM, so memory limits are never over-committed; `on_timeout` is what happens to a sandbox
     past its `timeout_s` unless its spec says; `on_shutdown` what stopping the service does to the
     sandboxes that hold memory ("hibernate": released now, resumed on demand; "keep": left running
-    for the next start to adopt; "kill").
+    for the next start to adopt; "kill"). `connections`: how many, and how long a request header may
+    take (guard.py).
     """
 
     data_dir: Path
@@ -57,6 +59,7 @@ class ServiceConfig:
     on_shutdown: str = "hibernate"
     op_threads: int = 32
     io_threads: int = 256
+    connections: ConnectionLimits = dataclasses.field(default_factory=ConnectionLimits)
 
     def __post_init__(self) -> None:
         for name in ("max_sandboxes", "max_memory_mb", "max_body_bytes", "op_threads", "io_threads"):

@@ -2,7 +2,7 @@
 
     k3sys sandbox serve --host 127.0.0.1 --port 8765 --data-dir DIR
 
-Resources (all but /health need `Authorization: Bearer <key>`; see `_auth.py` for the key):
+Resources (all but /health need a key, `X-API-Key` or `Authorization: Bearer`: auth.py, access.py):
 
     POST   /sandboxes                         create                   -> 201 SandboxInfo
     GET    /sandboxes                         list                     -> [SandboxInfo]
@@ -26,15 +26,15 @@ Resources (all but /health need `Authorization: Bearer <key>`; see `_auth.py` fo
     DELETE /checkpoints/{ck}                                           -> 204
     GET    /health, /metrics (Prometheus text), /openapi.json
 
-Errors: one body shape, in `_wire.py` (statuses: errors.py), answered by errors.py's handlers.
-Request and answer bodies: models.py. Every runtime call that can block runs in a
-worker thread (two pools: life-cycle operations, and commands/files, so long commands never starve a
-pause or kill); the runtime serialises operations per sandbox, so one slow checkpoint holds up only
-its own sandbox. Reads of the runtime's tables (list, info, command output) answer on the event loop:
-they never wait for a sandbox's lock. Limits (`ServiceConfig`): sandboxes and memory (429),
-body size (413), command timeouts (422 above the cap), shutting down (503). A sandbox past its
-`timeout_s` is hibernated (or killed) by the runtime's reaper. Stopping the service hibernates the
-sandboxes that hold memory (`on_shutdown`); the next start finds them and every checkpoint again.
+Errors: one body shape, in `_wire.py` (statuses: errors.py), answered by errors.py's handlers;
+bodies: models.py. Every runtime call that can block runs in a worker thread (two pools: life-cycle
+operations, and commands/files, so long commands never starve a pause or kill); the runtime
+serialises operations per sandbox, so one slow checkpoint holds up only its own sandbox. Reads of
+the runtime's tables (list, info, command output) answer on the event loop: they never wait for a
+sandbox's lock. Limits (`ServiceConfig`): sandboxes and memory (429), body size (413), command
+timeouts (422 above the cap), shutting down (503). A sandbox past its `timeout_s` is hibernated (or
+killed) by the runtime's reaper. Stopping the service hibernates the sandboxes that hold memory
+(`on_shutdown`); the next start finds them and every checkpoint again.
 """
 
 from __future__ import annotations
@@ -61,7 +61,9 @@ from k3sys.sandbox.service.access import Caller, Ck, Sid, scope_of
 from k3sys.sandbox.service.auth import check_bind
 from k3sys.sandbox.service.core import Service, ServiceConfig
 from k3sys.sandbox.service.errors import install_error_handlers
+from k3sys.sandbox.service.guard import raise_nofile, uvicorn_options
 from k3sys.sandbox.service.limits import BodyLimit
+from k3sys.sandbox.service.logfilter import log_config
 from k3sys.sandbox.service.metrics import CountRequests
 from k3sys.sandbox.service.models import (
     CommandStarted,
@@ -385,10 +387,13 @@ def serve(config: ServiceConfig, host: str = "127.0.0.1", port: int = 8765, log_
     import uvicorn
 
     check_bind(host, config.api_key)
+    raise_nofile(config.connections)  # before the runtime opens anything: it checks the limits fit
     # Opened here, not at startup, so a directory in use fails with our error, not uvicorn's.
     runtime = Runtime(config.data_dir, on_timeout=config.on_timeout)
     # Streams (command events) would hold a graceful shutdown open forever: cut them after 10 s.
     # Idle connections stay open well past the client's own expiry (httpx: 5 s), so a client never
-    # sends a request on a connection the server is closing at that instant.
+    # sends a request on a connection the server is closing at that instant. guard.py bounds connections
+    # and header time.
     uvicorn.run(create_app(config, runtime), host=host, port=port, log_level=log_level, access_log=False,
-                timeout_graceful_shutdown=10, timeout_keep_alive=KEEP_ALIVE_S, lifespan="on")
+                timeout_graceful_shutdown=10, timeout_keep_alive=KEEP_ALIVE_S, lifespan="on",
+                log_config=log_config(), **uvicorn_options(config.connections))
