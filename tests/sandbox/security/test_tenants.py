@@ -132,7 +132,7 @@ def test_quotas_refuse_with_429_naming_the_quota(svc, record_property):
                                                      headers={"x-api-key": svc.keys["carol"]}) as h:
         with pytest.raises(QuotaError, match=r"quota pids: .*at most 100 .*pids=4194304"):
             carol.create(SandboxSpec(memory_mb=64, pids=4194304))
-        r = h.post("/sandboxes", json={"memory_mb": 64, "pids": 101})
+        r = h.post("/sandboxes", json={"templateID": "busybox", "memoryMB": 64, "pids": 101})
         assert r.status_code == 429 and "quota_exceeded" in r.text and "pids" in r.text
         with pytest.raises(QuotaError, match=r"quota memory_mb: .*at most 160 MiB"):
             carol.create(SandboxSpec(memory_mb=192, pids=64))
@@ -175,3 +175,26 @@ def test_admin_key_and_wrong_keys(svc, record_property):
         assert h.get("/sandboxes").status_code == 401
         assert h.get("/health").status_code == 200
     record_property("figure", f"unknown key and no key: 401 ({(time.monotonic() - t0) * 1e3:.0f} ms)")
+
+
+def test_official_e2b_sdk_sees_only_its_tenant(svc, monkeypatch, record_property):
+    record_property("attack", "one API key sees and kills every sandbox")
+    from e2b import Sandbox
+    from e2b.exceptions import NotFoundException
+
+    monkeypatch.setenv("E2B_API_URL", svc.url)
+    monkeypatch.setenv("E2B_SANDBOX_URL", svc.url)
+    alice, bob = svc.keys["alice"], svc.keys["bob"]
+    s = Sandbox.create("busybox", api_key=alice, timeout=120)
+    try:
+        assert s.sandbox_id in {i.sandbox_id for i in Sandbox.list(api_key=alice).next_items()}
+        assert s.sandbox_id not in {i.sandbox_id for i in Sandbox.list(api_key=bob).next_items()}
+        with pytest.raises(NotFoundException):
+            Sandbox.connect(s.sandbox_id, api_key=bob)
+        with pytest.raises(NotFoundException):
+            Sandbox.get_info(s.sandbox_id, api_key=bob)
+        assert Sandbox.kill(s.sandbox_id, api_key=bob) is False  # E2B's answer to a 404
+        assert s.is_running() and Sandbox.get_info(s.sandbox_id, api_key=alice).sandbox_id == s.sandbox_id
+        record_property("figure", "e2b SDK with another tenant's key: list hides it, connect/get_info/kill 404")
+    finally:
+        s.kill()

@@ -90,9 +90,10 @@ def raise_nofile(limits: ConnectionLimits) -> int:
 
 def _raw_response(status: int, reason: str, exc: Exception) -> bytes:
     """A whole HTTP/1.1 answer with the service's error body, for when there is no app to answer."""
-    body = json.dumps(error_body(exc)).encode()
+    err = error_body(exc, status)
+    body = json.dumps(err).encode()
     head = (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
-            f"{ERROR_HEADER}: {error_body(exc)['error']['type']}\r\nconnection: close\r\n\r\n")
+            f"{ERROR_HEADER}: {err['type']}\r\nconnection: close\r\n\r\n")
     return head.encode() + body
 
 

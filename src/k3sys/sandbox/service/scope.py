@@ -81,9 +81,13 @@ class Scope:
         return info
 
     def checkpoint(self, ck: str) -> CheckpointInfo:
-        """The checkpoint `ck` if the caller owns its sandbox; else the store's own not-found error."""
-        info = self.rt.get_checkpoint(ck)
-        if not self._owns(self._owner(info.sandbox_id)):
+        """The checkpoint `ck` if the caller owns its sandbox; else CheckpointNotFoundError, the same for
+        an unknown id (the store's message, which names the host's store path, is not passed on)."""
+        try:
+            info = self.rt.get_checkpoint(ck)
+        except CheckpointNotFoundError:
+            info = None
+        if info is None or not self._owns(self._owner(info.sandbox_id)):
             raise CheckpointNotFoundError(f"no checkpoint {ck!r}")
         return info
 
