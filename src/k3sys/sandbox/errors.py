@@ -41,13 +41,23 @@ a 422 like `InvalidArgumentError` but exits 1, as it always has:
 
 from __future__ import annotations
 
+MAX_MESSAGE = 2000  # characters of an error message; the middle of a longer one is cut
+
 
 class SandboxError(Exception):
-    """Base class of every error raised by `k3sys.sandbox`."""
+    """Base class of every error raised by `k3sys.sandbox`. Its message is at most `MAX_MESSAGE`
+    characters: messages quote the values they refuse, and a 100k-character path must not come back
+    100k characters long (in an answer, a log line, a terminal)."""
 
     code = "sandbox_error"
     http_status: int = 500  # what the service answers with (the tree in the module docstring)
     exit_code: int = 1  # what `k3sys sandbox` exits with
+
+    def __str__(self) -> str:
+        s = super().__str__()
+        if len(s) <= MAX_MESSAGE:
+            return s
+        return f"{s[:MAX_MESSAGE - 400]} ... ({len(s) - MAX_MESSAGE + 300} characters cut) ... {s[-300:]}"
 
 
 class NotFoundError(SandboxError, LookupError):

@@ -155,7 +155,7 @@ def guarded_protocol(limits: ConnectionLimits) -> type[H11Protocol]:
         def connection_made(self, transport: Any) -> None:  # type: ignore[override]
             super().connection_made(transport)
             self.client_key = self.client[0] if self.client else ""
-            self._header_bytes = 0
+            self._header_bytes, self._tail = 0, b""
             self._refused = False
             self._deadline: Any = None
             conns.open += 1
@@ -168,7 +168,7 @@ def guarded_protocol(limits: ConnectionLimits) -> type[H11Protocol]:
 
         def _await_header(self, start_clock: bool) -> None:
             conns.wait(self)
-            self._header_bytes = 0
+            self._header_bytes, self._tail = 0, b""
             if start_clock and self._deadline is None:
                 self._deadline = self.loop.call_later(limits.header_timeout_s, self._header_timeout)
 
@@ -194,7 +194,11 @@ def guarded_protocol(limits: ConnectionLimits) -> type[H11Protocol]:
             if self.conn.their_state is h11.IDLE:
                 if self._header_bytes == 0:  # a header starts (on a reused connection, its clock too)
                     self._await_header(start_clock=True)
-                self._header_bytes += len(data)
+                # Only the header counts: the same read may carry the start of the body.
+                seen = self._tail + data
+                end = seen.find(b"\r\n\r\n")
+                self._header_bytes += len(data) if end < 0 else end + 4 - len(self._tail)
+                self._tail = seen[-3:] if end < 0 else b""
                 if self._header_bytes > limits.max_header_bytes:
                     # Answer, then half-close and keep reading: closing with unread bytes would send
                     # a reset that can destroy the answer before the client reads it. The header

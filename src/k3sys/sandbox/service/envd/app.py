@@ -94,7 +94,8 @@ def _refusal(svc: Any, sid: str, scope: dict[str, Any]) -> tuple[int, str] | Non
     try:
         state = svc.rt.info(sid).state
     except NotFoundError:
-        return 502, f"The sandbox {sid} was not found"
+        # An id past 63 characters names no sandbox: it is not echoed whole (the header may be 64 KiB).
+        return 502, f"The sandbox {sid if len(sid) <= 63 else sid[:63] + '...'} was not found"
     except UnavailableError as e:  # the service is shutting down
         return 503, str(e)
     if state not in _SERVING:
