@@ -85,8 +85,11 @@ def test_tenants_cannot_see_reach_or_kill_each_other(svc, record_property):
         assert [i.id for i in alice.list()] == [a.id] and [i.id for i in bob.list()] == [b.id]
         assert {a.id, b.id} <= {i.id for i in admin.list()}
         assert ck.id in {c.id for c in alice.checkpoints()} and ck.id not in {c.id for c in bob.checkpoints()}
+        cid = alice.start_command(a.id, "sleep 60")
         tried = 0
-        for attempt in (lambda: bob.info(a.id), lambda: bob.kill(a.id), lambda: bob.run(a.id, "echo pwned"),
+        for attempt in (lambda: bob.wait_command(cid, 1), lambda: bob.kill_command(cid),
+                        lambda: bob.command_output(cid), lambda: bob.processes(a.id),
+                        lambda: bob.info(a.id), lambda: bob.kill(a.id), lambda: bob.run(a.id, "echo pwned"),
                         lambda: bob.read_file(a.id, "/etc/hostname"), lambda: bob.write_file(a.id, "/tmp/x", b"x"),
                         lambda: bob.pause(a.id), lambda: bob.hibernate(a.id), lambda: bob.fork(a.id, 1),
                         lambda: bob.checkpoint(a.id), lambda: bob.get_checkpoint(ck.id),
@@ -95,6 +98,8 @@ def test_tenants_cannot_see_reach_or_kill_each_other(svc, record_property):
                 attempt()
             tried += 1
         assert alice.info(a.id).state == "running" and alice.run(a.id, "echo ok").stdout == "ok\n"
+        assert alice.command_running(cid)
+        alice.kill_command(cid)
         assert alice.get_checkpoint(ck.id).id == ck.id
         # Another tenant's id answers byte for byte as an id that does not exist.
         with httpx.Client(base_url=svc.url, headers={"x-api-key": svc.keys["bob"]}, timeout=30) as h:

@@ -187,6 +187,10 @@ class Commands(Table):
         """The command's pid inside its sandbox (for `connect_command` in a fork or restore)."""
         return self._command(cid).pid
 
+    def command_sandbox(self, cid: str) -> str:
+        """The id of the sandbox the command runs in (the service checks the caller may reach it)."""
+        return self._command(cid).sandbox_id
+
     def _feed(self, sid: str, pid: int, data: bytes) -> None:
         """Write a command's whole stdin and close it (a command that exits early just gets less)."""
         with contextlib.suppress(AgentError, NotFoundError):

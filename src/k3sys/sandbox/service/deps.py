@@ -1,8 +1,9 @@
 """What every route of the service depends on: the `Service` of the app, the caller resolved from
 its key once per request (`authorize`, the router-wide dependency: the admin or a tenant, see
-scope.py), and the path ids that caller may reach (`Sid`, `Ck`). A route that names a sandbox or a
-checkpoint takes one of these, so another tenant's id is refused (404) before the route runs, and
-listings filter through the scope (`Caller`): tenant isolation is here and in scope.py, nowhere else."""
+scope.py), and the path ids that caller may reach (`Sid`, `Ck`, `Cid`). A route that names a
+sandbox, a checkpoint or a command takes one of these, so another tenant's id is refused (404)
+before the route runs, and listings filter through the scope (`Caller`): tenant isolation is here
+and in scope.py, nowhere else."""
 
 from __future__ import annotations
 
@@ -45,5 +46,10 @@ def _reachable_checkpoint(ck: str, scope: Caller) -> str:
     return ck
 
 
+async def _reachable_command(cid: str, scope: Caller) -> str:
+    return scope.command(cid)
+
+
 Sid = Annotated[str, Depends(_reachable_sandbox)]
 Ck = Annotated[str, Depends(_reachable_checkpoint)]
+Cid = Annotated[str, Depends(_reachable_command)]

@@ -54,6 +54,7 @@ class Runtimeish(Protocol):
     def list(self) -> list[SandboxInfo]: ...
     def info(self, sid: str) -> SandboxInfo: ...
     def get_checkpoint(self, ck: str) -> CheckpointInfo: ...
+    def command_sandbox(self, cid: str) -> str: ...
 
 
 _IDLE = ("hibernated", "lost")  # states that hold no memory (as limits.Admission counts)
@@ -90,6 +91,15 @@ class Scope:
         if info is None or not self._owns(self._owner(info.sandbox_id)):
             raise CheckpointNotFoundError(f"no checkpoint {ck!r}")
         return info
+
+    def command(self, cid: str) -> str:
+        """The command `cid` if it runs in a sandbox the caller may reach; else NotFoundError, as for
+        an unknown command."""
+        try:
+            self.sandbox(self.rt.command_sandbox(cid))
+        except NotFoundError:
+            raise NotFoundError(f"no command {cid!r}") from None
+        return cid
 
     def sandboxes(self, infos: Iterable[SandboxInfo]) -> list[SandboxInfo]:
         owners = {} if self.tenants is None else self.tenants.owners()

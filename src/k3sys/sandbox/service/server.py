@@ -53,7 +53,7 @@ from k3sys.sandbox.service import control
 from k3sys.sandbox.service import metrics as _metrics
 from k3sys.sandbox.service.auth import check_bind
 from k3sys.sandbox.service.core import Service, ServiceConfig
-from k3sys.sandbox.service.deps import Sid, Svc, authorize
+from k3sys.sandbox.service.deps import Cid, Sid, Svc, authorize
 from k3sys.sandbox.service.envd.app import install as install_envd
 from k3sys.sandbox.service.errors import install_error_handlers
 from k3sys.sandbox.service.guard import raise_nofile, uvicorn_options
@@ -111,7 +111,7 @@ async def connect_command(svc: Svc, sid: Sid, pid: int) -> Any:
 
 
 @router.get("/commands/{cid}", response_model=CommandStatus, tags=["commands"])
-async def command_status(svc: Svc, cid: str) -> Any:
+async def command_status(svc: Svc, cid: Cid) -> Any:
     # Off the loop: output is fetched from the sandbox's agent (a checkpoint in progress holds it).
     running = await anyio.to_thread.run_sync(svc.rt.command_running, cid, limiter=svc.io)
     out, err = await anyio.to_thread.run_sync(svc.rt.command_output, cid, limiter=svc.io)
@@ -122,7 +122,7 @@ async def command_status(svc: Svc, cid: str) -> Any:
             responses={200: {"content": {"text/event-stream": {}},
                              "description": "events `stdout` and `stderr` (data: a JSON string), then `end`; "
                                             "`error` (data: an error body) if the command vanishes"}})
-async def command_events(svc: Svc, cid: str, poll: Annotated[float, Query(gt=0, le=1)] = 0.02) -> StreamingResponse:
+async def command_events(svc: Svc, cid: Cid, poll: Annotated[float, Query(gt=0, le=1)] = 0.02) -> StreamingResponse:
     rt = svc.rt
     # Unknown id -> 404 now, not inside the stream.
     await anyio.to_thread.run_sync(rt.read_command_output, cid, (1 << 62, 1 << 62), limiter=svc.io)
@@ -148,12 +148,12 @@ async def command_events(svc: Svc, cid: str, poll: Annotated[float, Query(gt=0, 
 
 
 @router.post("/commands/{cid}/wait", response_model=CommandResult, tags=["commands"])
-async def wait_command(svc: Svc, cid: str, body: Wait | None = None) -> Any:
+async def wait_command(svc: Svc, cid: Cid, body: Wait | None = None) -> Any:
     return await svc.call("wait", svc.rt.wait_command, cid, svc.cap_timeout((body or Wait()).timeout), io=True)
 
 
 @router.delete("/commands/{cid}", status_code=204, tags=["commands"])
-async def kill_command(svc: Svc, cid: str) -> Response:
+async def kill_command(svc: Svc, cid: Cid) -> Response:
     await svc.call("kill_command", svc.rt.kill_command, cid, io=True)
     return Response(status_code=204)
 
