@@ -52,12 +52,12 @@ def probe(port: int, timeout: float = 5.0, source: str = "127.0.0.2") -> tuple[f
 
 
 class Attacker(threading.Thread):
-    """Opens `n` half-open connections from 127.0.0.1 at once, then goes on opening new ones at
+    """Opens `n` half-open connections from `source` at once, then goes on opening new ones at
     `per_s` a second (keeping its newest `n`), as slowloris replaces the ones the server drops."""
 
-    def __init__(self, port: int, n: int, per_s: float) -> None:
+    def __init__(self, port: int, n: int, per_s: float, source: str = "127.0.0.1") -> None:
         super().__init__(daemon=True)
-        self.port, self.n, self.per_s = port, n, per_s
+        self.port, self.n, self.per_s, self.source = port, n, per_s, source
         self.socks: list[socket.socket] = []
         self.opened = 0
         self.stop = threading.Event()
@@ -67,7 +67,7 @@ class Attacker(threading.Thread):
             if self.opened >= self.n:
                 time.sleep(1 / self.per_s)
             try:
-                s = socket.create_connection(("127.0.0.1", self.port), timeout=5)
+                s = socket.create_connection(("127.0.0.1", self.port), timeout=5, source_address=(self.source, 0))
                 s.sendall(PARTIAL)
                 s.setblocking(False)
             except OSError:
@@ -126,6 +126,32 @@ def test_health_answers_during_half_open_flood(svc, record_property):
     assert max(fds) <= idle_fds + SHARE + 3 * LIMITS.backlog < ATTACK
     assert dropped >= ATTACK - SHARE - 3 * LIMITS.backlog
     assert probe(svc.port)[1] == 200
+
+
+def test_many_addresses_are_held_by_the_total_cap(svc, record_property):
+    record_property("attack", "21,000 half-open connections (slowloris)")
+    idle_fds = server_fds(svc)
+    # 8 addresses x 2 shares each: 4x the total cap, every address within its own share twice over.
+    attackers = [Attacker(svc.port, 2 * SHARE, REOPEN_PER_S / 8, f"127.0.1.{i}") for i in range(1, 9)]
+    for a in attackers:
+        a.start()
+    try:
+        deadline = time.monotonic() + 60
+        while sum(a.opened for a in attackers) < 16 * SHARE and time.monotonic() < deadline:
+            time.sleep(0.05)
+        latencies, fds = [], []
+        for _ in range(20):
+            latencies.append(probe(svc.port)[0])
+            fds.append(server_fds(svc))
+            time.sleep(0.05)
+    finally:
+        for a in attackers:
+            a.close()
+    p90 = statistics.quantiles(latencies, n=10)[-1]
+    record_property("figure", f"8 addresses x {2 * SHARE} half-open (total cap {CAP}): /health p90 "
+                              f"{p90 * 1e3:.1f} ms; server fds at most {max(fds)}")
+    assert p90 < 0.1, latencies
+    assert max(fds) <= idle_fds + CAP + 3 * LIMITS.backlog < idle_fds + 16 * SHARE
 
 
 def test_dripped_header_is_cut_at_the_header_timeout(svc, record_property):
