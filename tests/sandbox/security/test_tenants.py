@@ -15,6 +15,7 @@ from service_process import SRC, ServiceProcess
 
 from k3sys.sandbox import HTTPBackend, InvalidArgumentError, NotFoundError, QuotaError, SandboxSpec
 from k3sys.sandbox.errors import AuthError
+from k3sys.sandbox.service.scope import ADMIN, authenticate
 from k3sys.sandbox.service.tenants import DB_FILE, Quota, Tenant, Tenants, Usage, check_quota, key_hash
 
 pytestmark = pytest.mark.timeout(300)
@@ -203,3 +204,34 @@ def test_official_e2b_sdk_sees_only_its_tenant(svc, monkeypatch, record_property
         record_property("figure", "e2b SDK with another tenant's key: list hides it, connect/get_info/kill 404")
     finally:
         s.kill()
+
+
+def test_who_a_key_stands_for(tmp_path):
+    with Tenants(tmp_path) as t:
+        # No admin key and no tenant keys: an open service (loopback only), everyone is the admin.
+        assert authenticate(None, t, None) is ADMIN
+        key = t.add_key("frank", Quota(sandboxes=3))
+        assert authenticate("admin", t, "admin") is ADMIN
+        assert authenticate("admin", t, key).tenant == Tenant("frank", Quota(sandboxes=3))
+        for given in ("wrong", key[:-1], key + "x"):
+            with pytest.raises(AuthError, match="wrong API key"):
+                authenticate("admin", t, given)
+        # Once a tenant key exists, even an open service wants a key.
+        with pytest.raises(AuthError, match="missing API key"):
+            authenticate(None, t, None)
+        assert authenticate(None, t, key).name == "frank"
+
+
+def test_owners_are_kept_while_a_checkpoint_names_them(tmp_path):
+    with Tenants(tmp_path) as t:
+        t.add_key("gina")
+        t.claim(["a", "b", "c"], "gina")
+        t.claim(["d"], None)  # the admin's: no row
+        assert t.owners() == {"a": "gina", "b": "gina", "c": "gina"} and t.owner("d") is None
+        assert t.prune({"a", "c"}) == 1 and t.owners() == {"a": "gina", "c": "gina"}
+    with Tenants(tmp_path) as t:  # on disk
+        assert t.owner("c") == "gina"
+        assert t.remove_tenant("gina") == 1  # its key goes; its sandboxes stay (the admin reaches them)
+        assert t.owner("c") == "gina" and not t.has_keys()
+        with pytest.raises(NotFoundError, match="no tenant"):
+            t.remove_tenant("gina")
