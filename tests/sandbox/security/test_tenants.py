@@ -186,7 +186,7 @@ def test_admin_key_and_wrong_keys(svc, record_property):
 def test_official_e2b_sdk_sees_only_its_tenant(svc, monkeypatch, record_property):
     record_property("attack", "one API key sees and kills every sandbox")
     from e2b import Sandbox
-    from e2b.exceptions import NotFoundException
+    from e2b.exceptions import NotFoundException, SandboxException
 
     monkeypatch.setenv("E2B_API_URL", svc.url)
     monkeypatch.setenv("E2B_SANDBOX_URL", svc.url)
@@ -201,7 +201,20 @@ def test_official_e2b_sdk_sees_only_its_tenant(svc, monkeypatch, record_property
             Sandbox.get_info(s.sandbox_id, api_key=bob)
         assert Sandbox.kill(s.sandbox_id, api_key=bob) is False  # E2B's answer to a 404
         assert s.is_running() and Sandbox.get_info(s.sandbox_id, api_key=alice).sandbox_id == s.sandbox_id
-        record_property("figure", "e2b SDK with another tenant's key: list hides it, connect/get_info/kill 404")
+        # Snapshot names are per tenant: bob's "golden" neither moves alice's nor reaches her snapshot.
+        mine = s.create_snapshot(name="golden")
+        assert mine.names == ["golden"]
+        assert Sandbox.delete_snapshot("golden", api_key=bob) is False
+        assert Sandbox.delete_snapshot(mine.snapshot_id, api_key=bob) is False
+        for tid in ("golden", mine.snapshot_id):  # to bob, neither is a snapshot: an unknown template
+            with pytest.raises(SandboxException, match="unknown template"):
+                Sandbox.create(tid, api_key=bob, timeout=60)
+        b = Sandbox.create("busybox", api_key=bob, timeout=120)
+        assert b.create_snapshot(name="golden").names == ["golden"]
+        b.kill()
+        assert Sandbox.delete_snapshot("golden", api_key=alice) is True  # alice's "golden" is still hers
+        record_property("figure", "e2b SDK with another tenant's key: list hides it, connect/get_info/kill 404; "
+                                  "snapshot names per tenant")
     finally:
         s.kill()
 

@@ -35,13 +35,12 @@ from k3sys.sandbox.service.e2b_models import (
     e2b_states,
     no_memory,
     sandbox_body,
-    unsupported,
 )
 from k3sys.sandbox.service.envd.app import access_token
 from k3sys.sandbox.service.models import Cpu, Memory, Prefetched
 from k3sys.sandbox.service.scope import Scope
 from k3sys.sandbox.spec import SandboxSpec
-from k3sys.sandbox.types import SandboxInfo
+from k3sys.sandbox.types import CheckpointInfo, SandboxInfo
 
 T = TypeVar("T")
 router = APIRouter(dependencies=[Depends(authorize)])
@@ -77,12 +76,18 @@ def _metadata_filter(metadata: str | None) -> dict[str, str]:
     return {unquote(k): unquote(v) for k, v in parse_qsl(metadata or "", keep_blank_values=True)}
 
 
-def _is_checkpoint(scope: Scope, tid: str) -> bool:
+def _snapshot_of(svc: Service, scope: Scope, tid: str) -> str | None:
+    """The checkpoint a template id names (a snapshot's name or id), or None for a template name."""
+    ck = svc.names.resolve(scope.name_key(tid)) or tid
     try:
-        scope.checkpoint(tid)  # another tenant's checkpoint is no checkpoint here: a template name
-    except StoreError:  # no such checkpoint, or not even a checkpoint id: a template name
-        return False
-    return True
+        scope.checkpoint(ck)  # another tenant's checkpoint is no checkpoint here: a template name
+    except StoreError:  # no such checkpoint, or not even a checkpoint id
+        return None
+    return ck
+
+
+def _snapshot(svc: Service, scope: Scope, ck: CheckpointInfo) -> dict[str, Any]:
+    return checkpoint_json(ck, scope.own_names(svc.names.names_of(ck.id)))
 
 
 # --- E2B's routes ------------------------------------------------------------------------------------
@@ -94,8 +99,8 @@ async def create_sandbox(svc: Svc, scope: Caller, body: NewSandbox) -> dict[str,
     """A sandbox from a template, or restored from a snapshot (`templateID` = its id)."""
     body.check_supported()
     attrs = SandboxAttrs(body.templateID, body.metadata or {}, body.envVars or {})
-    if await svc.call("lookup", _is_checkpoint, scope, body.templateID, io=True):
-        info = await svc.call("restore", svc.restore, body.templateID, body.sandboxID, body.timeout, scope)
+    if (ck := await svc.call("lookup", _snapshot_of, svc, scope, body.templateID, io=True)) is not None:
+        info = await svc.call("restore", svc.restore, ck, body.sandboxID, body.timeout, scope)
     else:
         sized = {k: v for k, v in (("cpu", body.cpu), ("memory_mb", body.memoryMB), ("pids", body.pids))
                  if v is not None}
@@ -110,9 +115,9 @@ async def create_sandbox(svc: Svc, scope: Caller, body: NewSandbox) -> dict[str,
 @router.get("/v2/sandboxes", tags=["sandboxes"])
 async def list_sandboxes(svc: Svc, scope: Caller, response: Response, metadata: str | None = None,
                          state: str | None = None, template: str | None = None, startedAfter: datetime | None = None,  # noqa: N803
-                         order: Order = "asc", limit: Limit = None,
+                         order: Order = "desc", limit: Limit = None,
                          nextToken: str | None = None) -> list[dict[str, Any]]:  # noqa: N803
-    """Sandboxes (every state unless `state` says), oldest first unless `order=desc`."""
+    """Sandboxes (every state unless `state` says), newest first (E2B's order) unless `order=asc`."""
     states, wanted = e2b_states(state), _metadata_filter(metadata)
     after = startedAfter.timestamp() if startedAfter else None
     t0 = time.time()
@@ -159,7 +164,7 @@ async def pause(svc: Svc, sid: Sid, body: Pause | None = None) -> Response:
     return Response(status_code=204)
 
 
-async def _extend(svc: Service, sid: Sid, timeout: float | None) -> None:
+async def _extend(svc: Service, sid: str, timeout: float | None) -> None:
     """Make the sandbox live at least `timeout` seconds more (E2B's connect never shortens a life)."""
     if timeout is None:
         return
@@ -209,30 +214,36 @@ async def metrics(svc: Svc, sid: Sid, start: int | None = None, end: int | None 
 
 
 @router.post("/sandboxes/{sid}/snapshots", status_code=201, tags=["snapshots"])
-async def create_snapshot(svc: Svc, sid: Sid, body: Snapshot | None = None) -> dict[str, Any]:
-    """Checkpoint the sandbox (it runs on); create from the returned `snapshotID` to restore it."""
+async def create_snapshot(svc: Svc, sid: Sid, scope: Caller, body: Snapshot | None = None) -> dict[str, Any]:
+    """Checkpoint the sandbox (it runs on); create from the returned `snapshotID` (or the `name`, which
+    moves to the newest snapshot given it) to restore it."""
     body = body or Snapshot()
     no_memory(body.memory, "snapshot")
+    ck = await svc.call("checkpoint", svc.rt.checkpoint, sid)
     if body.name:
-        raise unsupported("name", "snapshots are named by their snapshotID")
-    return checkpoint_json(await svc.call("checkpoint", svc.rt.checkpoint, sid))
+        svc.names.set(scope.name_key(body.name), ck.id)
+    return _snapshot(svc, scope, ck)
 
 
 @router.get("/snapshots", tags=["snapshots"])
 async def list_snapshots(svc: Svc, scope: Caller, response: Response, sandboxID: str | None = None,  # noqa: N803
                          name: str | None = None, limit: Limit = None,
                          nextToken: str | None = None) -> list[dict[str, Any]]:  # noqa: N803
-    """Checkpoints, oldest first; `name` matches a snapshot's id (snapshots are not named here)."""
+    """Checkpoints, oldest first; `name` matches a snapshot's id or a name given to it."""
     cks = scope.checkpoints(await svc.call("list_checkpoints", svc.rt.checkpoints, io=True))
-    cks = sorted((c for c in cks if sandboxID in (None, c.sandbox_id) and name in (None, c.id)),
+    cks = sorted((c for c in cks if sandboxID in (None, c.sandbox_id)
+                  and (name is None or name == c.id or scope.name_key(name) in svc.names.names_of(c.id))),
                  key=lambda c: (c.created, c.id))
-    return [checkpoint_json(c) for c in _page(cks, lambda c: (c.created, c.id), limit, nextToken, response)]
+    return [_snapshot(svc, scope, c) for c in _page(cks, lambda c: (c.created, c.id), limit, nextToken, response)]
 
 
-@router.delete("/templates/{ck}", status_code=204, tags=["snapshots"])
-async def delete_snapshot(svc: Svc, ck: Ck) -> Response:
-    """Delete a snapshot (templates are built by scripts, not deleted here: 404)."""
+@router.delete("/templates/{tid}", status_code=204, tags=["snapshots"])
+async def delete_snapshot(svc: Svc, scope: Caller, tid: str) -> Response:
+    """Delete a snapshot, by id or name (templates are built by scripts, not deleted here: 404)."""
+    ck = svc.names.resolve(scope.name_key(tid)) or tid
+    await svc.call("check", scope.checkpoint, ck, io=True)
     await svc.call("delete_checkpoint", svc.rt.delete_checkpoint, ck)
+    svc.names.forget(ck)
     return Response(status_code=204)
 
 
@@ -271,9 +282,9 @@ async def thaw(svc: Svc, sid: Sid, scope: Caller) -> Response:
 
 
 @router.post("/sandboxes/{sid}/hibernate", tags=["k3sys"])
-async def hibernate(svc: Svc, sid: Sid) -> dict[str, Any]:
+async def hibernate(svc: Svc, sid: Sid, scope: Caller) -> dict[str, Any]:
     """E2B's pause, answering with the checkpoint it took (from running or frozen)."""
-    return checkpoint_json(await svc.call("hibernate", svc.rt.hibernate, sid))
+    return _snapshot(svc, scope, await svc.call("hibernate", svc.rt.hibernate, sid))
 
 
 @router.post("/sandboxes/{sid}/prefetch", response_model=Prefetched, tags=["k3sys"])
@@ -297,8 +308,8 @@ async def sandbox_cpu(svc: Svc, sid: Sid) -> Any:
 
 
 @router.get("/snapshots/{ck}", tags=["k3sys"])
-async def get_snapshot(svc: Svc, ck: Ck) -> dict[str, Any]:
-    return checkpoint_json(await svc.call("get_checkpoint", svc.rt.get_checkpoint, ck, io=True))
+async def get_snapshot(svc: Svc, ck: Ck, scope: Caller) -> dict[str, Any]:
+    return _snapshot(svc, scope, await svc.call("get_checkpoint", svc.rt.get_checkpoint, ck, io=True))
 
 
 @router.post("/snapshots/{ck}/restore", status_code=201, tags=["k3sys"])

@@ -109,6 +109,18 @@ class Scope:
         owners = {} if self.tenants is None else self.tenants.owners()
         return [c for c in infos if self._owns(owners.get(c.sandbox_id))]
 
+    def name_key(self, name: str) -> str:
+        """How a snapshot name the caller gives is stored: a tenant's names live under its own prefix
+        (tenant names have no "/"), so two tenants' "base" are two names and neither moves the other's."""
+        return name if self.who.tenant is None else f"{self.who.name}/{name}"
+
+    def own_names(self, stored: Iterable[str]) -> list[str]:
+        """The names (as stored) the caller gave, as it gave them; the admin sees every name."""
+        if self.who.tenant is None:
+            return list(stored)
+        prefix = f"{self.who.name}/"
+        return [n[len(prefix):] for n in stored if n.startswith(prefix)]
+
     def check_new_id(self, sid: str | None) -> None:
         """Refuse a chosen id that another tenant owns (live, or named by its checkpoints): ownership
         never moves. Answered as the runtime answers any id in use, which says it is taken, no more."""
