@@ -68,16 +68,17 @@ class Scope:
         self.tenants = tenants
         self.who = who
 
-    def _owns(self, owner: str | None) -> bool:
-        return self.who.tenant is None or owner == self.who.name
-
     def _owner(self, sid: str) -> str | None:
         return None if self.tenants is None else self.tenants.owner(sid)
+
+    def _reaches(self, sid: str) -> bool:
+        """Whether the caller owns sandbox id `sid` (the admin: without asking the owners table)."""
+        return self.who.tenant is None or self._owner(sid) == self.who.name
 
     def sandbox(self, sid: str) -> SandboxInfo:
         """The sandbox `sid` if the caller may reach it; else NotFoundError, as for an unknown id."""
         info = self.rt.info(sid)
-        if not self._owns(self._owner(sid)):
+        if not self._reaches(sid):
             raise NotFoundError(f"no sandbox {sid!r}")
         return info
 
@@ -88,7 +89,7 @@ class Scope:
             info = self.rt.get_checkpoint(ck)
         except CheckpointNotFoundError:
             info = None
-        if info is None or not self._owns(self._owner(info.sandbox_id)):
+        if info is None or not self._reaches(info.sandbox_id):
             raise CheckpointNotFoundError(f"no checkpoint {ck!r}")
         return info
 
@@ -102,12 +103,16 @@ class Scope:
         return cid
 
     def sandboxes(self, infos: Iterable[SandboxInfo]) -> list[SandboxInfo]:
-        owners = {} if self.tenants is None else self.tenants.owners()
-        return [i for i in infos if self._owns(owners.get(i.id))]
+        if self.who.tenant is None:
+            return list(infos)
+        mine = self.tenants.owned(self.who.name)
+        return [i for i in infos if i.id in mine]
 
     def checkpoints(self, infos: Iterable[CheckpointInfo]) -> list[CheckpointInfo]:
-        owners = {} if self.tenants is None else self.tenants.owners()
-        return [c for c in infos if self._owns(owners.get(c.sandbox_id))]
+        if self.who.tenant is None:
+            return list(infos)
+        mine = self.tenants.owned(self.who.name)
+        return [c for c in infos if c.sandbox_id in mine]
 
     def name_key(self, name: str) -> str:
         """How a snapshot name the caller gives is stored: a tenant's names live under its own prefix

@@ -234,9 +234,9 @@ class Tenants:
         rows = self._rows("SELECT tenant FROM owners WHERE sandbox=?", sandbox)
         return rows[0][0] if rows else None
 
-    def owners(self) -> dict[str, str]:
-        """Every recorded sandbox id -> its tenant (one query for a whole listing)."""
-        return dict(self._rows("SELECT sandbox, tenant FROM owners"))
+    def owned(self, tenant: str) -> set[str]:
+        """The sandbox ids `tenant` owns (one indexed query for a whole listing)."""
+        return {s for (s,) in self._rows("SELECT sandbox FROM owners WHERE tenant=?", tenant)}
 
     def prune(self, keep: set[str]) -> int:
         """Forget the owners of sandbox ids not in `keep` (ids neither alive nor named by a checkpoint)."""
