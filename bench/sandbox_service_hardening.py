@@ -23,6 +23,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import socket
 import statistics
 import subprocess
@@ -148,8 +149,9 @@ def bench_tenancy(n: int, sandboxes: int) -> dict[str, dict[str, float]]:
         return {who: {"GET /sandboxes/{id}": one[who], f"GET /v2/sandboxes ({sandboxes} listed)": listed[who]}
                 for who in keys}
     finally:
-        proc.terminate()
+        proc.terminate()  # --on-shutdown kill: its sandboxes go with it
         proc.wait(120)
+        shutil.rmtree(data.parent, ignore_errors=True)
 
 
 def main() -> None:
