@@ -156,12 +156,16 @@ class Service:
         scope.claim([info])
         return info
 
-    def restore(self, ck: str, id: str | None, timeout_s: float | None, scope: Scope) -> SandboxInfo:
+    def restore(self, ck: str, id: str | None, timeout_s: float | None, scope: Scope,
+                on_timeout: str | None = None) -> SandboxInfo:
         scope.checkpoint(ck)
         scope.check_new_id(id)
         spec = SandboxSpec.from_json(self.rt.store.get(ck).meta.get("spec", {}))
         with self.admission.admit(1, spec, scope):
-            info = self.rt.restore(ck, id, timeout_s)
+            if on_timeout is None:
+                info = self.rt.restore(ck, id, timeout_s)
+            else:
+                info = self.rt.restore(ck, id, timeout_s, on_timeout=on_timeout)
         scope.claim([info])
         return info
 
@@ -171,11 +175,15 @@ class Service:
         scope.claim(kids)
         return kids
 
-    def resume(self, sid: str, scope: Scope) -> SandboxInfo:
+    def resume(self, sid: str, scope: Scope, memory: bool = True) -> SandboxInfo:
+        """Resume (see `Runtime.resume`; `memory=False`: a hibernated sandbox boots cold)."""
         info = scope.sandbox(sid)
         room = self.admission.admit(1, info.spec, scope) if info.state == "hibernated" else contextlib.nullcontext()
         with room:
-            self.rt.resume(sid)
+            if memory:
+                self.rt.resume(sid)
+            else:
+                self.rt.resume(sid, memory=False)
         return self.rt.info(sid)
 
     def pause(self, sid: str) -> SandboxInfo:

@@ -1,9 +1,9 @@
 """What every route of the service depends on: the `Service` of the app, the caller resolved from
 its key once per request (`authorize`, the router-wide dependency: the admin or a tenant, see
-scope.py), and the path ids that caller may reach (`Sid`, `Ck`, `Cid`). A route that names a
-sandbox, a checkpoint or a command takes one of these, so another tenant's id is refused (404)
-before the route runs, and listings filter through the scope (`Caller`): tenant isolation is here
-and in scope.py, nowhere else."""
+scope.py), and the path ids that caller may reach (`Sid`, `Ck`; `AdminOnly` for service-wide
+routes). A route that names a sandbox or a checkpoint takes one of these, so another tenant's id
+is refused (404) before the route runs, and listings filter through the scope (`Caller`): tenant
+isolation is here and in scope.py, nowhere else (envd is reached with a sandbox's own token)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from typing import Annotated
 from fastapi import Depends, Request
 from fastapi.security import APIKeyHeader
 
+from k3sys.sandbox.errors import PermissionDeniedError
 from k3sys.sandbox.service.auth import given_key
 from k3sys.sandbox.service.core import Service
 from k3sys.sandbox.service.scope import Scope, authenticate
@@ -46,10 +47,13 @@ def _reachable_checkpoint(ck: str, scope: Caller) -> str:
     return ck
 
 
-async def _reachable_command(cid: str, scope: Caller) -> str:
-    return scope.command(cid)
-
-
 Sid = Annotated[str, Depends(_reachable_sandbox)]
 Ck = Annotated[str, Depends(_reachable_checkpoint)]
-Cid = Annotated[str, Depends(_reachable_command)]
+
+
+async def _admin(scope: Caller) -> None:
+    if scope.who.tenant is not None:
+        raise PermissionDeniedError("this route is the service admin's (its own key), not a tenant's")
+
+
+AdminOnly = Annotated[None, Depends(_admin)]

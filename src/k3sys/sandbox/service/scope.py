@@ -54,7 +54,6 @@ class Runtimeish(Protocol):
     def list(self) -> list[SandboxInfo]: ...
     def info(self, sid: str) -> SandboxInfo: ...
     def get_checkpoint(self, ck: str) -> CheckpointInfo: ...
-    def command_sandbox(self, cid: str) -> str: ...
 
 
 _IDLE = ("hibernated", "lost")  # states that hold no memory (as limits.Admission counts)
@@ -71,14 +70,14 @@ class Scope:
     def _owner(self, sid: str) -> str | None:
         return None if self.tenants is None else self.tenants.owner(sid)
 
-    def _reaches(self, sid: str) -> bool:
+    def owns(self, sid: str) -> bool:
         """Whether the caller owns sandbox id `sid` (the admin: without asking the owners table)."""
         return self.who.tenant is None or self._owner(sid) == self.who.name
 
     def sandbox(self, sid: str) -> SandboxInfo:
         """The sandbox `sid` if the caller may reach it; else NotFoundError, as for an unknown id."""
         info = self.rt.info(sid)
-        if not self._reaches(sid):
+        if not self.owns(sid):
             raise NotFoundError(f"no sandbox {sid!r}")
         return info
 
@@ -89,18 +88,9 @@ class Scope:
             info = self.rt.get_checkpoint(ck)
         except CheckpointNotFoundError:
             info = None
-        if info is None or not self._reaches(info.sandbox_id):
+        if info is None or not self.owns(info.sandbox_id):
             raise CheckpointNotFoundError(f"no checkpoint {ck!r}")
         return info
-
-    def command(self, cid: str) -> str:
-        """The command `cid` if it runs in a sandbox the caller may reach; else NotFoundError, as for
-        an unknown command."""
-        try:
-            self.sandbox(self.rt.command_sandbox(cid))
-        except NotFoundError:
-            raise NotFoundError(f"no command {cid!r}") from None
-        return cid
 
     def sandboxes(self, infos: Iterable[SandboxInfo]) -> list[SandboxInfo]:
         if self.who.tenant is None:
