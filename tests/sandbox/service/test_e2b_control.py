@@ -112,6 +112,8 @@ def test_bad_input_is_refused_by_name(server):
     assert r.status_code == 422 and "nextToken" in r.json()["message"]
     r = httpx.get(f"{server.url}/v2/sandboxes", params={"state": "sleeping"}, headers=h, timeout=30)
     assert r.status_code == 422 and "sleeping" in r.json()["message"]
+    with Sandbox.create(TEMPLATE, timeout=30) as s, pytest.raises(SandboxException, match="network: not supported"):
+        s.update_network({"deny_out": ["0.0.0.0/0"]})
 
 
 def test_list_filters_and_pages(server):
@@ -130,6 +132,9 @@ def test_list_filters_and_pages(server):
         assert pages == [[b.sandbox_id] for b in boxes]
         one = Sandbox.list(query=SandboxQuery(metadata={"group": tag, "i": "1"})).next_items()
         assert [i.sandbox_id for i in one] == [boxes[1].sandbox_id]
+        since = boxes[1].get_info().started_at  # exactly as sent: that sandbox is "started after" it
+        later = Sandbox.list(query=SandboxQuery(metadata={"group": tag}, started_after=since)).next_items()
+        assert {i.sandbox_id for i in later} == {boxes[1].sandbox_id, boxes[2].sandbox_id}
         assert boxes[2].pause() is True
         paused = Sandbox.list(query=SandboxQuery(metadata={"group": tag}, state=[SandboxState.PAUSED])).next_items()
         running = Sandbox.list(query=SandboxQuery(metadata={"group": tag}, state=[SandboxState.RUNNING])).next_items()

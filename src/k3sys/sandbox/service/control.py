@@ -11,7 +11,7 @@ import binascii
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Annotated, Any, TypeVar
 from urllib.parse import parse_qsl, unquote
 
@@ -37,6 +37,7 @@ from k3sys.sandbox.service.e2b_models import (
     e2b_states,
     no_memory,
     sandbox_body,
+    unsupported,
 )
 from k3sys.sandbox.service.envd.app import access_token
 from k3sys.sandbox.service.models import Cpu, Memory, Prefetched
@@ -126,7 +127,7 @@ async def list_sandboxes(svc: Svc, scope: Caller, response: Response, metadata: 
                          nextToken: str | None = None) -> list[dict[str, Any]]:  # noqa: N803
     """Sandboxes (every state unless `state` says), newest first (E2B's order) unless `order=asc`."""
     states, wanted = e2b_states(state), _metadata_filter(metadata)
-    after = startedAfter.timestamp() if startedAfter else None
+    since = startedAfter.replace(tzinfo=startedAfter.tzinfo or UTC) if startedAfter else None
 
     def every() -> list[dict[str, Any]]:  # in a worker thread: attributes are files
         t0 = time.time()
@@ -137,7 +138,8 @@ async def list_sandboxes(svc: Svc, scope: Caller, response: Response, metadata: 
     bodies = [b for b in await svc.call("list", every, io=True)
               if (states is None or b["state"] in states) and wanted.items() <= b["metadata"].items()
               and (template is None or template in (b["templateID"], b["alias"]))
-              and (after is None or b["k3sys"]["created"] >= after)]
+              # compared as the `startedAt` we send (whole microseconds), so that value finds its sandbox
+              and (since is None or datetime.fromtimestamp(b["k3sys"]["created"], UTC) >= since)]
 
     def key(b: dict[str, Any]) -> tuple[float, str]:
         return b["k3sys"]["created"], b["sandboxID"]
@@ -163,6 +165,13 @@ async def set_timeout(svc: Svc, sid: Sid, body: Timeout) -> Response:
     """The sandbox's `on_timeout` applies `timeout` seconds from now."""
     await svc.call("set_timeout", svc.rt.set_timeout, sid, body.timeout)
     return Response(status_code=204)
+
+
+@router.put("/sandboxes/{sid}/network", status_code=204, tags=["sandboxes"])
+async def update_network(svc: Svc, sid: str) -> Response:
+    """E2B's egress rules: not served (a sandbox's network is its namespace, chosen at create)."""
+    svc.rt.info(sid)  # an unknown sandbox is a 404, as E2B's
+    raise unsupported("network", "egress rules are an E2B cloud feature; choose allow_internet_access at create")
 
 
 @router.post("/sandboxes/{sid}/pause", status_code=204, tags=["life cycle"])
