@@ -252,3 +252,26 @@ def test_owners_are_kept_while_a_checkpoint_names_them(tmp_path):
         assert t.owner("c") == "gina" and not t.has_keys()
         with pytest.raises(NotFoundError, match="no tenant"):
             t.remove_tenant("gina")
+
+
+def test_every_route_naming_a_sandbox_or_checkpoint_is_scoped():
+    """Scoping lives in deps.py's path dependencies: a new route that takes `{sid}` as a plain `str`
+    would reach every tenant's sandboxes, so the app's route table is checked here."""
+    from fastapi.routing import APIRoute
+
+    from k3sys.sandbox.service import control, deps, server
+
+    def calls(dependant) -> set:
+        return {d.call for d in dependant.dependencies} | {c for d in dependant.dependencies for c in calls(d)}
+
+    needs = {"{sid}": deps._reachable_sandbox, "{ck}": deps._reachable_checkpoint, "{tid}": deps.authorize}
+    routes = [r for router in (control.router, server.router) for r in router.routes if isinstance(r, APIRoute)]
+    checked = 0
+    for r in routes:
+        found = calls(r.dependant)
+        assert deps.authorize in found, r.path
+        for param, dep in needs.items():
+            if param in r.path:
+                assert dep in found, f"{sorted(r.methods)} {r.path} takes {param} without {dep.__name__}"
+                checked += 1
+    assert checked >= 20

@@ -168,7 +168,7 @@ async def set_timeout(svc: Svc, sid: Sid, body: Timeout) -> Response:
 
 
 @router.put("/sandboxes/{sid}/network", status_code=204, tags=["sandboxes"])
-async def update_network(svc: Svc, sid: str) -> Response:
+async def update_network(svc: Svc, sid: Sid) -> Response:
     """E2B's egress rules: not served (a sandbox's network is its namespace, chosen at create)."""
     svc.rt.info(sid)  # an unknown sandbox is a 404, as E2B's
     raise unsupported("network", "egress rules are an E2B cloud feature; choose allow_internet_access at create")
