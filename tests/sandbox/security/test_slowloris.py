@@ -212,7 +212,9 @@ def test_malformed_request_flood_logs_a_few_lines(svc, record_property):
     assert probe(svc.port)[1] == 200
 
 
-def test_rate_limit_filter_counts_what_it_drops():
+def test_rate_limit_filter_counts_what_it_drops(record_property):
+    record_property("attack", "log flood (malformed requests)")
+    record_property("figure", "3 at once, then 2/s per template; the next line counts the 7 dropped")
     clock = [0.0]
     f = RateLimit(per_second=2.0, burst=3, clock=lambda: clock[0])
 

@@ -162,7 +162,9 @@ def test_quotas_refuse_with_429_naming_the_quota(svc, record_property):
             carol.kill(sid)
 
 
-def test_disk_quota_counts_hibernated_sandboxes_too():
+def test_disk_quota_counts_hibernated_sandboxes_too(record_property):
+    record_property("attack", "one API key sees and kills every sandbox")
+    record_property("figure", "disk_mb quota: 1024 + 1024 of 2048 MiB fits, one more is refused")
     if "disk_mb" not in SandboxSpec.__dataclass_fields__:
         pytest.skip("SandboxSpec.disk_mb comes with the runtime's hardening (issue 15)")
     spec = SandboxSpec(memory_mb=64, disk_mb=1024)
@@ -223,7 +225,9 @@ def test_official_e2b_sdk_sees_only_its_tenant(svc, monkeypatch, record_property
         s.kill()
 
 
-def test_who_a_key_stands_for(tmp_path):
+def test_who_a_key_stands_for(tmp_path, record_property):
+    record_property("attack", "one API key sees and kills every sandbox")
+    record_property("figure", "admin, tenant, wrong and missing keys resolved; an open service closes at the first key")
     with Tenants(tmp_path) as t:
         # No admin key and no tenant keys: an open service (loopback only), everyone is the admin.
         assert authenticate(None, t, None) is ADMIN
@@ -239,7 +243,9 @@ def test_who_a_key_stands_for(tmp_path):
         assert authenticate(None, t, key).name == "frank"
 
 
-def test_owners_are_kept_while_a_checkpoint_names_them(tmp_path):
+def test_owners_are_kept_while_a_checkpoint_names_them(tmp_path, record_property):
+    record_property("attack", "one API key sees and kills every sandbox")
+    record_property("figure", "ownership on disk; pruned only for ids neither alive nor checkpointed")
     with Tenants(tmp_path) as t:
         t.add_key("gina")
         t.claim(["a", "b", "c"], "gina")
@@ -254,9 +260,10 @@ def test_owners_are_kept_while_a_checkpoint_names_them(tmp_path):
             t.remove_tenant("gina")
 
 
-def test_every_route_naming_a_sandbox_or_checkpoint_is_scoped():
+def test_every_route_naming_a_sandbox_or_checkpoint_is_scoped(record_property):
     """Scoping lives in deps.py's path dependencies: a new route that takes `{sid}` as a plain `str`
     would reach every tenant's sandboxes, so the app's route table is checked here."""
+    record_property("attack", "one API key sees and kills every sandbox")
     from fastapi.routing import APIRoute
 
     from k3sys.sandbox.service import control, deps, server
@@ -275,3 +282,4 @@ def test_every_route_naming_a_sandbox_or_checkpoint_is_scoped():
                 assert dep in found, f"{sorted(r.methods)} {r.path} takes {param} without {dep.__name__}"
                 checked += 1
     assert checked >= 20
+    record_property("figure", f"{checked} routes naming a sandbox or checkpoint, every one scoped")
