@@ -38,6 +38,7 @@ from rich.console import Console
 from rich.table import Table
 
 from k3sys.sandbox.cli_keys import app as keys_app
+from k3sys.sandbox.egress import EgressPolicy
 from k3sys.sandbox.errors import (
     CommandTimeoutError,
     RuntimeLockedError,
@@ -103,14 +104,18 @@ def create(template: Annotated[str, typer.Option(help="Template name.")] = "busy
            cpu: Annotated[float, typer.Option(help="CPU cores.")] = 1.0,
            memory_mb: Annotated[int, typer.Option(help="Memory limit, MiB.")] = 512,
            pids: Annotated[int, typer.Option(help="Most tasks at once.")] = 256,
-           network: Annotated[bool, typer.Option(help="Share the host's network (default: loopback only).")] = False,
+           network: Annotated[bool, typer.Option(help="Own network with NAT out (default: loopback only).")] = False,
+           allow_out: Annotated[list[str] | None, typer.Option(help="With --network: reachable CIDR / host.")] = None,
+           deny_out: Annotated[list[str] | None, typer.Option(help="With --network: unreachable CIDR / host.")] = None,
            timeout_s: Annotated[float | None, typer.Option(help="Lifetime in seconds.")] = None,
            on_timeout: Annotated[str | None, typer.Option(help="hibernate or kill.")] = None,
            id: Annotated[str | None, typer.Option("--id", help="Choose the id.")] = None,
            api_url: ApiUrl = None, api_key: ApiKey = None, data_dir: DataDir = None) -> None:
     """Start a sandbox; prints its id."""
     with _backend(api_url, api_key, data_dir) as rt, _busy("creating"):
-        s = Sandbox.create(template, cpu, memory_mb, pids, network, timeout_s, on_timeout, id=id, runtime=rt)
+        egress = EgressPolicy(tuple(allow_out or ()), tuple(deny_out or ())) if allow_out or deny_out else None
+        s = Sandbox.create(template, cpu, memory_mb, pids, network, timeout_s, on_timeout, id=id, egress=egress,
+                           runtime=rt)
     print(s.id)
 
 

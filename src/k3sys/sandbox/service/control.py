@@ -19,6 +19,7 @@ from fastapi import APIRouter, Depends, Query, Response
 from fastapi.responses import JSONResponse
 
 from k3sys.sandbox._wire import checkpoint_json
+from k3sys.sandbox.egress import EgressPolicy
 from k3sys.sandbox.errors import InvalidArgumentError, InvalidStateError, StoreError
 from k3sys.sandbox.service.attrs import SandboxAttrs
 from k3sys.sandbox.service.core import Service
@@ -104,7 +105,8 @@ async def create_sandbox(svc: Svc, scope: Caller, body: NewSandbox) -> dict[str,
     keep = body.autoPauseMemory is not False
     attrs = SandboxAttrs(body.templateID, body.metadata or {}, body.envVars or {}, keep, keep)
     if (ck := await svc.call("lookup", _snapshot_of, svc, scope, body.templateID, io=True)) is not None:
-        if given := [n for n in ("cpu", "memoryMB", "pids", "allow_internet_access") if getattr(body, n) is not None]:
+        fixed = ("cpu", "memoryMB", "pids", "allow_internet_access", "network")
+        if given := [n for n in fixed if getattr(body, n) is not None]:
             raise InvalidArgumentError(f"{', '.join(given)}: {body.templateID!r} is a snapshot: a sandbox made "
                                        f"from it has the size and network of the one it was taken of")
         info = await svc.call("restore", svc.restore, ck, body.sandboxID, body.timeout, scope,
@@ -112,8 +114,12 @@ async def create_sandbox(svc: Svc, scope: Caller, body: NewSandbox) -> dict[str,
     else:
         sized = {k: v for k, v in (("cpu", body.cpu), ("memory_mb", body.memoryMB), ("pids", body.pids))
                  if v is not None}
+        # A `network` object (E2B's allowOut/denyOut/dnsServers) asks for a network as much as
+        # allow_internet_access does; omitted both: no network (ours is off by default, E2B's on).
+        network = bool(body.allow_internet_access) or body.network is not None
+        egress = EgressPolicy.from_e2b(body.network, body.allow_internet_access) if network else None
         spec = SandboxSpec(template=body.templateID, timeout_s=body.timeout, on_timeout=_ON_TIMEOUT[body.autoPause],
-                           network=bool(body.allow_internet_access), **sized)
+                           network=network, egress=egress, **sized)
         info = await svc.call("create", svc.create, spec, body.sandboxID, scope)
     svc.attrs.put(info.id, attrs)
     return _body(svc, info)
