@@ -56,6 +56,7 @@ class ProcessInfo:
     tag: str
     running: bool
     exit_code: int | None = None
+    pty: bool = False  # runs on a terminal
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,8 @@ class FilesystemEvent:
 
 @dataclass(frozen=True)
 class EntryInfo:
-    """One entry of `files.list`: `size` in bytes, `mtime` in seconds since the epoch."""
+    """One entry of `files.list`: `size` in bytes, `mtime` in seconds since the epoch, `uid`/`gid`
+    its owner's ids inside the sandbox, `target` a symlink's target (else None)."""
 
     name: str
     path: str
@@ -78,3 +80,6 @@ class EntryInfo:
     size: int
     mode: int
     mtime: float
+    uid: int = 0
+    gid: int = 0
+    target: str | None = None

@@ -60,6 +60,7 @@ from k3sys.sandbox.runtime.runtime import Runtime
 from k3sys.sandbox.service import metrics as _metrics
 from k3sys.sandbox.service.auth import check_bind, check_key
 from k3sys.sandbox.service.core import Service, ServiceConfig
+from k3sys.sandbox.service.envd.app import install as install_envd
 from k3sys.sandbox.service.errors import install_error_handlers
 from k3sys.sandbox.service.limits import BodyLimit
 from k3sys.sandbox.service.metrics import CountRequests
@@ -377,6 +378,7 @@ def create_app(config: ServiceConfig, runtime: Runtime | None = None) -> FastAPI
                               '`{"error": {"type": ..., "message": ...}}`.')
     app.state.service = service
     app.include_router(router)
+    install_envd(app)  # requests with E2b-Sandbox-Id: envd (envd/app.py)
     app.add_api_route("/health", health, methods=["GET"], tags=["service"], response_model=Health)
 
     install_error_handlers(app)
