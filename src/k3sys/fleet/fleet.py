@@ -9,7 +9,7 @@ Placement (placement.py) picks a node for each new sandbox unless the caller nam
 call is routed by sandbox id (the gateway's table, filled from the nodes as they join) or by command
 id (the gateway's command ids carry their node: `<node's id>~<node>`). Calls are Ray actor calls
 (~1.3 ms here, see docs/fleet.md for why not a second HTTP hop); command output streams as a Ray
-streaming generator, a file read as a handle the node keeps open. Moves between nodes (checkpoints,
+streaming generator, a file read or a directory watch as a handle the node keeps open. Moves between nodes (checkpoints,
 migration, forks over nodes, resume after a node loss) are in moves.py.
 
 A node that dies takes its running sandboxes with it: they stay listed, state "lost" with the
@@ -31,7 +31,7 @@ import ray
 
 from k3sys.fleet.members import Member, Members, unwrap
 from k3sys.fleet.moves import Moves, Transfer
-from k3sys.fleet.node import BY_COMMAND, BY_SANDBOX, NAMESPACE
+from k3sys.fleet.node import BY_COMMAND, BY_SANDBOX, NAMESPACE, NEW_COMMAND
 from k3sys.fleet.placement import check_policy, choose
 from k3sys.sandbox.errors import InvalidArgumentError, InvalidStateError, NotFoundError, SandboxError
 from k3sys.sandbox.runtime.store import Manifest
@@ -58,17 +58,24 @@ class FleetConfig:
                                        f"{self.lost_after_s!r}")
 
 
-class _RemoteFile:
-    """A file a node holds open for streaming out (what `Runtime.open_file` returns, over Ray)."""
+class _Remote:
+    """Something a node holds open for the gateway, by handle: a file being read (`Runtime.open_file`'s
+    `size`, `read`, `close`) or a directory watch (`WatchHandle`'s `path`, `get_new_events`, `stop`)."""
 
-    def __init__(self, handle: Any, node: str, fh: int, size: int) -> None:
-        self._handle, self._node, self._fh, self.size = handle, node, fh, size
+    def __init__(self, handle: Any, node: str, h: int, **attrs: Any) -> None:
+        self._handle, self._node, self._h = handle, node, h
+        self.__dict__.update(attrs)
 
     def read(self, n: int) -> bytes:
-        return unwrap(lambda: ray.get(self._handle.read_open.remote(self._fh, n)), self._node)
+        return unwrap(lambda: ray.get(self._handle.read_open.remote(self._h, n)), self._node)
+
+    def get_new_events(self) -> list[Any]:
+        return unwrap(lambda: ray.get(self._handle.watch_events.remote(self._h)), self._node)
 
     def close(self) -> None:
-        self._handle.close_open.remote(self._fh)
+        self._handle.close_open.remote(self._h)
+
+    stop = close
 
 
 class _FleetStore:
@@ -186,6 +193,11 @@ class Fleet(Moves):
         """The `Runtime` methods that only need routing: by sandbox id or by command id."""
         if method in BY_SANDBOX:
             return lambda sid, *args: self.members.call(self.node_of(sid), method, sid, *args)
+        if method in NEW_COMMAND:
+            def new_command(sid: str, *args: Any) -> str:
+                node = self.node_of(sid)
+                return f"{self.members.call(node, method, sid, *args)}{_SEP}{node}"
+            return new_command
         if method in BY_COMMAND:
             def by_command(cid: str, *args: Any) -> Any:
                 own, node = self._split(cid)
@@ -200,15 +212,6 @@ class Fleet(Moves):
             raise NotFoundError(f"no command {cid!r}")
         return own, node
 
-    def start_command(self, sid: str, cmd: str, cwd: str | None = None, env: dict[str, str] | None = None,
-                      stdin: bytes | None = None) -> str:
-        node = self.node_of(sid)
-        return f"{self.members.call(node, 'start_command', sid, cmd, cwd, env, stdin)}{_SEP}{node}"
-
-    def connect_command(self, sid: str, pid: int) -> str:
-        node = self.node_of(sid)
-        return f"{self.members.call(node, 'connect_command', sid, pid)}{_SEP}{node}"
-
     def run(self, sid: str, cmd: str, timeout: float | None = 60, cwd: str | None = None,
             env: dict[str, str] | None = None, stdin: bytes | None = None) -> CommandResult:
         return self.members.call(self.node_of(sid), "run", sid, cmd, timeout, cwd, env, stdin)
@@ -219,19 +222,22 @@ class Fleet(Moves):
         for ref in m.handle.stream_command.options(num_returns="streaming").remote(own):
             yield unwrap(lambda ref=ref: ray.get(ref), node)
 
-    def open_file(self, sid: str, path: str) -> _RemoteFile:
+    def open_file(self, sid: str, path: str, user: str | None = None) -> _Remote:
         node = self.node_of(sid)
         m = self.members.get(node)
-        fh, size = unwrap(lambda: ray.get(m.handle.open_file.remote(sid, path)), node)
-        return _RemoteFile(m.handle, node, fh, size)
+        h, size = unwrap(lambda: ray.get(m.handle.open_file.remote(sid, path, user)), node)
+        return _Remote(m.handle, node, h, size=size)
 
-    def write_file(self, sid: str, path: str, data: bytes | str | BinaryIO) -> int:
+    def write_file(self, sid: str, path: str, data: bytes | str | BinaryIO, user: str | None = None) -> int:
         # A stream (the service's spool, bounded by its body limit) goes to the node as bytes.
         body = data.read() if hasattr(data, "read") else data
-        return self.members.call(self.node_of(sid), "write_file", sid, path, body)
+        return self.members.call(self.node_of(sid), "write_file", sid, path, body, user)
 
-    def watch_dir(self, sid: str, path: str, recursive: bool = False) -> Any:
-        raise InvalidArgumentError("files.watch_dir is not served through a fleet: it needs an embedded Runtime")
+    def watch_dir(self, sid: str, path: str, recursive: bool = False) -> _Remote:
+        node = self.node_of(sid)
+        m = self.members.get(node)
+        h = unwrap(lambda: ray.get(m.handle.watch_dir.remote(sid, path, recursive)), node)
+        return _Remote(m.handle, node, h, path=path, recursive=recursive)
 
     # --- sandboxes ----------------------------------------------------------------------------------
 

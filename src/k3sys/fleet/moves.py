@@ -12,8 +12,8 @@ node that needs a checkpoint pulls the manifest and only the chunks it lacks fro
     fork(sid, n, nodes)         on the source's node when it has room (no store: fastest); otherwise, or
                                 where `nodes` says, children elsewhere are restored from a checkpoint
 
-Every move leaves the source as it was until the target runs: a failed copy or restore changes
-nothing on the source, and the source's record goes only once the target holds the sandbox.
+Every move leaves the source as it was when it fails: a failed copy changes nothing on the source, and
+a failed restore puts a migrating sandbox back on its source, hibernated (see `_move`).
 """
 
 from __future__ import annotations
@@ -128,17 +128,28 @@ class Moves:
 
     def _move(self, sid: str, spec: SandboxSpec, ck: str, src: str | None, node: str | None) -> SandboxInfo:
         """Restore hibernated sandbox `sid` from checkpoint `ck` on `node` (or one placement picks, not
-        `src`), then drop its record on `src`."""
+        `src`), its record on `src` dropped once the target's store holds `ck`.
+
+        The source's record goes before the restore, not after: sandbox ids name host-wide resources
+        (cgroups `k3sys-<id>`), so on a machine running two nodes (tests, a big host split in two)
+        dropping it afterwards would take the new sandbox's cgroup. A failed restore puts the
+        sandbox back on the source, hibernated, from the same checkpoint."""
         target = self.place(spec.memory_mb, node, exclude=(src,) if src else ())
         try:
             self.copy_checkpoint(ck, target)
-            new = self.members.call(target, "restore", ck, sid, None)
+            if src is not None:
+                self.members.call(src, "kill", sid)  # the hibernated record; its checkpoints stay in that store
+            try:
+                new = self.members.call(target, "restore", ck, sid, None)
+            except BaseException:
+                if src is not None:
+                    with contextlib.suppress(SandboxError):
+                        self.members.call(src, "restore", ck, sid, None)
+                        self.members.call(src, "hibernate", sid)
+                raise
         except BaseException:
             self.members.charge(target, -spec.memory_mb)
             raise
-        if src is not None:
-            with contextlib.suppress(UnavailableError):  # a lost source took its record with it
-                self.members.call(src, "kill", sid)  # the record; its checkpoints stay in that store
         return self._note(target, new)
 
     def restore(self, ck: str, id: str | None = None, timeout_s: float | None = None,

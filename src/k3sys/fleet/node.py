@@ -26,7 +26,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import ray
 
@@ -40,15 +40,16 @@ NAMESPACE = "k3sys"
 PREFIX = "k3sys-node-"
 # Runtime methods the gateway routes to a node, by what their first argument is.
 BY_SANDBOX = frozenset({
-    "info", "kill", "memory_bytes", "cpu_seconds", "start_command", "run", "processes", "connect_command",
-    "read_file", "write_file", "list_dir", "remove", "make_dir", "exists", "pause", "resume", "checkpoint",
-    "hibernate", "prefetch", "fork", "timings"})
+    "info", "kill", "memory_bytes", "cpu_seconds", "run", "processes", "send_stdin", "signal_process",
+    "resize_pty", "read_file", "write_file", "list_dir", "stat", "move", "remove", "make_dir", "exists", "pause",
+    "resume", "checkpoint", "hibernate", "prefetch", "fork", "timings"})
+NEW_COMMAND = frozenset({"start_command", "start_process", "connect_command"})  # by sandbox id; return a command id
 BY_COMMAND = frozenset({"wait_command", "command_output", "command_running", "kill_command", "command_pid",
-                        "read_command_output"})
+                        "read_command_output", "command_exit", "release_command", "forget_command"})
 OTHER = frozenset({"create", "list", "restore", "checkpoints", "get_checkpoint", "delete_checkpoint"})
-ROUTED = BY_SANDBOX | BY_COMMAND | OTHER
+ROUTED = BY_SANDBOX | NEW_COMMAND | BY_COMMAND | OTHER
 PULL_BATCH = 32 << 20  # bytes of chunks per request while pulling a checkpoint: bounds both ends' memory
-MAX_OPEN_FILES = 256  # files streamed out at once through one node
+MAX_OPEN = 256  # files being streamed out and directories being watched at once through one node
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +95,7 @@ class SandboxNode:
         self.name = check_id("node name", name)
         self.runtime = Runtime(Path(home), on_timeout="hibernate")
         self.capacity_mb = capacity_mb or _meminfo_mb("MemTotal")
-        self._files: dict[int, BinaryIO] = {}
+        self._open: dict[int, Any] = {}  # handle -> a file being read or a directory watch (`close_open`)
         self._handles = itertools.count(1)
         self._mu = threading.Lock()
 
@@ -124,34 +125,51 @@ class SandboxNode:
     def store_stats(self) -> dict[str, int]:
         return self.runtime.store.stats()
 
-    # --- output and files streamed through the gateway -----------------------------------------------
+    # --- streams through the gateway: output, file reads, directory watches -----------------------------
 
     def stream_command(self, cid: str) -> Iterator[tuple[str, str]]:
         """The command's output as it comes (a Ray streaming generator on the caller's side)."""
         yield from self.runtime.stream_command(cid)
 
-    def open_file(self, sid: str, path: str) -> tuple[int, int]:
-        """Open a file of sandbox `sid` for `read_open`; returns (handle, size in bytes)."""
-        with self._mu:
-            if len(self._files) >= MAX_OPEN_FILES:
-                raise CapacityError(f"node {self.name} streams {MAX_OPEN_FILES} files already; retry later")
-        f = self.runtime.open_file(sid, path)
+    def _hold(self, obj: Any) -> int:
         with self._mu:
             h = next(self._handles)
-            self._files[h] = f
-        return h, f.size
+            self._open[h] = obj
+            return h
+
+    def _room(self) -> None:
+        with self._mu:
+            if len(self._open) >= MAX_OPEN:
+                raise CapacityError(f"node {self.name} streams {MAX_OPEN} files and watches already; retry later")
+
+    def _held(self, handle: int) -> Any:
+        obj = self._open.get(handle)
+        if obj is None:
+            raise NotFoundError(f"no open file or watch {handle} on node {self.name}")
+        return obj
+
+    def open_file(self, sid: str, path: str, user: str | None = None) -> tuple[int, int]:
+        """Open a file of sandbox `sid` for `read_open`; returns (handle, size in bytes)."""
+        self._room()
+        f = self.runtime.open_file(sid, path, user)
+        return self._hold(f), f.size
 
     def read_open(self, handle: int, n: int) -> bytes:
-        f = self._files.get(handle)
-        if f is None:
-            raise NotFoundError(f"no open file {handle} on node {self.name}")
-        return f.read(min(n, 8 << 20))
+        return self._held(handle).read(min(n, 8 << 20))
+
+    def watch_dir(self, sid: str, path: str, recursive: bool = False) -> int:
+        """Start watching a directory of sandbox `sid`; returns the handle for `watch_events`."""
+        self._room()
+        return self._hold(self.runtime.watch_dir(sid, path, recursive))
+
+    def watch_events(self, handle: int) -> list[Any]:
+        return self._held(handle).get_new_events()
 
     def close_open(self, handle: int) -> None:
         with self._mu:
-            f = self._files.pop(handle, None)
-        if f is not None:
-            f.close()
+            obj = self._open.pop(handle, None)
+        if obj is not None:
+            (obj.close if hasattr(obj, "close") else obj.stop)()
 
     # --- checkpoints between nodes --------------------------------------------------------------------
 
