@@ -3,45 +3,10 @@ missing chunks travel), and migration of a hibernated sandbox (same id, its proc
 
 from __future__ import annotations
 
-import os
-import time
-
 import pytest
+from fleet_helpers import count, counting_sandbox, runs_on
 
 from k3sys.sandbox.errors import InvalidArgumentError, InvalidStateError, NotFoundError
-from k3sys.sandbox.spec import SandboxSpec
-
-COUNTER = "i=0; while true; do i=$((i+1)); echo $i > /tmp/c; sleep 0.05; done"
-
-
-def count(fleet, sid: str) -> int:
-    deadline = time.monotonic() + 10
-    while True:
-        text = fleet.run(sid, "cat /tmp/c 2>/dev/null").stdout.strip()
-        if text:
-            return int(text)
-        assert time.monotonic() < deadline, f"no counter in {sid}"
-        time.sleep(0.05)
-
-
-def runs_on(fleet, sid: str, after: int) -> int:
-    """The counter of `sid` now, checked to have gone on from `after` (no restart from 0)."""
-    now = count(fleet, sid)
-    assert now >= after, (sid, after, now)
-    deadline = time.monotonic() + 10
-    while count(fleet, sid) <= now:
-        assert time.monotonic() < deadline, f"counter of {sid} stopped at {now}"
-        time.sleep(0.05)
-    return now
-
-
-def counting_sandbox(fleet, node: str, payload_mb: int = 0) -> str:
-    sid = fleet.create(SandboxSpec(memory_mb=128), node=node).id
-    fleet.start_command(sid, COUNTER)
-    if payload_mb:
-        fleet.write_file(sid, "/payload.bin", os.urandom(payload_mb << 20))
-    count(fleet, sid)
-    return sid
 
 
 def test_cross_node_fork_and_restore_move_only_missing_chunks(fleet):

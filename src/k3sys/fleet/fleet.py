@@ -29,7 +29,7 @@ from typing import Any, BinaryIO
 
 import ray
 
-from k3sys.fleet.members import Member, Members, unwrap
+from k3sys.fleet.members import Member, Members, NodeDiedError, unwrap
 from k3sys.fleet.moves import Moves, Transfer
 from k3sys.fleet.node import BY_COMMAND, BY_SANDBOX, NAMESPACE, NEW_COMMAND
 from k3sys.fleet.placement import check_policy, choose
@@ -272,7 +272,10 @@ class Fleet(Moves):
             return last  # on a lost node: what we knew, marked lost (or hibernated, resumable elsewhere)
         if not node:
             raise NotFoundError(f"no sandbox {sid!r}")
-        return self._note(node, self.members.call(node, "info", sid))
+        try:
+            return self._note(node, self.members.call(node, "info", sid))
+        except NodeDiedError:
+            return self._last[sid]  # marked lost (or resumable elsewhere) by now
 
     def list(self) -> list[SandboxInfo]:
         """Every sandbox of every live node, and those of lost nodes (state "lost" or "hibernated")."""

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError, RayTaskError
 
 from k3sys.fleet.node import NAMESPACE, PREFIX, NodeStats, node_names
 from k3sys.sandbox.errors import NotFoundError, SandboxError, UnavailableError
@@ -39,17 +39,23 @@ class Member:
         return dataclasses.replace(self.stats, reserved_mb=self.stats.reserved_mb + self.charged)
 
 
+class NodeDiedError(UnavailableError):
+    """The node's actor is dead (its process or its machine): the node is lost."""
+
+
 def unwrap(fn: Callable[[], Any], node: str) -> Any:
-    """`fn()` (a `ray.get`), with a node's `SandboxError` raised as itself and a dead actor as
-    `UnavailableError` naming the node."""
+    """`fn()` (a `ray.get`), with a node's `SandboxError` raised as itself, a dead actor as
+    `NodeDiedError` and one Ray cannot reach now as `UnavailableError`, each naming the node."""
     try:
         return fn()
     except RayTaskError as e:
         if isinstance(e.cause, SandboxError):
             raise e.cause from None
         raise
-    except RayActorError as e:
-        raise UnavailableError(f"node {node} is gone: {str(e).splitlines()[0][:200]}") from None
+    except ActorDiedError as e:
+        raise NodeDiedError(f"node {node} is gone: {str(e).splitlines()[0][:200]}") from None
+    except RayActorError as e:  # ActorUnavailableError: maybe a moment's trouble; the heartbeat decides
+        raise UnavailableError(f"node {node} cannot be reached: {str(e).splitlines()[0][:200]}") from None
 
 
 class Members:
@@ -90,7 +96,7 @@ class Members:
         m = self.get(name)
         try:
             return unwrap(lambda: ray.get(m.handle.call.remote(method, *args)), name)
-        except UnavailableError as e:
+        except NodeDiedError as e:
             self.lose(name, str(e))
             raise
 
@@ -109,9 +115,11 @@ class Members:
             m = refs[ref]
             try:
                 stats = unwrap(lambda ref=ref: ray.get(ref), m.name)
-            except (UnavailableError, RayTaskError) as e:
+            except NodeDiedError as e:
                 self.lose(m.name, str(e))
                 continue
+            except (UnavailableError, RayTaskError):
+                continue  # not an answer: lost once silent for `lost_after_s`
             answered.add(m.name)
             with self._mu:
                 m.stats, m.seen, m.charged = stats, now, 0
