@@ -25,6 +25,7 @@ from k3sys.sandbox.errors import (
     NotFoundError,
     PermissionDeniedError,
     SandboxError,
+    SandboxFileNotFoundError,
     TooLargeError,
     UnavailableError,
     error_from_code,
@@ -44,7 +45,8 @@ STATUS = {"canceled": 499, "unknown": 500, "invalid_argument": 400, "deadline_ex
           "data_loss": 500, "unauthenticated": 401}
 # Our error classes -> Connect codes, most specific first; anything else is `internal`.
 _CODES: list[tuple[type[SandboxError], str]] = [
-    (TooLargeError, "resource_exhausted"), (NotFoundError, "not_found"), (InvalidArgumentError, "invalid_argument"),
+    (TooLargeError, "resource_exhausted"), (NotFoundError, "not_found"), (SandboxFileNotFoundError, "not_found"),
+    (InvalidArgumentError, "invalid_argument"),
     (InvalidStateError, "failed_precondition"), (AuthError, "unauthenticated"),
     (PermissionDeniedError, "permission_denied"), (CapacityError, "resource_exhausted"),
     (CommandTimeoutError, "deadline_exceeded"), (UnavailableError, "unavailable"),

@@ -15,7 +15,8 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class SandboxInfo:
-    """A sandbox as callers see it; `created` in unix seconds, `memory_bytes` charged now."""
+    """A sandbox as callers see it; `created` and `deadline` (when its `on_timeout` applies; None:
+    never) in unix seconds."""
 
     id: str
     state: str
@@ -23,6 +24,7 @@ class SandboxInfo:
     created: float
     head: str | None
     reason: str = ""
+    deadline: float | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)

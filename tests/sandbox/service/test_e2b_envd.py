@@ -3,11 +3,24 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import os
+import time
 
+import httpx
 import pytest
-from e2b import CommandExitException, ConnectionConfig, NotFoundException
+from e2b import AsyncSandbox as E2BAsync
+from e2b import (
+    AuthenticationException,
+    CommandExitException,
+    ConnectionConfig,
+    FilesystemEventType,
+    FileType,
+    NotFoundException,
+    PtySize,
+    SandboxException,
+)
 from e2b import Sandbox as E2B
 from packaging.version import Version
 from service_process import ServiceProcess
@@ -66,3 +79,117 @@ def test_files_round_trip_big_and_binary(box):
     assert box.commands.run("sha256sum /tmp/big.bin").stdout.split()[0] == hashlib.sha256(blob).hexdigest()
     with pytest.raises(NotFoundException):
         box.files.read("/tmp/nope")
+
+
+
+def test_background_command_stdin_reconnect_and_list(box):
+    h = box.commands.run("read a; echo got:$a; read b; echo bye:$b", background=True, stdin=True)
+    assert h.pid in [p.pid for p in box.commands.list()]
+    box.commands.send_stdin(h.pid, "x\n")
+    again = box.commands.connect(h.pid)  # a second stream of the same process: output from its start
+    box.commands.send_stdin(h.pid, "y\n")
+    for handle in (h, again):
+        r = handle.wait()
+        assert (r.exit_code, r.stdout) == (0, "got:x\nbye:y\n")
+    assert h.pid not in [p.pid for p in box.commands.list()]
+
+
+def test_kill_and_close_stdin(box):
+    h = box.commands.run("sleep 600", background=True)
+    assert box.commands.kill(h.pid) is True
+    with pytest.raises(CommandExitException) as e:
+        h.wait()
+    assert e.value.exit_code == 137
+    assert box.commands.kill(h.pid) is False  # no such process any more
+    cat = box.commands.run("wc -c", background=True, stdin=True)
+    box.commands.send_stdin(cat.pid, "12345")
+    box.commands.close_stdin(cat.pid)
+    assert cat.wait().stdout.strip() == "5"
+
+
+def test_pty_create_input_resize(box):
+    out = bytearray()
+    term = box.pty.create(PtySize(rows=24, cols=80))
+    box.pty.send_stdin(term.pid, b"stty size; exit\n")
+    box.pty.resize(term.pid, PtySize(rows=30, cols=100))  # the shell may read before or after
+    term.wait(on_pty=out.extend)
+    assert b"24 80" in out or b"30 100" in out
+    term = box.pty.create(PtySize(rows=24, cols=80))
+    box.pty.resize(term.pid, PtySize(rows=33, cols=111))
+    box.pty.send_stdin(term.pid, b"stty size; exit\n")
+    out.clear()
+    term.wait(on_pty=out.extend)
+    assert b"33 111" in out
+
+
+def test_filesystem_calls(box):
+    assert box.files.make_dir("/tmp/fs/a/b") is True
+    assert box.files.make_dir("/tmp/fs/a/b") is False  # already there
+    box.files.write("/tmp/fs/a/f.txt", "12345")
+    info = box.files.get_info("/tmp/fs/a/f.txt")
+    assert (info.name, info.type, info.size, info.permissions) == ("f.txt", FileType.FILE, 5, "rw-r--r--")
+    assert box.files.exists("/tmp/fs/a/f.txt") and not box.files.exists("/tmp/fs/nope")
+    assert [(e.name, e.type) for e in box.files.list("/tmp/fs/a")] == [("b", FileType.DIR), ("f.txt", FileType.FILE)]
+    assert {e.path for e in box.files.list("/tmp/fs", depth=2)} == {"/tmp/fs/a", "/tmp/fs/a/b", "/tmp/fs/a/f.txt"}
+    moved = box.files.rename("/tmp/fs/a/f.txt", "/tmp/fs/g.txt")
+    assert moved.path == "/tmp/fs/g.txt" and box.files.read("/tmp/fs/g.txt") == "12345"
+    box.files.remove("/tmp/fs")
+    assert not box.files.exists("/tmp/fs")
+    with pytest.raises(NotFoundException):
+        box.files.get_info("/tmp/fs")
+
+
+def test_watch_dir(box):
+    box.files.make_dir("/tmp/w")
+    watch = box.files.watch_dir("/tmp/w")
+    try:
+        box.files.write("/tmp/w/new.txt", "x")
+        deadline, events = time.monotonic() + 20, []
+        while not any(e.name == "new.txt" for e in events) and time.monotonic() < deadline:
+            time.sleep(0.1)
+            events += watch.get_new_events()
+        assert any(e.name == "new.txt" and e.type == FilesystemEventType.CREATE for e in events), events
+    finally:
+        watch.stop()
+
+
+def test_tokens_and_health(envd_service, box):
+    sid = box.sandbox_id
+    assert box.is_running()
+    for token in (None, "wrong"):
+        bad = _handle(envd_service, sid, token=token)
+        with pytest.raises(AuthenticationException):
+            bad.commands.run("true")
+        with pytest.raises(AuthenticationException):
+            bad.files.read("/etc/hostname")
+    headers = {"E2b-Sandbox-Id": "no-such-sandbox", "X-Access-Token": access_token(envd_service.key, "no-such-sandbox")}
+    r = httpx.get(f"{envd_service.url}/health", headers=headers)
+    assert r.status_code == 502 and "was not found" in r.json()["message"]
+
+
+def test_a_paused_sandbox_answers_502(envd_service):
+    with envd_service.client() as c:
+        sid = c.create(SandboxSpec(template="base", memory_mb=256)).id
+        box = _handle(envd_service, sid)
+        assert box.commands.run("echo up").stdout == "up\n"
+        c.pause(sid)
+        assert box.is_running() is False
+        with pytest.raises(SandboxException):
+            box.commands.run("true")
+        c.resume(sid)
+        assert box.is_running() and box.commands.run("echo back").stdout == "back\n"
+        c.kill(sid)
+
+
+def test_async_sdk(envd_service, box):
+    async def main():
+        abox = _handle(envd_service, box.sandbox_id, cls=E2BAsync)
+        r = await abox.commands.run("echo async")
+        assert r.stdout == "async\n"
+        with pytest.raises(CommandExitException):
+            await abox.commands.run("exit 4")
+        data = os.urandom(1 << 20)
+        await abox.files.write("/tmp/async.bin", data)
+        assert bytes(await abox.files.read("/tmp/async.bin", format="bytes")) == data
+        assert [e.name for e in await abox.files.list("/tmp") if e.name == "async.bin"] == ["async.bin"]
+    asyncio.run(main())

@@ -23,12 +23,12 @@ from urllib.parse import parse_qsl
 
 from starlette.routing import Route, Router
 
+from k3sys.sandbox._envd import API_KEY_HEADER, SANDBOX_HEADER, TOKEN_HEADER
 from k3sys.sandbox.errors import NotFoundError, UnavailableError
 from k3sys.sandbox.service.envd import files, process
 from k3sys.sandbox.service.envd import filesystem as fs
 from k3sys.sandbox.service.envd.rpc import EnvdState, client_stream, server_stream, unary
 
-SANDBOX_HEADER = b"e2b-sandbox-id"
 _SERVING = ("running", "checkpointing")  # states in which envd answers (a checkpoint only holds a call)
 
 _ROUTES = {
@@ -84,10 +84,12 @@ def _refusal(svc: Any, sid: str, scope: dict[str, Any]) -> tuple[int, str] | Non
     token = access_token(svc.config.api_key, sid)
     path = scope["path"]
     if token is not None and path != "/health":
-        given = dict(scope["headers"]).get(b"x-access-token", b"")
+        headers = dict(scope["headers"])
+        given, key = headers.get(TOKEN_HEADER.encode(), b""), headers.get(API_KEY_HEADER.encode())
         query = dict(parse_qsl(scope.get("query_string", b"").decode()))
-        if not hmac.compare_digest(given, token.encode()) and not (path == "/files" and _signed(
-                query, scope["method"], token)):
+        if not (hmac.compare_digest(given, token.encode())
+                or (key is not None and hmac.compare_digest(key, svc.config.api_key.encode()))
+                or (path == "/files" and _signed(query, scope["method"], token))):
             return 401, f"sandbox {sid}: {'wrong' if given else 'missing'} envd access token (X-Access-Token)"
     try:
         state = svc.rt.info(sid).state
@@ -111,7 +113,7 @@ class EnvdRouter:
             Route("/health", files.health, methods=["GET"])])
 
     async def __call__(self, scope: dict[str, Any], receive: Callable, send: Callable) -> None:
-        sid = next((v for k, v in scope.get("headers", ()) if k == SANDBOX_HEADER), None) \
+        sid = next((v for k, v in scope.get("headers", ()) if k == SANDBOX_HEADER.encode()), None) \
             if scope["type"] == "http" else None
         if sid is None:
             return await self.app(scope, receive, send)

@@ -170,8 +170,8 @@ async def upload(request: Request) -> Response:
         for name, data in files:
             if not name:
                 raise InvalidArgumentError("multipart body: a part without a file name (the path to write)")
-            await svc.call("envd.write_file", svc.rt.write_file, sid, name, data, user, io=True)
-            out.append({"name": name.rstrip("/").rpartition("/")[2], "type": "file", "path": name,
+            n = await svc.call("envd.write_file", svc.rt.write_file, sid, name, data, user, io=True)
+            out.append({"name": name.rstrip("/").rpartition("/")[2], "type": "file", "path": name, "size": n,
                         **({"metadata": meta} if meta else {})})
         return JSONResponse(out)
     except Exception as e:

@@ -9,24 +9,19 @@ its error once drained, and is removed then).
 from __future__ import annotations
 
 import secrets
-import stat as st
 from collections.abc import AsyncIterator
-from datetime import UTC, datetime
 from typing import Any
 
 import anyio
 
 from k3sys.sandbox._connect import ConnectError
+from k3sys.sandbox._envd import entry_json, event_json
 from k3sys.sandbox.errors import CapacityError, InvalidArgumentError, NotFoundError
 from k3sys.sandbox.runtime.watch import WatchHandle
 from k3sys.sandbox.service.envd.rpc import Rpc, past_deadline
-from k3sys.sandbox.types import EntryInfo, FilesystemEvent
 
 MAX_WATCHERS = 1024  # watchers kept for GetWatcherEvents, per service
 _WATCH_POLL_S = 0.05  # seconds between drains of a streamed watch
-_TYPES = {"file": "FILE_TYPE_FILE", "dir": "FILE_TYPE_DIRECTORY", "symlink": "FILE_TYPE_SYMLINK"}
-_EVENTS = {"create": "EVENT_TYPE_CREATE", "write": "EVENT_TYPE_WRITE", "remove": "EVENT_TYPE_REMOVE",
-           "rename": "EVENT_TYPE_RENAME", "chmod": "EVENT_TYPE_CHMOD"}
 
 
 def _path(msg: dict[str, Any], field: str = "path") -> str:
@@ -34,17 +29,6 @@ def _path(msg: dict[str, Any], field: str = "path") -> str:
     if not isinstance(p, str) or not p:
         raise InvalidArgumentError(f"{field}: expected a path in the sandbox, got {p!r}")
     return p
-
-
-def entry_json(e: EntryInfo) -> dict[str, Any]:
-    """An EntryInfo message (owner and group are the ids: names would need the sandbox's passwd)."""
-    mtime = datetime.fromtimestamp(e.mtime, UTC).isoformat().replace("+00:00", "Z")
-    out: dict[str, Any] = {"name": e.name, "type": _TYPES.get(e.type, "FILE_TYPE_UNSPECIFIED"), "path": e.path,
-                           "size": str(e.size), "mode": e.mode, "permissions": st.filemode(e.mode)[1:],
-                           "owner": str(e.uid), "group": str(e.gid), "modifiedTime": mtime}
-    if e.type == "symlink":
-        out |= {"symlinkTarget": e.target or "", "isSymlink": True}
-    return out
 
 
 async def stat(rpc: Rpc) -> dict[str, Any]:
@@ -78,12 +62,6 @@ async def remove(rpc: Rpc) -> dict[str, Any]:
     return {}
 
 
-def _event_json(e: FilesystemEvent, root: str) -> dict[str, Any]:
-    # envd names an event's path relative to the watched directory.
-    name = e.path[len(root):].lstrip("/") if e.path.startswith(root) else e.path
-    return {"name": name, "type": _EVENTS.get(e.type, "EVENT_TYPE_UNSPECIFIED")}
-
-
 async def _watch(rpc: Rpc) -> WatchHandle:
     return await rpc.svc.call("envd.watch", rpc.svc.rt.watch_dir, rpc.sid, _path(rpc.msg),
                               bool(rpc.msg.get("recursive")), io=True)
@@ -97,7 +75,7 @@ async def watch_dir(rpc: Rpc) -> AsyncIterator[dict[str, Any]]:
         while (late := past_deadline(rpc)) is None:
             events = handle.get_new_events()
             for e in events:
-                yield {"filesystem": _event_json(e, handle.path)}
+                yield {"filesystem": event_json(e, handle.path)}
             quiet = 0.0 if events else quiet + _WATCH_POLL_S
             if rpc.keepalive_s is not None and quiet >= rpc.keepalive_s:
                 quiet = 0.0
@@ -133,7 +111,7 @@ async def get_watcher_events(rpc: Rpc) -> dict[str, Any]:
         rpc.state.watchers.pop(wid, None)
         await anyio.to_thread.run_sync(handle.stop)
         raise
-    return {"events": [_event_json(e, handle.path) for e in events]}
+    return {"events": [event_json(e, handle.path) for e in events]}
 
 
 async def remove_watcher(rpc: Rpc) -> dict[str, Any]:

@@ -19,12 +19,12 @@ from typing import Any
 
 import anyio
 
+from k3sys.sandbox._envd import ALL_HEADER, FOLLOW_HEADER, KEEP_HEADER, SIGNALS, end_event, process_json
 from k3sys.sandbox.errors import InvalidArgumentError
 from k3sys.sandbox.service.envd.rpc import Rpc, past_deadline, selector_pid
 
 _POLL_S = (0.005, 0.1)  # seconds between looks at a process's output: when busy, when quiet
 _PIECE = 1 << 20  # bytes of output per message at most
-_SIGNALS = {"SIGNAL_SIGTERM": 15, "SIGNAL_SIGKILL": 9, 15: 15, 9: 9}
 
 
 def _b64(field: str, value: Any) -> bytes:
@@ -49,12 +49,6 @@ def _input(msg: dict[str, Any]) -> bytes:
     return _b64("input", inp.get("stdin", inp.get("pty", "")))
 
 
-def _end_event(exit_code: int) -> dict[str, Any]:
-    # The agent reports a death by signal N as 128 + N, as a shell does.
-    status = f"signal: {exit_code - 128}" if exit_code > 128 else f"exit status {exit_code}"
-    return {"event": {"end": {"exitCode": exit_code, "exited": exit_code <= 128, "status": status}}}
-
-
 async def _output(rpc: Rpc, cid: str, pid: int, pty: bool) -> AsyncIterator[dict[str, Any]]:
     """The start event, the process's output, then its end (or a deadline or keepalive meanwhile)."""
     rt, key, streams = rpc.svc.rt, (rpc.sid, pid), rpc.state.streams
@@ -70,8 +64,10 @@ async def _output(rpc: Rpc, cid: str, pid: int, pty: bool) -> AsyncIterator[dict
                 for i in range(0, len(data), _PIECE):
                     yield {"event": {"data": {name: base64.b64encode(data[i:i + _PIECE]).decode()}}}
             if done:
-                ended = True
-                yield _end_event(rt.command_exit(cid).exit)
+                ended = rpc.headers.get(KEEP_HEADER) != "1"
+                yield {"event": end_event(rt.command_exit(cid).exit)}
+                return
+            if rpc.headers.get(FOLLOW_HEADER) == "0":
                 return
             if (late := past_deadline(rpc)) is not None:
                 raise late
@@ -100,8 +96,9 @@ async def start(rpc: Rpc) -> AsyncIterator[dict[str, Any]]:
         raise InvalidArgumentError(f"process.cmd: expected a program to run, got {proc!r}")
     argv = [proc["cmd"], *proc.get("args", [])]
     pty = _pty_size(rpc.msg)
+    envs = {**rpc.svc.attrs.get(rpc.sid).envs, **(proc.get("envs") or {})}  # the sandbox's envVars, then the call's
     cid = await rpc.svc.call("envd.start", rpc.svc.rt.start_process, rpc.sid, argv, proc.get("cwd") or None,
-                             proc.get("envs") or {}, rpc.user, bool(rpc.msg.get("stdin")), pty, io=True)
+                             envs, rpc.user, bool(rpc.msg.get("stdin")), pty, io=True)
     async for event in _output(rpc, cid, rpc.svc.rt.command_pid(cid), pty is not None):
         yield event
 
@@ -117,8 +114,8 @@ async def connect(rpc: Rpc) -> AsyncIterator[dict[str, Any]]:
 
 async def list_processes(rpc: Rpc) -> dict[str, Any]:
     procs = await rpc.svc.call("envd.list", rpc.svc.rt.processes, rpc.sid, io=True)
-    return {"processes": [{"config": {"cmd": p.cmd}, "pid": p.pid, **({"tag": p.tag} if p.tag else {})}
-                          for p in procs if p.running]}
+    every = rpc.headers.get(ALL_HEADER) == "1"
+    return {"processes": [process_json(p) for p in procs if p.running or every]}
 
 
 async def send_input(rpc: Rpc) -> dict[str, Any]:
@@ -144,7 +141,7 @@ async def close_stdin(rpc: Rpc) -> dict[str, Any]:
 
 
 async def send_signal(rpc: Rpc) -> dict[str, Any]:
-    sig = _SIGNALS.get(rpc.msg.get("signal"))
+    sig = SIGNALS.get(rpc.msg.get("signal"))
     if sig is None:
         raise InvalidArgumentError(f"signal: expected SIGNAL_SIGTERM or SIGNAL_SIGKILL, got {rpc.msg.get('signal')!r}")
     await rpc.svc.call("envd.signal", rpc.svc.rt.signal_process, rpc.sid, selector_pid(rpc.msg), sig, io=True)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import base64
 import binascii
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -61,6 +61,7 @@ class Rpc:
     deadline: float | None
     keepalive_s: float | None
     state: EnvdState
+    headers: Mapping[str, str]
 
 
 Unary = Callable[[Rpc], Awaitable[dict[str, Any]]]
@@ -73,7 +74,7 @@ def user_of(authorization: str | None) -> str | None:
         return None
     scheme, _, value = authorization.partition(" ")
     if scheme.lower() != "basic":
-        raise InvalidArgumentError(f"authorization: expected `Basic base64(user:)`, got scheme {scheme!r}")
+        return None  # a bearer key for the control plane names no user
     try:
         user = base64.b64decode(value.strip(), validate=True).decode().partition(":")[0]
     except (binascii.Error, UnicodeDecodeError):
@@ -113,7 +114,8 @@ async def _rpc(request: Request, streamed: bool, read: bool = True) -> Rpc:
                user=user_of(request.headers.get("authorization")),
                msg=await _read_body(request, streamed) if read else {},
                deadline=None if timeout is None else time.monotonic() + timeout,
-               keepalive_s=_number_header(request, "keepalive-ping-interval", 1.0), state=request.app.state.envd)
+               keepalive_s=_number_header(request, "keepalive-ping-interval", 1.0), state=request.app.state.envd,
+               headers=request.headers)
 
 
 def error_response(exc: BaseException) -> JSONResponse:
