@@ -33,7 +33,13 @@ from k3sys.fleet.members import Member, Members, NodeDiedError, unwrap
 from k3sys.fleet.moves import Moves, Transfer
 from k3sys.fleet.node import BY_COMMAND, BY_SANDBOX, NAMESPACE, NEW_COMMAND
 from k3sys.fleet.placement import check_policy, choose
-from k3sys.sandbox.errors import InvalidArgumentError, InvalidStateError, NotFoundError, SandboxError
+from k3sys.sandbox.errors import (
+    CheckpointNotFoundError,
+    InvalidArgumentError,
+    InvalidStateError,
+    NotFoundError,
+    SandboxError,
+)
 from k3sys.sandbox.runtime.store import Manifest
 from k3sys.sandbox.spec import CommandResult, SandboxSpec
 from k3sys.sandbox.types import CheckpointInfo, SandboxInfo
@@ -168,7 +174,7 @@ class Fleet(Moves):
             with self._mu:
                 holders = sorted(self._holders.get(ck, ()))
         if not holders:
-            raise NotFoundError(f"no checkpoint {ck!r} on any live node")
+            raise CheckpointNotFoundError(f"no checkpoint {ck!r} on any live node")
         return prefer if prefer in holders else holders[0]
 
     def _held(self, ck: str, node: str) -> None:

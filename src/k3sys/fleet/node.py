@@ -42,7 +42,7 @@ PREFIX = "k3sys-node-"
 BY_SANDBOX = frozenset({
     "info", "kill", "memory_bytes", "cpu_seconds", "run", "processes", "send_stdin", "signal_process",
     "resize_pty", "read_file", "write_file", "list_dir", "stat", "move", "remove", "make_dir", "exists", "pause",
-    "resume", "checkpoint", "hibernate", "prefetch", "fork", "timings"})
+    "resume", "checkpoint", "hibernate", "prefetch", "fork", "timings", "set_timeout"})
 NEW_COMMAND = frozenset({"start_command", "start_process", "connect_command"})  # by sandbox id; return a command id
 BY_COMMAND = frozenset({"wait_command", "command_output", "command_running", "kill_command", "command_pid",
                         "read_command_output", "command_exit", "release_command", "forget_command"})
