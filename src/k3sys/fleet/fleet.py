@@ -149,6 +149,12 @@ class Fleet(Moves):
             self._last[info.id] = info
         return info
 
+    def _seen(self, sid: str, **changes: Any) -> None:
+        """Record a change the fleet made to sandbox `sid` (its state, head) without asking its node."""
+        with self._mu:
+            if sid in self._last:
+                self._last[sid] = dataclasses.replace(self._last[sid], **changes)
+
     def _forget(self, sid: str) -> None:
         with self._mu:
             self._where.pop(sid, None)
@@ -317,6 +323,7 @@ class Fleet(Moves):
 
     def pause(self, sid: str) -> None:
         self.members.call(self.node_of(sid), "pause", sid)
+        self._seen(sid, state="paused")
 
     def checkpoint(self, sid: str) -> CheckpointInfo:
         node = self.node_of(sid)

@@ -84,7 +84,7 @@ class Moves:
         node = self.node_of(sid)
         ck = self.members.call(node, "hibernate", sid)
         self._held(ck.id, node)
-        self.info(sid)
+        self._seen(sid, state="hibernated", head=ck.id)
         if self.config.replicate_hibernated:
             # Best effort: with no second node (or no room there) the sandbox is hibernated all the same.
             with contextlib.suppress(CapacityError, UnavailableError):
@@ -102,14 +102,14 @@ class Moves:
                 raise InvalidStateError(f"sandbox {sid} is {last.state} ({last.reason})")
             self._move(sid, last.spec, last.head or "", None, None)
             return
-        info = self.info(sid)
-        if info.state == "hibernated":
-            room = self.members.get(self.node_of(sid)).view.free_mb >= info.spec.memory_mb
-            if not room:
-                self._move(sid, info.spec, info.head or "", self.node_of(sid), None)
-                return
-        self.members.call(self.node_of(sid), "resume", sid)
-        self.info(sid)
+        # The state as last seen (every change through the fleet updates it) saves a call: a paused
+        # sandbox just thaws. If it was hibernated behind our back (its timeout), its node resumes it.
+        last = self._last[sid]
+        if last.state == "hibernated" and self.members.get(node).view.free_mb < last.spec.memory_mb:
+            self._move(sid, last.spec, last.head or "", node, None)
+            return
+        self.members.call(node, "resume", sid)
+        self._seen(sid, state="running")
 
     def migrate(self, sid: str, node: str | None = None) -> SandboxInfo:
         """Move the sandbox to `node` (placement picks one other than its own if None): hibernated on its
