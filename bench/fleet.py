@@ -43,7 +43,7 @@ from ray.cluster_utils import Cluster
 from rich.console import Console
 from rich.table import Table
 
-from k3sys.fleet import Fleet, FleetConfig, start_node
+from k3sys.fleet import Fleet, FleetConfig, start_node, stop_node
 from k3sys.rollout.tasks import start_service as hold_memory
 from k3sys.sandbox import HTTPBackend, Sandbox
 from k3sys.sandbox.spec import SandboxSpec
@@ -220,7 +220,7 @@ def main() -> None:
             p.wait(60)
         for name in NODES:
             with contextlib.suppress(Exception):
-                ray.get(ray.get_actor(f"k3sys-node-{name}").stop.remote(kill_sandboxes=True), timeout=60)
+                stop_node(name, kill_sandboxes=True)
         ray.shutdown()
         cluster.shutdown()
         with contextlib.suppress(Exception):

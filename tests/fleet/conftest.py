@@ -64,12 +64,12 @@ def cluster(tmp_path_factory) -> Iterator[LocalCluster]:
     try:
         yield lc
     finally:
-        from k3sys.fleet.node import PREFIX
+        from k3sys.fleet import stop_node
         from k3sys.sandbox import Runtime
 
         for name in list(lc.homes):
             with contextlib.suppress(Exception):  # a node the tests killed: its sandboxes are cleaned below
-                ray.get(ray.get_actor(PREFIX + name).stop.remote(kill_sandboxes=True), timeout=60)
+                stop_node(name, kill_sandboxes=True)
         ray.shutdown()
         c.shutdown()
         for home in lc.homes.values():  # sandboxes of killed nodes outlive them on this one machine

@@ -4,8 +4,8 @@
 
 from k3sys.fleet.fleet import Fleet, FleetConfig
 from k3sys.fleet.moves import Transfer
-from k3sys.fleet.node import NodeStats, SandboxNode, node_names, start_node
+from k3sys.fleet.node import NodeStats, SandboxNode, node_names, start_node, stop_node
 from k3sys.fleet.placement import POLICIES, choose
 
 __all__ = ["POLICIES", "Fleet", "FleetConfig", "NodeStats", "SandboxNode", "Transfer", "choose", "node_names",
-           "start_node"]
+           "start_node", "stop_node"]

@@ -198,11 +198,10 @@ class SandboxNode:
         return imp.received, time.perf_counter() - t0
 
     def stop(self, kill_sandboxes: bool = False) -> None:
-        """Let go of the runtime (killing its sandboxes if asked) and end the actor."""
+        """Let go of the runtime (killing its sandboxes if asked); `stop_node` then ends the actor."""
         if kill_sandboxes:
             self.runtime.kill_all()
         self.runtime.close()
-        ray.actor.exit_actor()
 
 
 NodeActor = ray.remote(SandboxNode)
@@ -225,6 +224,14 @@ def start_node(name: str, home: str | Path, *, node_id: str | None = None, resou
     handle = NodeActor.options(**opts).remote(name, os.fspath(home), capacity_mb)
     ray.get(handle.stats.remote())  # up, or its constructor's error
     return handle
+
+
+def stop_node(name: str, kill_sandboxes: bool = False, timeout_s: float = 120) -> None:
+    """Stop node `name`: its runtime lets go of the directory (its sandboxes killed if asked, else left
+    for the next node on that directory to adopt), then its actor ends."""
+    handle = ray.get_actor(PREFIX + name, namespace=NAMESPACE)
+    ray.get(handle.stop.remote(kill_sandboxes), timeout=timeout_s)
+    ray.kill(handle)
 
 
 def node_names() -> list[str]:
