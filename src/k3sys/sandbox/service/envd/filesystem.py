@@ -21,6 +21,10 @@ from k3sys.sandbox.runtime.watch import WatchHandle
 from k3sys.sandbox.service.envd.rpc import Rpc, past_deadline
 
 MAX_WATCHERS = 1024  # watchers kept for GetWatcherEvents, per service
+MAX_WATCHERS_PER_SANDBOX = 64
+# Events a watch queues unread (about 200 bytes each; later ones are dropped and counted), so that
+# every watcher a service keeps, flooded by its sandbox, holds at most ~2 MB of host memory.
+WATCH_EVENTS = 10_000
 _WATCH_POLL_S = 0.05  # seconds between drains of a streamed watch
 
 
@@ -64,7 +68,7 @@ async def remove(rpc: Rpc) -> dict[str, Any]:
 
 async def _watch(rpc: Rpc) -> WatchHandle:
     return await rpc.svc.call("envd.watch", rpc.svc.rt.watch_dir, rpc.sid, _path(rpc.msg),
-                              bool(rpc.msg.get("recursive")), io=True)
+                              bool(rpc.msg.get("recursive")), WATCH_EVENTS, io=True)
 
 
 async def watch_dir(rpc: Rpc) -> AsyncIterator[dict[str, Any]]:
@@ -88,10 +92,16 @@ async def watch_dir(rpc: Rpc) -> AsyncIterator[dict[str, Any]]:
 
 
 async def create_watcher(rpc: Rpc) -> dict[str, Any]:
-    if len(rpc.state.watchers) >= MAX_WATCHERS:
+    watchers, live = rpc.state.watchers, {i.id for i in rpc.svc.rt.list()}
+    for wid in [w for w, (sid, _) in watchers.items() if sid not in live]:  # their sandboxes were killed
+        if (gone := watchers.pop(wid, None)) is not None:
+            await anyio.to_thread.run_sync(gone[1].stop)
+    if len(watchers) >= MAX_WATCHERS:
         raise CapacityError(f"the service keeps at most {MAX_WATCHERS} watchers: remove some")
+    if sum(sid == rpc.sid for sid, _ in watchers.values()) >= MAX_WATCHERS_PER_SANDBOX:
+        raise CapacityError(f"sandbox {rpc.sid} has {MAX_WATCHERS_PER_SANDBOX} watchers already: remove some")
     wid = "w-" + secrets.token_hex(8)
-    rpc.state.watchers[wid] = (rpc.sid, await _watch(rpc))
+    watchers[wid] = (rpc.sid, await _watch(rpc))
     return {"watcherId": wid}
 
 
