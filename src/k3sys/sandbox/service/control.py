@@ -35,12 +35,11 @@ from k3sys.sandbox.service.e2b_models import (
     e2b_states,
     no_memory,
     sandbox_body,
-    unsupported,
 )
 from k3sys.sandbox.service.envd.app import access_token
 from k3sys.sandbox.service.models import Cpu, Memory, Prefetched
 from k3sys.sandbox.spec import SandboxSpec
-from k3sys.sandbox.types import SandboxInfo
+from k3sys.sandbox.types import CheckpointInfo, SandboxInfo
 
 T = TypeVar("T")
 router = APIRouter(dependencies=[Depends(authorize)])
@@ -76,12 +75,18 @@ def _metadata_filter(metadata: str | None) -> dict[str, str]:
     return {unquote(k): unquote(v) for k, v in parse_qsl(metadata or "", keep_blank_values=True)}
 
 
-def _is_checkpoint(svc: Service, tid: str) -> bool:
+def _snapshot_of(svc: Service, tid: str) -> str | None:
+    """The checkpoint a template id names (a snapshot's name or id), or None for a template name."""
+    ck = svc.names.resolve(tid) or tid
     try:
-        svc.rt.get_checkpoint(tid)
-    except StoreError:  # no such checkpoint, or not even a checkpoint id: a template name
-        return False
-    return True
+        svc.rt.get_checkpoint(ck)
+    except StoreError:  # no such checkpoint, or not even a checkpoint id
+        return None
+    return ck
+
+
+def _snapshot(svc: Service, ck: CheckpointInfo) -> dict[str, Any]:
+    return checkpoint_json(ck, svc.names.names_of(ck.id))
 
 
 # --- E2B's routes ------------------------------------------------------------------------------------
@@ -93,8 +98,8 @@ async def create_sandbox(svc: Svc, body: NewSandbox) -> dict[str, Any]:
     """A sandbox from a template, or restored from a snapshot (`templateID` = its id)."""
     body.check_supported()
     attrs = SandboxAttrs(body.templateID, body.metadata or {}, body.envVars or {})
-    if await svc.call("lookup", _is_checkpoint, svc, body.templateID, io=True):
-        info = await svc.call("restore", svc.restore, body.templateID, body.sandboxID, body.timeout)
+    if (ck := await svc.call("lookup", _snapshot_of, svc, body.templateID, io=True)) is not None:
+        info = await svc.call("restore", svc.restore, ck, body.sandboxID, body.timeout)
     else:
         sized = {k: v for k, v in (("cpu", body.cpu), ("memory_mb", body.memoryMB), ("pids", body.pids))
                  if v is not None}
@@ -109,9 +114,9 @@ async def create_sandbox(svc: Svc, body: NewSandbox) -> dict[str, Any]:
 @router.get("/v2/sandboxes", tags=["sandboxes"])
 async def list_sandboxes(svc: Svc, response: Response, metadata: str | None = None, state: str | None = None,
                          template: str | None = None, startedAfter: datetime | None = None,  # noqa: N803
-                         order: Order = "asc", limit: Limit = None,
+                         order: Order = "desc", limit: Limit = None,
                          nextToken: str | None = None) -> list[dict[str, Any]]:  # noqa: N803
-    """Sandboxes (every state unless `state` says), oldest first unless `order=desc`."""
+    """Sandboxes (every state unless `state` says), newest first (E2B's order) unless `order=asc`."""
     states, wanted = e2b_states(state), _metadata_filter(metadata)
     after = startedAfter.timestamp() if startedAfter else None
     t0 = time.time()
@@ -208,29 +213,34 @@ async def metrics(svc: Svc, sid: str, start: int | None = None, end: int | None 
 
 @router.post("/sandboxes/{sid}/snapshots", status_code=201, tags=["snapshots"])
 async def create_snapshot(svc: Svc, sid: str, body: Snapshot | None = None) -> dict[str, Any]:
-    """Checkpoint the sandbox (it runs on); create from the returned `snapshotID` to restore it."""
+    """Checkpoint the sandbox (it runs on); create from the returned `snapshotID` (or the `name`, which
+    moves to the newest snapshot given it) to restore it."""
     body = body or Snapshot()
     no_memory(body.memory, "snapshot")
+    ck = await svc.call("checkpoint", svc.rt.checkpoint, sid)
     if body.name:
-        raise unsupported("name", "snapshots are named by their snapshotID")
-    return checkpoint_json(await svc.call("checkpoint", svc.rt.checkpoint, sid))
+        svc.names.set(body.name, ck.id)
+    return _snapshot(svc, ck)
 
 
 @router.get("/snapshots", tags=["snapshots"])
 async def list_snapshots(svc: Svc, response: Response, sandboxID: str | None = None,  # noqa: N803
                          name: str | None = None, limit: Limit = None,
                          nextToken: str | None = None) -> list[dict[str, Any]]:  # noqa: N803
-    """Checkpoints, oldest first; `name` matches a snapshot's id (snapshots are not named here)."""
+    """Checkpoints, oldest first; `name` matches a snapshot's id or a name given to it."""
     cks = await svc.call("list_checkpoints", svc.rt.checkpoints, io=True)
-    cks = sorted((c for c in cks if sandboxID in (None, c.sandbox_id) and name in (None, c.id)),
+    cks = sorted((c for c in cks if sandboxID in (None, c.sandbox_id)
+                  and (name is None or name == c.id or name in svc.names.names_of(c.id))),
                  key=lambda c: (c.created, c.id))
-    return [checkpoint_json(c) for c in _page(cks, lambda c: (c.created, c.id), limit, nextToken, response)]
+    return [_snapshot(svc, c) for c in _page(cks, lambda c: (c.created, c.id), limit, nextToken, response)]
 
 
 @router.delete("/templates/{tid}", status_code=204, tags=["snapshots"])
 async def delete_snapshot(svc: Svc, tid: str) -> Response:
-    """Delete a snapshot (templates are built by scripts, not deleted here: 404)."""
-    await svc.call("delete_checkpoint", svc.rt.delete_checkpoint, tid)
+    """Delete a snapshot, by id or name (templates are built by scripts, not deleted here: 404)."""
+    ck = svc.names.resolve(tid) or tid
+    await svc.call("delete_checkpoint", svc.rt.delete_checkpoint, ck)
+    svc.names.forget(ck)
     return Response(status_code=204)
 
 
@@ -271,7 +281,7 @@ async def thaw(svc: Svc, sid: str) -> Response:
 @router.post("/sandboxes/{sid}/hibernate", tags=["k3sys"])
 async def hibernate(svc: Svc, sid: str) -> dict[str, Any]:
     """E2B's pause, answering with the checkpoint it took (from running or frozen)."""
-    return checkpoint_json(await svc.call("hibernate", svc.rt.hibernate, sid))
+    return _snapshot(svc, await svc.call("hibernate", svc.rt.hibernate, sid))
 
 
 @router.post("/sandboxes/{sid}/prefetch", response_model=Prefetched, tags=["k3sys"])
@@ -296,7 +306,7 @@ async def sandbox_cpu(svc: Svc, sid: str) -> Any:
 
 @router.get("/snapshots/{ck}", tags=["k3sys"])
 async def get_snapshot(svc: Svc, ck: str) -> dict[str, Any]:
-    return checkpoint_json(await svc.call("get_checkpoint", svc.rt.get_checkpoint, ck, io=True))
+    return _snapshot(svc, await svc.call("get_checkpoint", svc.rt.get_checkpoint, ck, io=True))
 
 
 @router.post("/snapshots/{ck}/restore", status_code=201, tags=["k3sys"])

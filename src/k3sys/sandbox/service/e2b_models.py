@@ -108,7 +108,7 @@ class Pause(BaseModel):
 
 class Snapshot(BaseModel):
     model_config = _STRICT
-    name: str | None = None
+    name: str | None = Field(None, min_length=1, max_length=255, pattern=r"^[A-Za-z0-9][A-Za-z0-9._/:-]*$")
     memory: bool | None = None
 
 
