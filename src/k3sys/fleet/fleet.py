@@ -29,10 +29,11 @@ from typing import Any, BinaryIO
 
 import ray
 
+from k3sys.fleet.config import FleetConfig
 from k3sys.fleet.members import Member, Members, NodeDiedError, unwrap
 from k3sys.fleet.moves import Moves, Transfer
 from k3sys.fleet.node import BY_COMMAND, BY_SANDBOX, NAMESPACE, NEW_COMMAND
-from k3sys.fleet.placement import check_policy, choose
+from k3sys.fleet.placement import choose
 from k3sys.sandbox.errors import (
     CheckpointNotFoundError,
     InvalidArgumentError,
@@ -45,23 +46,6 @@ from k3sys.sandbox.spec import CommandResult, SandboxSpec
 from k3sys.sandbox.types import CheckpointInfo, SandboxInfo
 
 _SEP = "~"  # in a gateway command id: <the node's command id>~<node name>
-
-
-@dataclasses.dataclass(frozen=True)
-class FleetConfig:
-    """`policy`: "spread" or "pack"; `heartbeat_s` between looks at the nodes; a node silent for
-    `lost_after_s` is lost; `replicate_hibernated`: copy every hibernation's checkpoint to a second node."""
-
-    policy: str = "spread"
-    heartbeat_s: float = 1.0
-    lost_after_s: float = 6.0
-    replicate_hibernated: bool = True
-
-    def __post_init__(self) -> None:
-        check_policy(self.policy)
-        if not 0 < self.heartbeat_s < self.lost_after_s:
-            raise InvalidArgumentError(f"expected 0 < heartbeat_s < lost_after_s, got {self.heartbeat_s!r}, "
-                                       f"{self.lost_after_s!r}")
 
 
 class _Remote:
@@ -114,6 +98,7 @@ class Fleet(Moves):
         self._where: dict[str, str | None] = {}  # sandbox id -> node (None: on a lost node)
         self._last: dict[str, SandboxInfo] = {}  # sandbox id -> latest info seen
         self._claimed: set[str] = set()  # ids of creates in flight
+        self._placing = threading.Lock()
         self._holders: dict[str, set[str]] = {}  # checkpoint id -> live nodes whose store has it
         self.transfers: deque[Transfer] = deque(maxlen=1000)
         self.store = _FleetStore(self)
@@ -193,10 +178,11 @@ class Fleet(Moves):
 
     def place(self, memory_mb: int, node: str | None = None, exclude: tuple[str, ...] = ()) -> str:
         """The node a new sandbox goes to (`node` if named), charged `memory_mb` MiB until its next stats."""
-        name = node if node is not None else choose([m.view for m in self.members.live()], memory_mb,
-                                                    self.config.policy, exclude)
-        self.members.get(name)
-        self.members.charge(name, memory_mb)
+        with self._placing:  # choose and charge as one step: concurrent creates see each other
+            name = node if node is not None else choose([m.view for m in self.members.live()], memory_mb,
+                                                        self.config.policy, exclude)
+            self.members.get(name)
+            self.members.charge(name, memory_mb)
         return name
 
     # --- routing ------------------------------------------------------------------------------------
@@ -245,10 +231,10 @@ class Fleet(Moves):
         body = data.read() if hasattr(data, "read") else data
         return self.members.call(self.node_of(sid), "write_file", sid, path, body, user)
 
-    def watch_dir(self, sid: str, path: str, recursive: bool = False) -> _Remote:
+    def watch_dir(self, sid: str, path: str, recursive: bool = False, *more: Any) -> _Remote:
         node = self.node_of(sid)
         m = self.members.get(node)
-        h = unwrap(lambda: ray.get(m.handle.watch_dir.remote(sid, path, recursive)), node)
+        h = unwrap(lambda: ray.get(m.handle.watch_dir.remote(sid, path, recursive, *more)), node)
         return _Remote(m.handle, node, h, path=path, recursive=recursive)
 
     # --- sandboxes ----------------------------------------------------------------------------------

@@ -35,8 +35,11 @@ class Member:
 
     @property
     def view(self) -> NodeStats:
-        """The stats with what the gateway placed since they were taken counted in."""
-        return dataclasses.replace(self.stats, reserved_mb=self.stats.reserved_mb + self.charged)
+        """The stats with what the gateway placed since they were taken counted in (as reserved and as
+        no longer available: whichever bounds `free_mb`, a burst of creates must see it shrink)."""
+        s = self.stats
+        return dataclasses.replace(s, reserved_mb=s.reserved_mb + self.charged,
+                                   available_mb=s.available_mb - self.charged)
 
 
 class NodeDiedError(UnavailableError):
@@ -108,6 +111,8 @@ class Members:
             self._join(name)
         now = time.monotonic()
         live = self.live()
+        with self._mu:  # charges made before the request are in its answer; later ones stay
+            sent = {m.name: m.charged for m in live}
         refs = {m.handle.stats.remote(): m for m in live}
         ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=self.heartbeat_s) if refs else ([], [])
         answered = set()
@@ -122,7 +127,8 @@ class Members:
                 continue  # not an answer: lost once silent for `lost_after_s`
             answered.add(m.name)
             with self._mu:
-                m.stats, m.seen, m.charged = stats, now, 0
+                m.stats, m.seen = stats, now
+                m.charged -= sent[m.name]
         for m in live:
             if m.name not in answered and now - m.seen > self.lost_after_s:
                 self.lose(m.name, f"no answer for {now - m.seen:.1f} s")

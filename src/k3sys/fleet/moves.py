@@ -23,18 +23,15 @@ import dataclasses
 import threading
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING
 
 import ray
 
+from k3sys.fleet.config import FleetConfig
 from k3sys.fleet.members import Members, unwrap
 from k3sys.fleet.placement import choose
 from k3sys.sandbox.errors import CapacityError, InvalidArgumentError, InvalidStateError, SandboxError, UnavailableError
 from k3sys.sandbox.spec import MAX_FORK, SandboxSpec, check_number
 from k3sys.sandbox.types import CheckpointInfo, SandboxInfo
-
-if TYPE_CHECKING:
-    from k3sys.fleet.fleet import FleetConfig
 
 
 @dataclasses.dataclass(frozen=True)

@@ -157,10 +157,11 @@ class SandboxNode:
     def read_open(self, handle: int, n: int) -> bytes:
         return self._held(handle).read(min(n, 8 << 20))
 
-    def watch_dir(self, sid: str, path: str, recursive: bool = False) -> int:
-        """Start watching a directory of sandbox `sid`; returns the handle for `watch_events`."""
+    def watch_dir(self, sid: str, path: str, recursive: bool = False, *more: Any) -> int:
+        """Start watching a directory of sandbox `sid` (`Runtime.watch_dir`'s arguments); returns the
+        handle for `watch_events`."""
         self._room()
-        return self._hold(self.runtime.watch_dir(sid, path, recursive))
+        return self._hold(self.runtime.watch_dir(sid, path, recursive, *more))
 
     def watch_events(self, handle: int) -> list[Any]:
         return self._held(handle).get_new_events()
