@@ -47,7 +47,7 @@ from k3sys.fleet import Fleet, FleetConfig, start_node, stop_node
 from k3sys.rollout.tasks import start_service as hold_memory
 from k3sys.sandbox import HTTPBackend, Sandbox
 from k3sys.sandbox.spec import SandboxSpec
-from sandbox_service import SRC, start_service
+from sandbox_service import SRC, start_service, wait_healthy
 
 RESULTS = Path(__file__).resolve().parent / "results"
 NODES = ("n0", "n1", "n2")
@@ -77,15 +77,8 @@ def start_gateway(address: str, data_dir: Path) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen([sys.executable, "-m", "k3sys.cli", "fleet", "gateway", "--address", address,
                              "--port", str(port), "--no-auth", "--data-dir", str(data_dir)], env=env)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        with contextlib.suppress(httpx.TransportError):
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return proc, url
-        if time.monotonic() > deadline or proc.poll() is not None:
-            proc.kill()
-            raise RuntimeError("the gateway did not start")
-        time.sleep(0.1)
+    wait_healthy(proc, url, 120)
+    return proc, url
 
 
 def free_port() -> int:

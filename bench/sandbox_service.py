@@ -60,14 +60,20 @@ def start_service(data_dir: Path, key: str) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen([sys.executable, "-m", "k3sys.sandbox.cli", "serve", "--port", str(port), "--data-dir",
                              str(data_dir), "--max-sandboxes", "128"], env=env)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
+    wait_healthy(proc, url, 60)
+    return proc, url
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, seconds: float) -> None:
+    """Wait until the service `proc` answers GET /health at `url` (killed if not within `seconds`)."""
+    deadline = time.monotonic() + seconds
     while True:
         with contextlib.suppress(httpx.TransportError):
             if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return proc, url
+                return
         if time.monotonic() > deadline or proc.poll() is not None:
             proc.kill()
-            raise RuntimeError("the service did not start")
+            raise RuntimeError(f"the service at {url} did not start")
         time.sleep(0.05)
 
 

@@ -274,27 +274,29 @@ class Fleet(Moves):
             return self._note(node, self.members.call(node, "info", sid))
         except NodeDiedError:
             return self._last[sid]  # marked lost (or resumable elsewhere) by now
+        except NotFoundError:
+            self._forget(sid)  # killed on its node behind our back (its timeout)
+            raise
+
+    def _gather(self, method: str) -> dict[str, Any]:
+        """`Runtime.<method>()`'s answer from every live node that gives one, by node name."""
+        refs = {m.name: m.handle.call.remote(method) for m in self.members.live()}
+        out = {}
+        for name, ref in refs.items():
+            with contextlib.suppress(SandboxError):  # a node failing now: the monitor decides whether it is lost
+                out[name] = unwrap(lambda ref=ref: ray.get(ref), name)
+        return out
 
     def list(self) -> list[SandboxInfo]:
         """Every sandbox of every live node, and those of lost nodes (state "lost" or "hibernated")."""
-        live = self.members.live()
-        answers = {m.name: m.handle.call.remote("list") for m in live}
         seen: dict[str, SandboxInfo] = {}
-        for name, ref in answers.items():
-            try:
-                infos = unwrap(lambda ref=ref: ray.get(ref), name)
-            except SandboxError:
-                continue  # the monitor will lose it; its sandboxes show as they were last seen
+        for name, infos in self._gather("list").items():
             for i in infos:
                 seen[i.id] = self._note(name, i)
         with self._mu:
-            for sid, i in list(self._last.items()):
-                if sid in seen:
-                    continue
-                if self._where.get(sid) is None or self._where[sid] not in answers:
-                    seen[sid] = i
-                else:  # gone from its node since we last looked (killed there)
-                    self._forget(sid)
+            # Not forgotten when missing from their node's answer: a create may have finished after
+            # the node answered. A sandbox gone behind our back is forgotten by `info`.
+            seen |= {sid: self._last[sid] for sid, node in self._where.items() if node is None}
         return sorted(seen.values(), key=lambda i: (i.created, i.id))
 
     def kill(self, sid: str) -> None:
@@ -321,14 +323,8 @@ class Fleet(Moves):
 
     def checkpoints(self) -> list[CheckpointInfo]:
         """Every checkpoint of every live node (one entry per id, wherever it is held)."""
-        live = self.members.live()
-        answers = {m.name: m.handle.call.remote("checkpoints") for m in live}
         out: dict[str, CheckpointInfo] = {}
-        for name, ref in answers.items():
-            try:
-                infos = unwrap(lambda ref=ref: ray.get(ref), name)
-            except SandboxError:
-                continue
+        for name, infos in self._gather("checkpoints").items():
             for c in infos:
                 out.setdefault(c.id, c)
                 self._held(c.id, name)
