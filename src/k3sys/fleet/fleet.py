@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
+import time
 from collections import deque
 from collections.abc import Iterator
 from typing import Any, BinaryIO
@@ -97,6 +98,7 @@ class Fleet(Moves):
         self._mu = threading.RLock()
         self._where: dict[str, str | None] = {}  # sandbox id -> node (None: on a lost node)
         self._last: dict[str, SandboxInfo] = {}  # sandbox id -> latest info seen
+        self._fresh: dict[str, float] = {}  # sandbox id -> when (monotonic s) its info was last seen
         self._claimed: set[str] = set()  # ids of creates in flight
         self._placing = threading.Lock()
         self._holders: dict[str, set[str]] = {}  # checkpoint id -> live nodes whose store has it
@@ -132,6 +134,7 @@ class Fleet(Moves):
         with self._mu:
             self._where[info.id] = node
             self._last[info.id] = info
+            self._fresh[info.id] = time.monotonic()
         return info
 
     def _seen(self, sid: str, **changes: Any) -> None:
@@ -139,11 +142,13 @@ class Fleet(Moves):
         with self._mu:
             if sid in self._last:
                 self._last[sid] = dataclasses.replace(self._last[sid], **changes)
+                self._fresh[sid] = time.monotonic()
 
     def _forget(self, sid: str) -> None:
         with self._mu:
             self._where.pop(sid, None)
             self._last.pop(sid, None)
+            self._fresh.pop(sid, None)
 
     def node_of(self, sid: str) -> str:
         """The node sandbox `sid` lives on; InvalidStateError if that node is lost."""
@@ -265,9 +270,11 @@ class Fleet(Moves):
 
     def info(self, sid: str) -> SandboxInfo:
         with self._mu:
-            node, last = self._where.get(sid, ""), self._last.get(sid)
+            node, last, seen = self._where.get(sid, ""), self._last.get(sid), self._fresh.get(sid, -1e18)
         if node is None and last is not None:
             return last  # on a lost node: what we knew, marked lost (or hibernated, resumable elsewhere)
+        if last is not None and time.monotonic() - seen < self.config.info_ttl_s:
+            return last
         if not node:
             raise NotFoundError(f"no sandbox {sid!r}")
         try:

@@ -35,8 +35,8 @@ class Member:
 
     @property
     def view(self) -> NodeStats:
-        """The stats with what the gateway placed since they were taken counted in (as reserved and as
-        no longer available: whichever bounds `free_mb`, a burst of creates must see it shrink)."""
+        """The stats with what the gateway placed since they were taken counted in: as reserved (what
+        placement ranks by) and as no longer available (what it checks), so a burst of creates spreads."""
         s = self.stats
         return dataclasses.replace(s, reserved_mb=s.reserved_mb + self.charged,
                                    available_mb=s.available_mb - self.charged)

@@ -102,7 +102,7 @@ class Moves:
         # The state as last seen (every change through the fleet updates it) saves a call: a paused
         # sandbox just thaws. If it was hibernated behind our back (its timeout), its node resumes it.
         last = self._last[sid]
-        if last.state == "hibernated" and self.members.get(node).view.free_mb < last.spec.memory_mb:
+        if last.state == "hibernated" and not self.members.get(node).view.fits(last.spec.memory_mb):
             self._move(sid, last.spec, last.head or "", node, None)
             return
         self.members.call(node, "resume", sid)
@@ -112,11 +112,11 @@ class Moves:
         """Move the sandbox to `node` (placement picks one other than its own if None): hibernated on its
         node if live, restored on the target with the same id and processes, then forgotten at the source."""
         src = self.node_of(sid)
-        info = self.info(sid)
+        info = self.members.call(src, "info", sid)  # its node's word: the move needs its latest head
         if info.state in ("running", "paused"):
             ck = self.members.call(src, "hibernate", sid)
             self._held(ck.id, src)
-            info = self.info(sid)
+            info = dataclasses.replace(info, state="hibernated", head=ck.id)
         elif info.state != "hibernated":
             raise InvalidStateError(f"cannot migrate sandbox {sid}: it is {info.state}")
         if node == src:
@@ -168,7 +168,7 @@ class Moves:
         check_number("n", n, 1, MAX_FORK, "children", integer=True)
         src = self.node_of(sid)
         mb = self.info(sid).spec.memory_mb
-        if nodes is None and self.members.get(src).view.free_mb >= n * mb:
+        if nodes is None and self.members.get(src).view.fits(n * mb):
             nodes = [src] * n
         if nodes is not None and len(nodes) != n:
             raise InvalidArgumentError(f"nodes: expected {n} node names, got {len(nodes)}")

@@ -71,9 +71,15 @@ class NodeStats:
 
     @property
     def free_mb(self) -> int:
-        """Memory a new sandbox may still reserve here: the capacity less reservations, and never
-        more than the host has available now."""
-        return max(0, min(self.capacity_mb - self.reserved_mb, self.available_mb))
+        """Memory new sandboxes may still reserve here: the capacity less their limits (what placement
+        ranks by: limits are what the cgroups enforce, while `available_mb` moves with everything else
+        on the host)."""
+        return max(0, self.capacity_mb - self.reserved_mb)
+
+    def fits(self, memory_mb: int) -> bool:
+        """Whether a sandbox of `memory_mb` MiB may go here: within the capacity, and the host has that
+        much available now."""
+        return self.free_mb >= memory_mb and self.available_mb >= memory_mb
 
     @property
     def free_cpus(self) -> float:

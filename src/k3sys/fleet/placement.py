@@ -1,4 +1,6 @@
-"""Where a new sandbox goes: the placement policies over the nodes' reported free memory.
+"""Where a new sandbox goes: the placement policies over the nodes' free memory (`NodeStats.free_mb`:
+capacity less the memory limits of the sandboxes there; a node fits only if the host also has the
+memory available now).
 
     spread   the node with the most free memory (ties: fewer sandboxes, then name): load evens out,
              a lost node takes the fewest sandboxes with it
@@ -27,7 +29,7 @@ def choose(nodes: Iterable[NodeStats], memory_mb: int, policy: str, exclude: Ite
     check_policy(policy)
     skip = set(exclude)
     candidates = [s for s in nodes if s.name not in skip]
-    fits = [s for s in candidates if s.free_mb >= memory_mb]
+    fits = [s for s in candidates if s.fits(memory_mb)]
     if not fits:
         best = max((s.free_mb for s in candidates), default=0)
         raise CapacityError(f"no node has {memory_mb} MiB free for a sandbox ({len(candidates)} nodes "
