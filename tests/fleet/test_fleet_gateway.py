@@ -68,8 +68,9 @@ def test_named_node_and_duplicate_id(fleet):
         cid = fleet.start_command(info.id, "sleep 0.2; echo done")
         assert cid.endswith("~n2")
         assert fleet.wait_command(cid, 10).stdout == "done\n"
-        with pytest.raises(NotFoundError):
-            fleet.wait_command("nonsense", 1)
+        for bad in ("nonsense", "cmd-1~nowhere", "~n2", cid.rpartition("~")[0] + "x~n2"):
+            with pytest.raises(NotFoundError):
+                fleet.wait_command(bad, 1)
     finally:
         fleet.kill("named-1")
     t0 = time.monotonic()

@@ -208,10 +208,10 @@ class Fleet(Moves):
             return by_command
         raise AttributeError(method)
 
-    @staticmethod
-    def _split(cid: str) -> tuple[str, str]:
+    def _split(self, cid: str) -> tuple[str, str]:
+        """(the node's command id, the node) of a gateway command id; NotFoundError if it names no node."""
         own, sep, node = cid.rpartition(_SEP)
-        if not sep or not own:
+        if not sep or not own or not (node in self.members.lost or any(m.name == node for m in self.members.live())):
             raise NotFoundError(f"no command {cid!r}")
         return own, node
 
