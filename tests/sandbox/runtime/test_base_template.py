@@ -1,6 +1,7 @@
 """The `base` template (E2B's default name): Debian with bash, python3, git and the user `user`
 (uid 1000, /home/user), whom commands and file calls run as unless they name another user; a
-sandbox restored from a checkpoint of it keeps that default."""
+sandbox with a process of `user` running checkpoints, hibernates and resumes, and one restored from
+its checkpoint keeps the default user."""
 
 from __future__ import annotations
 
@@ -42,10 +43,17 @@ def test_sandbox_runs_as_user_by_default_root_on_request(rt, base):
         assert s.commands.run("stat -c %u:%g /home/user/notes.txt").stdout.strip() == "1000:1000"
         with pytest.raises(PermissionDeniedError):
             s.files.write("/root/x", "no")
+        # A checkpoint with a live process of `user` (CRIU reads its rlimits from /proc where the
+        # host withholds CAP_SYS_RESOURCE: scripts/sandbox/patches/criu-4.1-4-*).
+        bg = s.commands.run("sleep 600", background=True)
         ck = s.checkpoint()
+        s.hibernate()
+        s.resume()
+        assert bg.running
     with Sandbox.restore(ck, runtime=rt) as r2:
         assert r2.commands.run("id -un").stdout == "user\n"
         assert r2.files.read_text("/home/user/notes.txt") == "hi"
+        assert [p.pid for p in r2.commands.list() if p.running] == [bg.pid]
 
 
 @pytest.mark.embedded
