@@ -1,16 +1,20 @@
 """The sandbox service's wire format, shared by server and client: JSON shapes and the error mapping.
 
-Every failure has one body shape, `{"error": {"type": <SandboxError.code>, "message": ...}}` (a
-command timeout adds `stdout` and `stderr`); its type is repeated in the `k3sys-error-type` header,
-and for HEAD requests (answered without a body) the message in `k3sys-error-message`, URL-quoted.
-`status_of` (server: exception -> status) and `error_of` (client: status + body -> the exception the
-embedded SDK raises) are the only places that read a status code; each error class carries its own
-(`SandboxError.http_status`, the table in errors.py).
+The service speaks E2B's protocol (docs/sandbox_service.md), so every failure has E2B's body shape,
+`{"code": <HTTP status>, "message": ...}`, plus our `type` (<SandboxError.code>; a command timeout
+adds `stdout` and `stderr`), from which a k3sys client rebuilds the exception the embedded SDK
+raises; the type is repeated in the `k3sys-error-type` header, and for HEAD requests (answered
+without a body) the message in `k3sys-error-message`, URL-quoted. `status_of` (server: exception ->
+status) and `error_of` (client: status + body -> exception) are the only places that read a status
+code; each error class carries its own (`SandboxError.http_status`, the table in errors.py).
+JSON keys are camelCase as in E2B's API (`camel` / `snake` convert our dataclasses' fields).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 from collections.abc import Mapping
 from typing import Any
 from urllib.parse import unquote
@@ -43,15 +47,16 @@ def status_of(exc: BaseException) -> int:
     return exc.http_status if isinstance(exc, SandboxError) else 500
 
 
-def error_body(exc: BaseException) -> dict[str, Any]:
-    """The one error body shape; anything that is not a `SandboxError` is reported as `internal`."""
+def error_body(exc: BaseException, status: int | None = None) -> dict[str, Any]:
+    """The one error body shape (E2B's `code` and `message`, our `type`); anything that is not a
+    `SandboxError` is reported as `internal`. `status`: the HTTP status, by default `status_of(exc)`."""
+    code = status or status_of(exc)
     if isinstance(exc, SandboxError):
-        err: dict[str, Any] = {"type": exc.code, "message": str(exc)}
+        err: dict[str, Any] = {"code": code, "message": str(exc), "type": exc.code}
         if isinstance(exc, CommandTimeoutError):
             err |= {"stdout": exc.stdout, "stderr": exc.stderr}
-    else:
-        err = {"type": "internal", "message": f"{type(exc).__name__}: {exc}"}
-    return {"error": err}
+        return err
+    return {"code": code, "message": f"{type(exc).__name__}: {exc}", "type": "internal"}
 
 
 def error_of(status: int, body: bytes, headers: Mapping[str, str] | None = None) -> SandboxError:
@@ -60,8 +65,8 @@ def error_of(status: int, body: bytes, headers: Mapping[str, str] | None = None)
     err: dict[str, Any] = {}
     try:
         parsed = json.loads(body) if body else {}
-        if isinstance(parsed, dict) and isinstance(parsed.get("error"), dict):
-            err = parsed["error"]
+        if isinstance(parsed, dict):
+            err = parsed
     except ValueError:
         pass
     headers = headers or {}
@@ -85,12 +90,37 @@ def error_type_for_status(status: int) -> str:
 # --- JSON shapes -----------------------------------------------------------------------------------
 
 
+def camel(d: Mapping[str, Any]) -> dict[str, Any]:
+    """`{"memory_mb": 1}` -> `{"memoryMb": 1}` (top-level keys only)."""
+    return {re.sub(r"_([a-z0-9])", lambda m: m[1].upper(), k): v for k, v in d.items()}
+
+
+def snake(d: Mapping[str, Any]) -> dict[str, Any]:
+    """The inverse of `camel`."""
+    return {re.sub(r"([A-Z])", lambda m: "_" + m[1].lower(), k): v for k, v in d.items()}
+
+
+def sandbox_json(info: SandboxInfo) -> dict[str, Any]:
+    """Our own view of a sandbox, the `k3sys` member of every E2B sandbox body the service sends."""
+    return {"state": info.state, "spec": camel(info.spec.to_json()), "created": info.created, "head": info.head,
+            "reason": info.reason, "deadline": info.deadline}
+
+
 def sandbox_info(d: Mapping[str, Any]) -> SandboxInfo:
-    return SandboxInfo(**{**d, "spec": SandboxSpec.from_json(d["spec"])})
+    """The SandboxInfo of an E2B sandbox body from the service (its `sandboxID` and `k3sys` members)."""
+    k = d["k3sys"]
+    return SandboxInfo(d["sandboxID"], k["state"], SandboxSpec.from_json(snake(k["spec"])), k["created"], k["head"],
+                       k["reason"], k["deadline"])
+
+
+def checkpoint_json(ck: CheckpointInfo) -> dict[str, Any]:
+    """A checkpoint as E2B's SnapshotInfo (`snapshotID`, `names`) with our fields beside."""
+    return {"snapshotID": ck.id, "names": [], **camel(dataclasses.asdict(ck))}
 
 
 def checkpoint_info(d: Mapping[str, Any]) -> CheckpointInfo:
-    return CheckpointInfo(**d)
+    fields = snake(d)
+    return CheckpointInfo(**{k: fields[k] for k in CheckpointInfo.__dataclass_fields__})
 
 
 def entry_info(d: Mapping[str, Any]) -> EntryInfo:

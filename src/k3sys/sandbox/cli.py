@@ -2,7 +2,7 @@
 `K3SYS_HOME` or ~/.local/share/k3sys) or against a service (`--api-url`, `K3SYS_API_URL`; key from
 `--api-key` or `K3SYS_API_KEY`).
 
-    k3sys sandbox serve --host 127.0.0.1 --port 8765 --data-dir DIR
+    k3sys sandbox serve --host 127.0.0.1 --port 3000 --data-dir DIR
     SID=$(k3sys sandbox create --memory-mb 256)
     k3sys sandbox exec $SID 'echo hi > /tmp/f'; k3sys sandbox cp $SID:/tmp/f ./f
     CK=$(k3sys sandbox checkpoint $SID); k3sys sandbox fork $SID -n 2; k3sys sandbox restore $CK
@@ -304,7 +304,7 @@ def restore(ck: Annotated[str, typer.Argument(help="Checkpoint id.")],
 @app.command()
 def serve(host: Annotated[str, typer.Option(help="Address to listen on (beyond loopback only with a key).")]
           = "127.0.0.1",
-          port: Annotated[int, typer.Option(help="TCP port.")] = 8765,
+          port: Annotated[int, typer.Option(help="TCP port (E2B's API port).")] = 3000,
           data_dir: DataDir = None,
           max_sandboxes: Annotated[int, typer.Option(help="Most sandboxes holding memory.")] = 64,
           max_memory_mb: Annotated[int | None, typer.Option(help="Most memory (sum of limits), MiB; "

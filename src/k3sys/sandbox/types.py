@@ -15,7 +15,8 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class SandboxInfo:
-    """A sandbox as callers see it; `created` in unix seconds, `memory_bytes` charged now."""
+    """A sandbox as callers see it; `created` and `deadline` (when its `on_timeout` applies; None:
+    never) in unix seconds."""
 
     id: str
     state: str
@@ -23,6 +24,7 @@ class SandboxInfo:
     created: float
     head: str | None
     reason: str = ""
+    deadline: float | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,7 @@ class ProcessInfo:
     tag: str
     running: bool
     exit_code: int | None = None
+    pty: bool = False  # runs on a terminal
 
 
 @dataclass(frozen=True)
@@ -70,7 +73,8 @@ class FilesystemEvent:
 
 @dataclass(frozen=True)
 class EntryInfo:
-    """One entry of `files.list`: `size` in bytes, `mtime` in seconds since the epoch."""
+    """One entry of `files.list`: `size` in bytes, `mtime` in seconds since the epoch, `uid`/`gid`
+    its owner's ids inside the sandbox, `target` a symlink's target (else None)."""
 
     name: str
     path: str
@@ -78,3 +82,6 @@ class EntryInfo:
     size: int
     mode: int
     mtime: float
+    uid: int = 0
+    gid: int = 0
+    target: str | None = None

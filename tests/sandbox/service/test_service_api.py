@@ -27,6 +27,7 @@ from k3sys.sandbox import (
     HTTPBackend,
     InvalidArgumentError,
     InvalidStateError,
+    NotFoundError,
     PathEscapeError,
     Sandbox,
     SandboxError,
@@ -43,7 +44,7 @@ pytestmark = pytest.mark.timeout(120)
 
 @pytest.fixture
 def http(service):
-    with httpx.Client(base_url=service.url, headers={"authorization": f"Bearer {service.key}"}, timeout=60) as c:
+    with httpx.Client(base_url=service.url, headers={"x-api-key": service.key}, timeout=60) as c:
         yield c
 
 
@@ -60,12 +61,13 @@ def rsbx(remote):
 
 
 def assert_error(r: httpx.Response, status: int, type_: str) -> str:
-    """`r` is the one error shape with this status and type; returns its message."""
+    """`r` is the one error shape (E2B's `code` and `message`, our `type`) with this status and type;
+    returns its message."""
     assert r.status_code == status, r.text
     body = r.json()
-    assert set(body) == {"error"} and {"type", "message"} <= set(body["error"])
-    assert body["error"]["type"] == type_ and r.headers[ERROR_HEADER] == type_
-    return body["error"]["message"]
+    assert {"code", "type", "message"} <= set(body) and body["code"] == status
+    assert body["type"] == type_ and r.headers[ERROR_HEADER] == type_
+    return body["message"]
 
 
 # --- auth -----------------------------------------------------------------------------------------
@@ -74,16 +76,19 @@ def assert_error(r: httpx.Response, status: int, type_: str) -> str:
 def test_key_required_everywhere_but_health(service, http):
     anon = httpx.Client(base_url=service.url, timeout=30)
     assert anon.get("/health").json()["status"] == "ok"
-    probes = [("GET", "/sandboxes"), ("POST", "/sandboxes"), ("GET", "/sandboxes/x"), ("DELETE", "/sandboxes/x"),
-              ("GET", "/metrics"), ("GET", "/openapi.json"), ("GET", "/checkpoints"),
+    probes = [("GET", "/v2/sandboxes"), ("POST", "/v2/sandboxes"), ("GET", "/sandboxes/x"), ("DELETE", "/sandboxes/x"),
+              ("GET", "/metrics"), ("GET", "/openapi.json"), ("GET", "/snapshots"), ("POST", "/sandboxes/x/pause"),
               ("GET", "/sandboxes/x/files?path=/etc/passwd"), ("POST", "/commands/c/wait")]
     for method, path in probes:
-        for headers in ({}, {"authorization": "Bearer wrong-key"}, {"authorization": f"Basic {service.key}"},
-                        {"authorization": "Bearer"}, {"authorization": service.key}):
+        for headers in ({}, {"x-api-key": "wrong-key"}, {"x-api-key": ""}, {"authorization": "Bearer wrong-key"},
+                        {"authorization": f"Basic {service.key}"}, {"authorization": "Bearer"},
+                        {"authorization": service.key}):
             r = anon.request(method, path, headers=headers)
             assert_error(r, 401, "unauthorized")
             assert r.headers["www-authenticate"].startswith("Bearer")
-    assert http.get("/sandboxes").status_code == 200
+    assert http.get("/v2/sandboxes").status_code == 200
+    bearer = {"authorization": f"Bearer {service.key}"}  # also accepted, for clients that only send that
+    assert anon.get("/v2/sandboxes", headers=bearer).status_code == 200
     with HTTPBackend(service.url, "wrong-key") as bad, pytest.raises(AuthError, match="wrong API key"):
         Sandbox.list(runtime=bad)
 
@@ -152,29 +157,33 @@ def test_every_error_class_has_a_status_and_round_trips():
 def test_error_answers_that_are_not_ours():
     assert type(error_of(502, b"<html>bad gateway</html>")) is UnavailableError
     assert type(error_of(404, b"", {ERROR_HEADER: "file_not_found"})) is SandboxFileNotFoundError
-    assert type(error_of(409, b'{"error": {"type": "from_a_newer_server", "message": "m"}}')) is InvalidStateError
+    assert type(error_of(409, b'{"code": 409, "type": "from_a_newer_server", "message": "m"}')) is InvalidStateError
+    assert type(error_of(404, b'{"code": 404, "message": "an E2B server"}')) is NotFoundError
     assert type(error_of(418, b"teapot")) is SandboxError
-    assert status_of(KeyError("x")) == 500 and error_body(KeyError("x"))["error"]["type"] == "internal"
+    assert status_of(KeyError("x")) == 500 and error_body(KeyError("x"))["type"] == "internal"
 
 
 def test_errors_over_http(http, rsbx):
     sid = rsbx.id
     assert_error(http.get("/sandboxes/nope"), 404, "not_found")
-    assert_error(http.post("/checkpoints/ck-nope/restore"), 404, "checkpoint_not_found")
+    assert_error(http.post("/snapshots/ck-nope/restore"), 404, "checkpoint_not_found")
     assert_error(http.get(f"/sandboxes/{sid}/files", params={"path": "/no/such"}), 404, "file_not_found")
     assert_error(http.get("/no/such/route"), 404, "not_found")
     assert_error(http.post(f"/sandboxes/{sid}/resume"), 409, "invalid_state")
-    assert "memory_mb" in assert_error(http.post("/sandboxes", json={"memory_mb": 1}), 422, "invalid_argument")
-    msg = assert_error(http.post("/sandboxes", json={"memory_mb": "lots", "colour": "red"}), 422, "invalid_argument")
-    assert "memory_mb" in msg and "colour" in msg
-    assert_error(http.post("/sandboxes", content=b"{not json", headers={"content-type": "application/json"}),
+    new = {"templateID": "busybox"}
+    msg = assert_error(http.post("/v2/sandboxes", json={**new, "memoryMB": 1}), 422, "invalid_argument")
+    assert "memory_mb" in msg
+    msg = assert_error(http.post("/v2/sandboxes", json={**new, "memoryMB": "lots", "colour": "red"}), 422,
+                       "invalid_argument")
+    assert "memoryMB" in msg and "colour" in msg
+    assert_error(http.post("/v2/sandboxes", content=b"{not json", headers={"content-type": "application/json"}),
                  422, "invalid_argument")
-    assert_error(http.post("/sandboxes", json={"template": "no-such"}), 422, "unknown_template")
+    assert_error(http.post("/v2/sandboxes", json={"templateID": "no-such"}), 422, "unknown_template")
     assert_error(http.post(f"/sandboxes/{sid}/commands", json={"cmd": "true", "stdin_base64": "%%"}),
                  422, "invalid_argument")
     r = http.post(f"/sandboxes/{sid}/commands", json={"cmd": "echo partial; sleep 5", "timeout": 0.3})
     assert_error(r, 408, "command_timeout")
-    assert r.json()["error"]["stdout"] == "partial\n"
+    assert r.json()["stdout"] == "partial\n"
     assert_error(http.patch("/sandboxes"), 405, "http_405")
     assert "is a directory" in assert_error(http.get(f"/sandboxes/{sid}/files", params={"path": "/etc"}),
                                             422, "wrong_file_type")
@@ -245,12 +254,12 @@ def test_oversized_bodies(tmp_path):
     root = tmp_path / "svc"
     with ServiceProcess(root, "--max-body-mb", "1") as svc, svc.client() as rt, \
             Sandbox.create(runtime=rt, memory_mb=64) as s:
-        http = httpx.Client(base_url=svc.url, headers={"authorization": f"Bearer {svc.key}"}, timeout=60)
+        http = httpx.Client(base_url=svc.url, headers={"x-api-key": svc.key}, timeout=60)
         url, big = f"/sandboxes/{s.id}/files", b"x" * ((1 << 20) + 1)
         assert_error(http.put(url, params={"path": "/a"}, content=big), 413, "too_large")  # Content-Length
         r = http.put(url, params={"path": "/b"}, content=iter([big[:600_000], big[600_000:]]))  # chunked
         assert_error(r, 413, "too_large")
-        assert_error(http.post("/sandboxes", json={"template": "x" * (1 << 20)}), 413, "too_large")
+        assert_error(http.post("/v2/sandboxes", json={"templateID": "x" * (1 << 20)}), 413, "too_large")
         assert not s.files.exists("/a") and not s.files.exists("/b")
         with pytest.raises(TooLargeError):
             s.files.write("/c", big)
@@ -286,7 +295,7 @@ def test_capacity_and_command_timeout_caps(tmp_path):
         with pytest.raises(CommandTimeoutError):
             a.commands.run("sleep 30", timeout=None)  # no limit asked: the service's cap applies
         assert time.monotonic() - t0 < 10
-        r = httpx.get(f"{svc.url}/metrics", headers={"authorization": f"Bearer {svc.key}"}).text
+        r = httpx.get(f"{svc.url}/metrics", headers={"x-api-key": svc.key}).text
         assert 'k3sys_sandbox_operation_errors_total{op="create",type="capacity"} 2' in r
         for s in (a, b):
             s.kill()
@@ -328,18 +337,23 @@ def test_background_output_streams_as_server_sent_events(http, rsbx):
 
 ROUTES = {
     ("/health", "get"), ("/metrics", "get"),
-    ("/sandboxes", "get"), ("/sandboxes", "post"), ("/sandboxes/{sid}", "get"), ("/sandboxes/{sid}", "delete"),
-    ("/sandboxes/{sid}/memory", "get"), ("/sandboxes/{sid}/cpu", "get"), ("/sandboxes/{sid}/pause", "post"),
-    ("/sandboxes/{sid}/resume", "post"), ("/sandboxes/{sid}/prefetch", "post"),
-    ("/sandboxes/{sid}/hibernate", "post"), ("/sandboxes/{sid}/checkpoints", "post"),
-    ("/sandboxes/{sid}/fork", "post"), ("/sandboxes/{sid}/commands", "post"),
+    # E2B's control plane
+    ("/sandboxes", "get"), ("/sandboxes", "post"), ("/v2/sandboxes", "get"), ("/v2/sandboxes", "post"),
+    ("/sandboxes/{sid}", "get"), ("/sandboxes/{sid}", "delete"), ("/sandboxes/{sid}/timeout", "post"),
+    ("/sandboxes/{sid}/pause", "post"), ("/sandboxes/{sid}/connect", "post"), ("/v2/sandboxes/{sid}/connect", "post"),
+    ("/sandboxes/{sid}/resume", "post"), ("/sandboxes/{sid}/metrics", "get"), ("/sandboxes/{sid}/snapshots", "post"),
+    ("/snapshots", "get"), ("/templates/{tid}", "delete"), ("/sandboxes/{sid}/fork", "post"),
+    # ours
+    ("/sandboxes/{sid}/freeze", "post"), ("/sandboxes/{sid}/thaw", "post"), ("/sandboxes/{sid}/hibernate", "post"),
+    ("/sandboxes/{sid}/prefetch", "post"), ("/sandboxes/{sid}/memory", "get"), ("/sandboxes/{sid}/cpu", "get"),
+    ("/snapshots/{ck}", "get"), ("/snapshots/{ck}/restore", "post"),
+    # commands and files (until envd's Connect RPC serves them)
+    ("/sandboxes/{sid}/commands", "post"),
     ("/commands/{cid}", "get"), ("/commands/{cid}", "delete"), ("/commands/{cid}/events", "get"),
     ("/commands/{cid}/wait", "post"), ("/sandboxes/{sid}/processes", "get"),
     ("/sandboxes/{sid}/processes/{pid}/connect", "post"),
     ("/sandboxes/{sid}/files", "get"), ("/sandboxes/{sid}/files", "put"), ("/sandboxes/{sid}/files", "delete"),
     ("/sandboxes/{sid}/files", "head"), ("/sandboxes/{sid}/dirs", "get"), ("/sandboxes/{sid}/dirs", "post"),
-    ("/checkpoints", "get"), ("/checkpoints/{ck}", "get"), ("/checkpoints/{ck}", "delete"),
-    ("/checkpoints/{ck}/restore", "post"),
 }
 
 
@@ -348,14 +362,16 @@ def test_openapi_spec(http):
     assert spec["openapi"].startswith("3.") and spec["info"]["title"] == "k3sys sandbox service"
     served = {(p, m) for p, ops in spec["paths"].items() for m in ops}
     assert served == ROUTES
-    assert spec["components"]["securitySchemes"]["HTTPBearer"] == {"type": "http", "scheme": "bearer"}
+    assert spec["components"]["securitySchemes"]["APIKeyHeader"] == {"type": "apiKey", "in": "header",
+                                                                     "name": "X-API-Key"}
     for (path, method) in ROUTES - {("/health", "get")}:
         op = spec["paths"][path][method]
-        assert op.get("security") == [{"HTTPBearer": []}], (path, method)
+        assert op.get("security") == [{"APIKeyHeader": []}], (path, method)
         assert any(code.startswith("2") for code in op["responses"]), (path, method)
-    create = spec["components"]["schemas"]["CreateSandbox"]["properties"]
-    assert {"template", "cpu", "memory_mb", "pids", "network", "timeout_s", "on_timeout", "id"} == set(create)
-    assert create["memory_mb"]["default"] == 512 and create["template"]["default"] == "busybox"
+    create = spec["components"]["schemas"]["NewSandbox"]["properties"]
+    assert {"templateID", "timeout", "autoPause", "metadata", "envVars", "sandboxID", "memoryMB"} <= set(create)
+    assert create["timeout"]["default"] == 300 and spec["components"]["schemas"]["NewSandbox"]["required"] == [
+        "templateID"]
     # Every reference resolves.
     refs = re.findall(r'"\$ref": "#/components/schemas/([^"]+)"', json.dumps(spec))
     assert refs and set(refs) <= set(spec["components"]["schemas"])
@@ -390,7 +406,7 @@ def test_metrics(http, remote):
         assert metric(text, "k3sys_sandbox_operation_errors_total", op="pause", type="invalid_state") >= 1
         assert metric(text, "k3sys_store_bytes", kind="on_disk") > 0
         assert metric(text, "k3sys_checkpoints") >= 1
-        assert metric(text, "k3sys_http_requests_total", method="POST", route="/sandboxes/{sid}/pause",
+        assert metric(text, "k3sys_http_requests_total", method="POST", route="/sandboxes/{sid}/freeze",
                       status="409") >= 1
         # Histogram: cumulative buckets ending in +Inf == count, and a positive sum.
         buckets = [float(ln.split()[-1]) for ln in text.splitlines()

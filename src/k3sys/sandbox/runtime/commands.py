@@ -115,6 +115,53 @@ class Commands(Table):
             threading.Thread(target=self._feed, args=(sid, pid, stdin), daemon=True).start()
         return self._register_command(sid, pid)
 
+    def start_process(self, sid: str, cmd: str | list[str], cwd: str | None = None,
+                      env: dict[str, str] | None = None, user: str | None = None, stdin: bool = False,
+                      pty: tuple[int, int] | None = None) -> str:
+        """Start `cmd` (a shell string, or an argv looked up in PATH) as `user` (a name or uid; None:
+        the agent's default), with its stdin a pipe kept open (`stdin`) or a terminal of `pty` =
+        (rows, cols); returns a command id (`command_pid` gives its pid). `cwd` None: the user's home."""
+        if isinstance(cmd, list) and not (cmd and all(isinstance(a, str) and "\0" not in a for a in cmd) and cmd[0]):
+            raise InvalidArgumentError(f"cmd: expected a non-empty argv of strings without NUL, got {cmd!r}")
+        env = _checked(cmd[0] if isinstance(cmd, list) else cmd, cwd, env)
+        if pty is not None and not all(isinstance(n, int) and 0 < n < 1 << 16 for n in pty):
+            raise InvalidArgumentError(f"pty: expected (rows, cols) between 1 and 65535, got {pty!r}")
+        with self._locked(sid) as rec:
+            self._require(rec, "run a command in", State.RUNNING)
+            pid = self._agent(sid).start(cmd, env=env, cwd=cwd, user=user, stdin=stdin, pty=pty)
+        return self._register_command(sid, pid)
+
+    def send_stdin(self, sid: str, pid: int, data: bytes, close: bool = False) -> None:
+        """Write `data` to process `pid`'s stdin (a pipe or its terminal); `close` then closes it
+        (a terminal gets ^D). NotFoundError when there is no such process."""
+        if data:
+            self._retrying(sid, lambda a: a.write_stdin(pid, data))
+        if close:
+            self._retrying(sid, lambda a: a.close_stdin(pid))
+
+    def signal_process(self, sid: str, pid: int, sig: int) -> None:
+        """Send signal `sig` to process `pid`'s group in the sandbox."""
+        self._retrying(sid, lambda a: a.signal(pid, sig))
+
+    def resize_pty(self, sid: str, pid: int, rows: int, cols: int) -> None:
+        """Resize the terminal of PTY process `pid` (`rows` x `cols` characters)."""
+        if not all(isinstance(n, int) and 0 < n < 1 << 16 for n in (rows, cols)):
+            raise InvalidArgumentError(f"pty size: expected rows and cols between 1 and 65535, got {rows}x{cols}")
+        self._retrying(sid, lambda a: a.resize(pid, rows, cols))
+
+    def command_exit(self, cid: str) -> Exit | None:
+        """How the command ended, once it did and its output was all read (else None)."""
+        return self._command(cid).window.end
+
+    def release_command(self, cid: str) -> None:
+        """Forget the command id and free its process's record in the agent (once it has ended)."""
+        self._forget(cid, self._command(cid))
+
+    def forget_command(self, cid: str) -> None:
+        """Forget the command id only: its process runs on, and `connect_command` finds it again."""
+        with self._mu:
+            self._commands.pop(cid, None)
+
     def _register_command(self, sid: str, pid: int) -> str:
         cid = _new_id("cmd")
         with self._mu:
@@ -133,7 +180,8 @@ class Commands(Table):
         """The processes the sandbox's agent started and still holds, by pid."""
         procs = self._retrying(sid, lambda a: a.processes())
         return sorted((ProcessInfo(int(p["pid"]), p.get("cmd", ""), p.get("tag", ""), p.get("running") == "1",
-                                   int(p["exit"]) if "exit" in p else None) for p in procs), key=lambda p: p.pid)
+                                   int(p["exit"]) if "exit" in p else None, p.get("pty", "0") not in ("", "0"))
+                       for p in procs), key=lambda p: p.pid)
 
     def command_pid(self, cid: str) -> int:
         """The command's pid inside its sandbox (for `connect_command` in a fork or restore)."""

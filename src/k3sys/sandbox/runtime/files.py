@@ -47,16 +47,17 @@ def sandbox_path(path: object) -> str:
 
 def _entry(f: dict[str, str]) -> EntryInfo:
     kind = f["type"] if f["type"] in _KINDS else "other"
-    return EntryInfo(f["name"], f["path"], kind, int(f["size"]), int(f["mode"], 8), int(f["mtime_ns"]) / 1e9)
+    return EntryInfo(f["name"], f["path"], kind, int(f["size"]), int(f["mode"], 8), int(f["mtime_ns"]) / 1e9,
+                     int(f.get("uid", 0)), int(f.get("gid", 0)), f.get("target"))
 
 
 class _Reader(io.RawIOBase):
     """A sandbox file streamed from its agent, `size` bytes (its size when opened); a checkpoint
     cutting the stream only pauses it (it reconnects at the offset it reached)."""
 
-    def __init__(self, files: Files, sid: str, path: str, size: int) -> None:
+    def __init__(self, files: Files, sid: str, path: str, size: int, user: str | None) -> None:
         super().__init__()
-        self._files, self._sid, self._path, self.size = files, sid, path, size
+        self._files, self._sid, self._path, self.size, self._user = files, sid, path, size, user
         self._pos = 0
         self._buf = b""
         self._chunks: Iterator[bytes] | None = None
@@ -68,7 +69,7 @@ class _Reader(io.RawIOBase):
         while not self._buf and self._pos < self.size:
             if self._chunks is None:
                 self._chunks = self._files._agent(self._sid).read_chunks(
-                    self._path, offset=self._pos, max_bytes=self.size - self._pos)
+                    self._path, user=self._user, offset=self._pos, max_bytes=self.size - self._pos)
             try:
                 self._buf = next(self._chunks, b"")
             except AgentInterruptedError:
@@ -96,29 +97,30 @@ class Files(Table):
             self._require(rec, op, State.RUNNING)
             return self._agent(sid)
 
-    def read_file(self, sid: str, path: str) -> bytes:
-        with self.open_file(sid, path) as f:
+    def read_file(self, sid: str, path: str, user: str | None = None) -> bytes:
+        with self.open_file(sid, path, user) as f:
             return f.read()
 
-    def open_file(self, sid: str, path: str) -> BinaryIO:
+    def open_file(self, sid: str, path: str, user: str | None = None) -> BinaryIO:
         """The regular file at `path` for streaming out (`.size`: its size now, what the stream
         delivers); the caller closes it. Anything else is refused: a device or FIFO could stream
         without end into host memory (a device is opened first, so one the sandbox may not use
         answers with its EPERM)."""
         path = sandbox_path(path)
         self._files(sid, "read files of")
-        st = self._retrying(sid, lambda a: a.stat(path, follow=True))
+        st = self._retrying(sid, lambda a: a.stat(path, follow=True, user=user))
         if st["type"] == "dir":
             raise WrongFileTypeError(f"is a directory in the sandbox: {path!r}")
         if st["type"] in ("char", "block"):
-            self._retrying(sid, lambda a: a.read(path, max_bytes=0))  # PermissionDeniedError if refused
+            self._retrying(sid, lambda a: a.read(path, user=user, max_bytes=0))  # PermissionDeniedError if refused
         if st["type"] != "file":
             raise WrongFileTypeError(f"not a regular file in the sandbox ({st['type']}): {path!r}")
-        return _Reader(self, sid, path, int(st["size"]))  # type: ignore[return-value]
+        return _Reader(self, sid, path, int(st["size"]), user)  # type: ignore[return-value]
 
-    def write_file(self, sid: str, path: str, data: bytes | str | BinaryIO) -> int:
-        """Create or replace the file at `path` (missing directories are created); returns the bytes
-        written. `data` may be a binary file object, sent in chunks."""
+    def write_file(self, sid: str, path: str, data: bytes | str | BinaryIO, user: str | None = None) -> int:
+        """Create or replace the file at `path` (missing directories are created) as `user` (None:
+        the agent's default, root); returns the bytes written. `data` may be a binary file object,
+        sent in chunks."""
         path = sandbox_path(path)
         if isinstance(data, str):
             data = data.encode()
@@ -127,45 +129,63 @@ class Files(Table):
         self._files(sid, "write files of")
         if not hasattr(data, "read"):
             # Replacing a file is idempotent: a write cut by a checkpoint is simply made again.
-            return self._retrying(sid, lambda a: a.write(path, data, parents=True))  # type: ignore[arg-type]
+            return self._retrying(sid, lambda a: a.write(path, data, parents=True, user=user))  # type: ignore[arg-type]
         start = data.tell() if data.seekable() else None  # type: ignore[union-attr]
 
         def send(a: Agent) -> int:
             if start is not None:
                 data.seek(start)  # type: ignore[union-attr]
-            return a.write(path, iter(lambda: data.read(_CHUNK), b""), parents=True)  # type: ignore[union-attr]
+            return a.write(path, iter(lambda: data.read(_CHUNK), b""), parents=True,  # type: ignore[union-attr]
+                           user=user)
         # A stream that cannot be rewound is sent once; a checkpoint cutting it raises the retryable
         # AgentInterruptedError to the caller.
         return self._retrying(sid, send) if start is not None else send(self._agent(sid))
 
-    def list_dir(self, sid: str, path: str = "/") -> list[EntryInfo]:
-        """Entries of directory `path`, sorted by name (symlinks are listed, not followed)."""
+    def list_dir(self, sid: str, path: str = "/", depth: int = 1, user: str | None = None) -> list[EntryInfo]:
+        """Entries of directory `path` and, to `depth` levels, of the directories below it, sorted by
+        path (symlinks are listed, not followed)."""
         path = sandbox_path(path)
+        if isinstance(depth, bool) or not isinstance(depth, int) or not 1 <= depth <= 1 << 16:
+            raise InvalidArgumentError(f"depth: expected an integer from 1, got {depth!r}")
         self._files(sid, "list files of")
         try:
-            entries = self._retrying(sid, lambda a: a.list(path))
+            entries = self._retrying(sid, lambda a: a.list(path, depth=depth, user=user))
         except WrongFileTypeError:
             raise WrongFileTypeError(f"not a directory in the sandbox: {path!r}") from None
-        return sorted((_entry(f) for f in entries), key=lambda e: e.name)
+        return sorted((_entry(f) for f in entries), key=lambda e: e.path)
 
-    def remove(self, sid: str, path: str) -> None:
+    def stat(self, sid: str, path: str, user: str | None = None) -> EntryInfo:
+        """The entry at `path` (a symlink itself, not its target); SandboxFileNotFoundError if none."""
+        path = sandbox_path(path)
+        self._files(sid, "look up files of")
+        f = self._retrying(sid, lambda a: a.stat(path, user=user))
+        return _entry({"name": path.rstrip("/").rpartition("/")[2] or "/", "path": path, **f})
+
+    def move(self, sid: str, src: str, dst: str, user: str | None = None) -> None:
+        """Rename `src` to `dst` inside the sandbox (InvalidArgumentError across file systems)."""
+        src, dst = sandbox_path(src), sandbox_path(dst)
+        self._files(sid, "move files of")
+        self._retrying(sid, lambda a: a.move(src, dst, user=user))
+
+    def remove(self, sid: str, path: str, user: str | None = None) -> None:
         path = sandbox_path(path)
         if path.strip("/") == "":
             raise InvalidArgumentError("path: refusing to remove the sandbox's root")
         self._files(sid, "remove files of")
-        self._retrying(sid, lambda a: a.remove(path))
+        self._retrying(sid, lambda a: a.remove(path, user=user))
 
-    def make_dir(self, sid: str, path: str) -> None:
+    def make_dir(self, sid: str, path: str, user: str | None = None) -> None:
+        """Create directory `path` and any missing parents (`mkdir -p`)."""
         path = sandbox_path(path)
         self._files(sid, "create directories in")
-        self._retrying(sid, lambda a: a.mkdir(path))
+        self._retrying(sid, lambda a: a.mkdir(path, user=user))
 
-    def exists(self, sid: str, path: str) -> bool:
+    def exists(self, sid: str, path: str, user: str | None = None) -> bool:
         """Whether `path` names an entry in the sandbox (a dangling link counts)."""
         path = sandbox_path(path)
         self._files(sid, "look up files of")
         try:
-            self._retrying(sid, lambda a: a.stat(path))
+            self._retrying(sid, lambda a: a.stat(path, user=user))
         except SandboxFileNotFoundError:
             return False
         return True

@@ -49,7 +49,7 @@ from k3sys.sandbox.runtime.state import Record, State
 from k3sys.sandbox.runtime.store import Store
 from k3sys.sandbox.runtime.table import Table, _rmtree
 from k3sys.sandbox.runtime.templates import template_rootfs
-from k3sys.sandbox.spec import ON_TIMEOUT, SandboxSpec
+from k3sys.sandbox.spec import ON_TIMEOUT, SandboxSpec, check_number
 from k3sys.sandbox.types import SandboxInfo
 
 
@@ -196,6 +196,13 @@ class Runtime(Recovery, Checkpoints, Files, Commands, Table):
             deadline = rec.deadline if rec.deadline or not rec.spec.timeout_s else time.time() + rec.spec.timeout_s
             self._set(rec, State.RUNNING, layer=rec.head, prev=None, deadline=deadline, reason="")
             self._gc_layers()
+
+    def set_timeout(self, sid: str, timeout_s: float | None) -> None:
+        """The sandbox's `on_timeout` applies `timeout_s` seconds from now (None: never)."""
+        if timeout_s is not None:
+            check_number("timeout_s", timeout_s, 0, 1e9, "seconds (or None)")
+        with self._locked(sid) as rec:
+            self._set(rec, rec.state, deadline=None if timeout_s is None else time.time() + timeout_s)
 
     def close(self) -> None:
         """Let go of the directory; sandboxes keep running and the next runtime adopts them."""

@@ -24,6 +24,7 @@ import weakref
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO, NoReturn
+from urllib.parse import quote
 
 import httpx
 
@@ -100,7 +101,7 @@ class _Routes:
             raise InvalidArgumentError(f"api_url: expected an http(s) URL, got {api_url!r}")
         self.api_url = api_url.rstrip("/")
         self.api_key = api_key if api_key is not None else os.environ.get("K3SYS_API_KEY")
-        headers = {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        headers = {"x-api-key": self.api_key} if self.api_key else {}
         # Idle connections expire long before the server closes them (server.KEEP_ALIVE_S): a request
         # never goes out on a connection the server is closing.
         self._http = self._client(base_url=self.api_url, headers=headers, timeout=timeout,
@@ -136,14 +137,18 @@ class _Routes:
     # --- sandboxes ------------------------------------------------------------------------------
 
     def create(self, spec: SandboxSpec, id: str | None = None) -> SandboxInfo:
-        return self._do(_Call("POST", "/sandboxes", json={**spec.to_json(), "id": id},
-                              parse=lambda r: sandbox_info(r.json())))
+        body = {"templateID": spec.template, "timeout": spec.timeout_s, "sandboxID": id, "cpu": spec.cpu,
+                "memoryMB": spec.memory_mb, "pids": spec.pids, "allow_internet_access": spec.network}
+        if spec.on_timeout is not None:  # omitted: the service's default
+            body["autoPause"] = spec.on_timeout == "hibernate"
+        return self._do(_Call("POST", "/v2/sandboxes", json=body, parse=lambda r: sandbox_info(r.json())))
 
     def info(self, sid: str) -> SandboxInfo:
         return self._do(_Call("GET", f"/sandboxes/{sid}", parse=lambda r: sandbox_info(r.json())))
 
     def list(self) -> list[SandboxInfo]:
-        return self._do(_Call("GET", "/sandboxes", parse=lambda r: [sandbox_info(d) for d in r.json()]))
+        """Every sandbox, every state (no `limit`: one page)."""
+        return self._do(_Call("GET", "/v2/sandboxes", parse=lambda r: [sandbox_info(d) for d in r.json()]))
 
     def kill(self, sid: str) -> None:
         return self._do(_Call("DELETE", f"/sandboxes/{sid}"))
@@ -229,40 +234,40 @@ class _Routes:
     # --- life cycle -----------------------------------------------------------------------------
 
     def pause(self, sid: str) -> None:
-        return self._do(_Call("POST", f"/sandboxes/{sid}/pause"))
+        return self._do(_Call("POST", f"/sandboxes/{sid}/freeze"))
 
     def resume(self, sid: str) -> None:
         return self._do(_Call("POST", f"/sandboxes/{sid}/resume"))
 
     def checkpoint(self, sid: str) -> CheckpointInfo:
-        return self._do(_Call("POST", f"/sandboxes/{sid}/checkpoints", parse=lambda r: checkpoint_info(r.json())))
+        return self._do(_Call("POST", f"/sandboxes/{sid}/snapshots", parse=lambda r: checkpoint_info(r.json())))
 
     def hibernate(self, sid: str) -> CheckpointInfo:
         return self._do(_Call("POST", f"/sandboxes/{sid}/hibernate", parse=lambda r: checkpoint_info(r.json())))
 
     def prefetch(self, sid: str, ttl_s: float = 60.0) -> bool:
-        return self._do(_Call("POST", f"/sandboxes/{sid}/prefetch", json={"ttl_s": ttl_s},
+        return self._do(_Call("POST", f"/sandboxes/{sid}/prefetch", json={"ttlS": ttl_s},
                               parse=lambda r: r.json()["staged"]))
 
     def fork(self, sid: str, n: int = 1) -> list[SandboxInfo]:
         def parse(r: httpx.Response) -> list[SandboxInfo]:
-            return [sandbox_info(s) for s in r.json()["sandboxes"]]
+            return [sandbox_info(s["sandbox"]) for s in r.json()]
 
         check_number("n", n, 1, MAX_FORK, "children", integer=True)  # named as the SDK names it, not `count`
         return self._do(_Call("POST", f"/sandboxes/{sid}/fork", json={"count": n}, parse=parse))
 
     def restore(self, ck: str, id: str | None = None, timeout_s: float | None = None) -> SandboxInfo:
-        return self._do(_Call("POST", f"/checkpoints/{ck}/restore", json={"id": id, "timeout_s": timeout_s},
-                              parse=lambda r: sandbox_info(r.json())))
+        return self._do(_Call("POST", f"/snapshots/{quote(ck, safe='')}/restore",
+                              json={"sandboxID": id, "timeout": timeout_s}, parse=lambda r: sandbox_info(r.json())))
 
     def checkpoints(self) -> list[CheckpointInfo]:
-        return self._do(_Call("GET", "/checkpoints", parse=lambda r: [checkpoint_info(d) for d in r.json()]))
+        return self._do(_Call("GET", "/snapshots", parse=lambda r: [checkpoint_info(d) for d in r.json()]))
 
     def get_checkpoint(self, ck: str) -> CheckpointInfo:
-        return self._do(_Call("GET", f"/checkpoints/{ck}", parse=lambda r: checkpoint_info(r.json())))
+        return self._do(_Call("GET", f"/snapshots/{quote(ck, safe='')}", parse=lambda r: checkpoint_info(r.json())))
 
     def delete_checkpoint(self, ck: str) -> None:
-        return self._do(_Call("DELETE", f"/checkpoints/{ck}"))
+        return self._do(_Call("DELETE", f"/templates/{quote(ck, safe='')}"))
 
     # --- the service ----------------------------------------------------------------------------
 

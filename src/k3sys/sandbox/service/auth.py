@@ -12,6 +12,7 @@ import ipaddress
 import os
 import secrets
 import stat
+from collections.abc import Mapping
 from pathlib import Path
 
 from k3sys.sandbox.errors import AuthError, InvalidArgumentError
@@ -47,13 +48,17 @@ def _read_key_file(path: Path) -> str:
     return key
 
 
-def check_key(expected: str | None, authorization: str | None) -> None:
-    """Accept the request's `Authorization` header or raise AuthError (constant-time comparison)."""
+def check_key(expected: str | None, headers: Mapping[str, str]) -> None:
+    """Accept a request whose headers carry the key, in `X-API-Key` (E2B's) or as `Authorization:
+    Bearer <key>`, or raise AuthError (constant-time comparison)."""
     if expected is None:
         return
-    scheme, _, given = (authorization or "").partition(" ")
-    if scheme.lower() != "bearer" or not given:
-        raise AuthError("missing API key: send `Authorization: Bearer <key>`")
+    given = headers.get("x-api-key")
+    if given is None:
+        scheme, _, bearer = (headers.get("authorization") or "").partition(" ")
+        given = bearer if scheme.lower() == "bearer" else None
+    if not given:
+        raise AuthError("missing API key: send `X-API-Key: <key>`")
     if not hmac.compare_digest(given.strip().encode(), expected.encode()):
         raise AuthError("wrong API key")
 

@@ -21,6 +21,7 @@ from k3sys.sandbox.errors import InvalidArgumentError, SandboxError, Unavailable
 from k3sys.sandbox.runtime.runtime import Runtime
 from k3sys.sandbox.runtime.state import State
 from k3sys.sandbox.service import metrics as _metrics
+from k3sys.sandbox.service.attrs import AttrsTable
 from k3sys.sandbox.service.limits import Admission
 from k3sys.sandbox.spec import ON_TIMEOUT, SandboxSpec
 from k3sys.sandbox.types import SandboxInfo
@@ -76,6 +77,7 @@ class Service:
         self.config = config
         self.runtime: Runtime | None = None
         self.admission: Admission | None = None
+        self.attrs = AttrsTable(config.data_dir / "e2b")
         self.draining = False
         self.ops = anyio.CapacityLimiter(config.op_threads)
         self.io = anyio.CapacityLimiter(config.io_threads)

@@ -22,13 +22,13 @@ def _where(loc: tuple) -> str:
 
 def _error_response(request: Request, exc: BaseException, status: int | None = None,
                     code: str | None = None) -> JSONResponse:
-    body = error_body(exc)
-    if code is not None:
-        body["error"]["type"] = code
     status = status or status_of(exc)
-    headers = {ERROR_HEADER: body["error"]["type"]}
+    body = error_body(exc, status)
+    if code is not None:
+        body["type"] = code
+    headers = {ERROR_HEADER: body["type"]}
     if request.method == "HEAD":  # the body will not be sent: the message travels in a header
-        headers[ERROR_MESSAGE_HEADER] = quote(body["error"]["message"][:2000])
+        headers[ERROR_MESSAGE_HEADER] = quote(body["message"][:2000])
     if status == 401:
         headers["www-authenticate"] = 'Bearer realm="k3sys"'  # RFC 6750
     return JSONResponse(body, status_code=status, headers=headers)

@@ -63,9 +63,10 @@ class Admission:
 
 async def send_error(send: Callable[[Message], Awaitable[None]], exc: BaseException) -> None:
     """Answer with the service's error body, outside any framework (for ASGI middleware)."""
-    body = json.dumps(error_body(exc)).encode()
+    err = error_body(exc)
+    body = json.dumps(err).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-               (ERROR_HEADER.encode(), error_body(exc)["error"]["type"].encode())]
+               (ERROR_HEADER.encode(), err["type"].encode())]
     await send({"type": "http.response.start", "status": status_of(exc), "headers": headers})
     await send({"type": "http.response.body", "body": body})
 

@@ -3,20 +3,11 @@ wrong type is a 422 naming it."""
 
 from __future__ import annotations
 
-import dataclasses
-import typing
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, create_model
-
-from k3sys.sandbox.spec import MAX_FORK, SandboxSpec
-from k3sys.sandbox.types import SandboxInfo
+from pydantic import BaseModel, ConfigDict, Field
 
 _STRICT = ConfigDict(extra="forbid", strict=True)
-# The create body is SandboxSpec's fields (defaults from there) plus an optional id.
-CreateSandbox = create_model(
-    "CreateSandbox", __config__=_STRICT, id=(str | None, None),
-    **{f.name: (typing.get_type_hints(SandboxSpec)[f.name], f.default) for f in dataclasses.fields(SandboxSpec)})
 
 
 class RunCommand(BaseModel):
@@ -34,24 +25,8 @@ class Wait(BaseModel):
     timeout: float | None = Field(None, description="seconds; null: the service's cap")
 
 
-class Fork(BaseModel):
-    model_config = _STRICT
-    count: int = Field(1, ge=1, le=MAX_FORK, description="children to make")
-
-
-class Prefetch(BaseModel):
-    model_config = _STRICT
-    ttl_s: float = Field(60.0, description="seconds the staged images are kept unless a resume uses them")
-
-
 class Prefetched(BaseModel):
     staged: bool
-
-
-class Restore(BaseModel):
-    model_config = _STRICT
-    id: str | None = None
-    timeout_s: float | None = None
 
 
 class CommandStarted(BaseModel):
@@ -64,10 +39,6 @@ class CommandStatus(BaseModel):
     running: bool
     stdout: str
     stderr: str
-
-
-class Forked(BaseModel):
-    sandboxes: list[SandboxInfo]
 
 
 class Written(BaseModel):

@@ -1,39 +1,31 @@
-"""The sandbox service: the embedded runtime behind an HTTP API (FastAPI on uvicorn).
+"""The sandbox service: the embedded runtime behind an HTTP API (FastAPI on uvicorn), speaking E2B's
+protocol, so the official `e2b` SDK works unchanged against it.
 
-    k3sys sandbox serve --host 127.0.0.1 --port 8765 --data-dir DIR
+    k3sys sandbox serve --host 127.0.0.1 --port 3000 --data-dir DIR
 
-Resources (all but /health need `Authorization: Bearer <key>`; see `_auth.py` for the key):
+Every route but /health needs the API key in `X-API-Key` (or `Authorization: Bearer`; see auth.py).
+The life cycle (E2B's REST routes and our extensions) is control.py; the table of routes is at the
+top of docs/sandbox_service.md. This module serves commands and files (to be replaced by envd's
+Connect RPC), /metrics (Prometheus text), /openapi.json and /health:
 
-    POST   /sandboxes                         create                   -> 201 SandboxInfo
-    GET    /sandboxes                         list                     -> [SandboxInfo]
-    GET    /sandboxes/{id}                    info                     -> SandboxInfo
-    DELETE /sandboxes/{id}                    kill                     -> 204
-    GET    /sandboxes/{id}/memory             memory charged now       -> {"bytes": n}
-    POST   /sandboxes/{id}/pause|resume       freeze / thaw or restore -> SandboxInfo
-    POST   /sandboxes/{id}/hibernate          checkpoint + stop        -> CheckpointInfo
-    POST   /sandboxes/{id}/prefetch {"ttl_s"} stage a hibernated one's images for a resume -> {"staged"}
-    POST   /sandboxes/{id}/checkpoints        checkpoint               -> 201 CheckpointInfo
-    POST   /sandboxes/{id}/fork  {"count": n} n copies                 -> 201 {"sandboxes"}
     POST   /sandboxes/{id}/commands           run (or start, with "background": true)
+    GET    /sandboxes/{id}/processes          processes the agent holds
+    POST   /sandboxes/{id}/processes/{pid}/connect   a handle on one of them -> 201 {"id"}
     GET    /commands/{cid}                    running?, output so far
     GET    /commands/{cid}/events             output as server-sent events (stdout, stderr, end)
     POST   /commands/{cid}/wait               exit code and output     -> CommandResult
     DELETE /commands/{cid}                    kill the command         -> 204
     GET|PUT|DELETE|HEAD /sandboxes/{id}/files?path=   raw bytes, streamed both ways; HEAD: exists
     GET|POST /sandboxes/{id}/dirs?path=       list / make a directory
-    GET    /checkpoints, /checkpoints/{ck}    stored checkpoints
-    POST   /checkpoints/{ck}/restore          a new sandbox from it    -> 201 SandboxInfo
-    DELETE /checkpoints/{ck}                                           -> 204
-    GET    /health, /metrics (Prometheus text), /openapi.json
 
-Errors: one body shape, in `_wire.py` (statuses: errors.py), answered by errors.py's handlers.
-Request and answer bodies: models.py. Every runtime call that can block runs in a
+Errors: E2B's body shape plus our type, in `_wire.py` (statuses: errors.py), answered by errors.py's
+handlers. Request and answer bodies: models.py, e2b_models.py. Every runtime call that can block runs in a
 worker thread (two pools: life-cycle operations, and commands/files, so long commands never starve a
 pause or kill); the runtime serialises operations per sandbox, so one slow checkpoint holds up only
 its own sandbox. Reads of the runtime's tables (list, info, command output) answer on the event loop:
 they never wait for a sandbox's lock. Limits (`ServiceConfig`): sandboxes and memory (429),
 body size (413), command timeouts (422 above the cap), shutting down (503). A sandbox past its
-`timeout_s` is hibernated (or killed) by the runtime's reaper. Stopping the service hibernates the
+timeout is hibernated (or killed) by the runtime's reaper. Stopping the service hibernates the
 sandboxes that hold memory (`on_shutdown`); the next start finds them and every checkpoint again.
 """
 
@@ -52,35 +44,29 @@ import anyio
 import anyio.to_thread
 from fastapi import APIRouter, Depends, FastAPI, Query, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
-from fastapi.security import HTTPBearer
 
 from k3sys.sandbox._wire import ERROR_HEADER, error_body
 from k3sys.sandbox.errors import InvalidArgumentError, SandboxError
 from k3sys.sandbox.runtime.runtime import Runtime
+from k3sys.sandbox.service import control
 from k3sys.sandbox.service import metrics as _metrics
-from k3sys.sandbox.service.auth import check_bind, check_key
+from k3sys.sandbox.service.auth import check_bind
 from k3sys.sandbox.service.core import Service, ServiceConfig
+from k3sys.sandbox.service.deps import Svc, authorize
+from k3sys.sandbox.service.envd.app import install as install_envd
 from k3sys.sandbox.service.errors import install_error_handlers
 from k3sys.sandbox.service.limits import BodyLimit
 from k3sys.sandbox.service.metrics import CountRequests
 from k3sys.sandbox.service.models import (
     CommandStarted,
     CommandStatus,
-    Cpu,
-    CreateSandbox,
-    Fork,
-    Forked,
     Health,
-    Memory,
-    Prefetch,
-    Prefetched,
-    Restore,
     RunCommand,
     Wait,
     Written,
 )
-from k3sys.sandbox.spec import CommandResult, OutputPieces, SandboxSpec
-from k3sys.sandbox.types import CheckpointInfo, EntryInfo, ProcessInfo, SandboxInfo
+from k3sys.sandbox.spec import CommandResult, OutputPieces
+from k3sys.sandbox.types import EntryInfo, ProcessInfo
 
 __all__ = ["ServiceConfig", "create_app", "serve"]
 KEEP_ALIVE_S = 75  # seconds an idle connection stays open (clients must drop theirs sooner)
@@ -89,87 +75,8 @@ KEEP_ALIVE_S = 75  # seconds an idle connection stays open (clients must drop th
 # --- routes ------------------------------------------------------------------------------------------
 
 
-def _service(request: Request) -> Service:
-    return request.app.state.service
-
-
-async def _authorize(request: Request, _: Annotated[Any, Depends(HTTPBearer(auto_error=False))]) -> None:
-    # HTTPBearer only documents the scheme in the OpenAPI spec; the check is ours (constant time).
-    check_key(request.app.state.service.config.api_key, request.headers.get("authorization"))
-
-
-Svc = Annotated[Service, Depends(_service)]
 PathQ = Annotated[str, Query(description="a path inside the sandbox")]
-router = APIRouter(dependencies=[Depends(_authorize)])
-
-
-@router.post("/sandboxes", status_code=201, response_model=SandboxInfo, tags=["sandboxes"])
-async def create_sandbox(svc: Svc, body: CreateSandbox | None = None) -> Any:  # type: ignore[valid-type]
-    fields = (body or CreateSandbox()).model_dump()
-    sid = fields.pop("id")
-    spec = SandboxSpec(**fields)
-    return await svc.call("create", svc.create, spec, sid)
-
-
-@router.get("/sandboxes", response_model=list[SandboxInfo], tags=["sandboxes"])
-async def list_sandboxes(svc: Svc) -> Any:
-    return svc.rt.list()
-
-
-@router.get("/sandboxes/{sid}", response_model=SandboxInfo, tags=["sandboxes"])
-async def get_sandbox(svc: Svc, sid: str) -> Any:
-    return svc.rt.info(sid)
-
-
-@router.delete("/sandboxes/{sid}", status_code=204, tags=["sandboxes"])
-async def kill_sandbox(svc: Svc, sid: str) -> Response:
-    await svc.call("kill", svc.rt.kill, sid)
-    return Response(status_code=204)
-
-
-@router.get("/sandboxes/{sid}/memory", response_model=Memory, tags=["sandboxes"])
-async def sandbox_memory(svc: Svc, sid: str) -> Any:
-    svc.rt.info(sid)
-    return {"bytes": await svc.call("memory", svc.rt.memory_bytes, sid, io=True)}
-
-
-@router.get("/sandboxes/{sid}/cpu", response_model=Cpu, tags=["sandboxes"])
-async def sandbox_cpu(svc: Svc, sid: str) -> Any:
-    """CPU seconds charged to the sandbox's cgroup (restarts at 0 when a hibernated sandbox resumes)."""
-    svc.rt.info(sid)
-    return {"seconds": await svc.call("cpu", svc.rt.cpu_seconds, sid, io=True)}
-
-
-@router.post("/sandboxes/{sid}/pause", response_model=SandboxInfo, tags=["life cycle"])
-async def pause(svc: Svc, sid: str) -> Any:
-    return await svc.call("pause", svc.pause, sid)
-
-
-@router.post("/sandboxes/{sid}/resume", response_model=SandboxInfo, tags=["life cycle"])
-async def resume(svc: Svc, sid: str) -> Any:
-    return await svc.call("resume", svc.resume, sid)
-
-
-@router.post("/sandboxes/{sid}/hibernate", response_model=CheckpointInfo, tags=["life cycle"])
-async def hibernate(svc: Svc, sid: str) -> Any:
-    return await svc.call("hibernate", svc.rt.hibernate, sid)
-
-
-@router.post("/sandboxes/{sid}/prefetch", response_model=Prefetched, tags=["life cycle"])
-async def prefetch(svc: Svc, sid: str, body: Prefetch | None = None) -> Any:
-    """Stage a hibernated sandbox's images for a likely resume (a hint; see `Runtime.prefetch`)."""
-    return {"staged": await svc.call("prefetch", svc.rt.prefetch, sid, (body or Prefetch()).ttl_s)}
-
-
-@router.post("/sandboxes/{sid}/checkpoints", status_code=201, response_model=CheckpointInfo, tags=["life cycle"])
-async def checkpoint(svc: Svc, sid: str) -> Any:
-    return await svc.call("checkpoint", svc.rt.checkpoint, sid)
-
-
-@router.post("/sandboxes/{sid}/fork", status_code=201, response_model=Forked, tags=["life cycle"])
-async def fork(svc: Svc, sid: str, body: Fork | None = None) -> Any:
-    kids = await svc.call("fork", svc.fork, sid, (body or Fork()).count)
-    return {"sandboxes": kids}
+router = APIRouter(dependencies=[Depends(authorize)])
 
 
 @router.post("/sandboxes/{sid}/commands", tags=["commands"], status_code=200,
@@ -180,11 +87,12 @@ async def run_command(svc: Svc, sid: str, body: RunCommand) -> Any:
     except binascii.Error:
         raise InvalidArgumentError(f"stdin_base64: not base64: {body.stdin_base64[:40]!r}") from None
     rt = svc.rt
+    env = {**svc.attrs.get(sid).envs, **(body.env or {})} or None  # the sandbox's envVars, then the call's
     if body.background:
-        cid = await svc.call("exec", rt.start_command, sid, body.cmd, body.cwd, body.env, stdin, io=True)
+        cid = await svc.call("exec", rt.start_command, sid, body.cmd, body.cwd, env, stdin, io=True)
         return JSONResponse({"id": cid}, status_code=201)
     timeout = svc.cap_timeout(body.timeout)
-    return dataclasses.asdict(await svc.call("exec", rt.run, sid, body.cmd, timeout, body.cwd, body.env, stdin,
+    return dataclasses.asdict(await svc.call("exec", rt.run, sid, body.cmd, timeout, body.cwd, env, stdin,
                                              io=True))
 
 
@@ -309,28 +217,6 @@ async def make_dir(svc: Svc, sid: str, path: PathQ) -> Response:
     return Response(status_code=201)
 
 
-@router.get("/checkpoints", response_model=list[CheckpointInfo], tags=["checkpoints"])
-async def list_checkpoints(svc: Svc) -> Any:
-    return await svc.call("list_checkpoints", svc.rt.checkpoints, io=True)
-
-
-@router.get("/checkpoints/{ck}", response_model=CheckpointInfo, tags=["checkpoints"])
-async def get_checkpoint(svc: Svc, ck: str) -> Any:
-    return await svc.call("get_checkpoint", svc.rt.get_checkpoint, ck, io=True)
-
-
-@router.post("/checkpoints/{ck}/restore", status_code=201, response_model=SandboxInfo, tags=["checkpoints"])
-async def restore(svc: Svc, ck: str, body: Restore | None = None) -> Any:
-    body = body or Restore()
-    return await svc.call("restore", svc.restore, ck, body.id, body.timeout_s)
-
-
-@router.delete("/checkpoints/{ck}", status_code=204, tags=["checkpoints"])
-async def delete_checkpoint(svc: Svc, ck: str) -> Response:
-    await svc.call("delete_checkpoint", svc.rt.delete_checkpoint, ck)
-    return Response(status_code=204)
-
-
 @router.get("/metrics", tags=["service"], response_class=Response,
             responses={200: {"content": {_metrics.CONTENT_TYPE: {}}}})
 async def metrics(svc: Svc) -> Response:
@@ -373,10 +259,12 @@ def create_app(config: ServiceConfig, runtime: Runtime | None = None) -> FastAPI
 
     app = FastAPI(title="k3sys sandbox service", version=__version__, lifespan=lifespan,
                   docs_url=None, redoc_url=None, openapi_url=None,
-                  description="Agent sandboxes (runc + CRIU) with a managed life cycle. Errors: "
-                              '`{"error": {"type": ..., "message": ...}}`.')
+                  description="Agent sandboxes (runc + CRIU) with a managed life cycle, over E2B's protocol. "
+                              'Errors: `{"code": <status>, "message": ..., "type": ...}`.')
     app.state.service = service
+    app.include_router(control.router)
     app.include_router(router)
+    install_envd(app)  # requests with E2b-Sandbox-Id: envd (envd/app.py)
     app.add_api_route("/health", health, methods=["GET"], tags=["service"], response_model=Health)
 
     install_error_handlers(app)
@@ -385,7 +273,7 @@ def create_app(config: ServiceConfig, runtime: Runtime | None = None) -> FastAPI
     return app
 
 
-def serve(config: ServiceConfig, host: str = "127.0.0.1", port: int = 8765, log_level: str = "warning") -> None:
+def serve(config: ServiceConfig, host: str = "127.0.0.1", port: int = 3000, log_level: str = "warning") -> None:
     """Serve until SIGINT/SIGTERM (then `on_shutdown` runs). Refuses a non-loopback `host` without a key."""
     import uvicorn
 

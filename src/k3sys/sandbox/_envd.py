@@ -1,0 +1,83 @@
+"""envd's messages (E2B's `process` and `filesystem` protos in their JSON form) as the service writes
+them and the k3sys remote client reads them; standard library only.
+
+Fields envd does not have ride along where the e2b SDK ignores them (it reads with unknown fields
+ignored): a process's `running` / `exitCode` / `pty` in List, an event's `isDir`, a written file's
+`size`. Extension headers, sent only by the k3sys client: `k3sys-follow: 0` (Connect: send what
+the process wrote so far, then end without its end event) and `k3sys-keep: 1` (Connect: keep the
+ended process's record, for a later wait), `k3sys-all: 1` (List: ended processes too).
+"""
+
+from __future__ import annotations
+
+import stat
+from datetime import UTC, datetime
+from typing import Any
+
+from k3sys.sandbox.types import EntryInfo, FilesystemEvent, ProcessInfo
+
+SANDBOX_HEADER = "e2b-sandbox-id"
+PORT_HEADER = "e2b-sandbox-port"
+TOKEN_HEADER = "x-access-token"
+API_KEY_HEADER = "x-api-key"  # the service's API key, accepted by envd instead of the sandbox's token
+ENVD_PORT = 49983
+FOLLOW_HEADER, KEEP_HEADER, ALL_HEADER = "k3sys-follow", "k3sys-keep", "k3sys-all"
+SIGNALS = {"SIGNAL_SIGTERM": 15, "SIGNAL_SIGKILL": 9}
+
+_TYPES = {"file": "FILE_TYPE_FILE", "dir": "FILE_TYPE_DIRECTORY", "symlink": "FILE_TYPE_SYMLINK"}
+_KINDS = {v: k for k, v in _TYPES.items()}
+_EVENTS = {"create": "EVENT_TYPE_CREATE", "write": "EVENT_TYPE_WRITE", "remove": "EVENT_TYPE_REMOVE",
+           "rename": "EVENT_TYPE_RENAME", "chmod": "EVENT_TYPE_CHMOD"}
+_EVENT_KINDS = {v: k for k, v in _EVENTS.items()}
+
+
+def entry_json(e: EntryInfo) -> dict[str, Any]:
+    """An EntryInfo message (owner and group are the ids: names would need the sandbox's passwd)."""
+    mtime = datetime.fromtimestamp(e.mtime, UTC).isoformat().replace("+00:00", "Z")
+    out: dict[str, Any] = {"name": e.name, "type": _TYPES.get(e.type, "FILE_TYPE_UNSPECIFIED"), "path": e.path,
+                           "size": str(e.size), "mode": e.mode, "permissions": stat.filemode(e.mode)[1:],
+                           "owner": str(e.uid), "group": str(e.gid), "modifiedTime": mtime}
+    if e.type == "symlink":
+        out |= {"symlinkTarget": e.target or "", "isSymlink": True}
+    return out
+
+
+def entry_of(m: dict[str, Any]) -> EntryInfo:
+    """The EntryInfo an EntryInfo message (as `entry_json` writes it) describes."""
+    kind = "symlink" if m.get("isSymlink") else _KINDS.get(m.get("type", ""), "other")
+    mtime = datetime.fromisoformat(m["modifiedTime"].replace("Z", "+00:00")).timestamp() if "modifiedTime" in m else 0.0
+    return EntryInfo(m.get("name", ""), m.get("path", ""), kind, int(m.get("size", 0)), int(m.get("mode", 0)), mtime,
+                     int(m.get("owner") or 0), int(m.get("group") or 0), m.get("symlinkTarget"))
+
+
+def event_json(e: FilesystemEvent, root: str) -> dict[str, Any]:
+    """A FilesystemEvent message; envd names the path relative to the watched directory."""
+    name = e.path[len(root):].lstrip("/") if e.path.startswith(root.rstrip("/") + "/") else e.path
+    return {"name": name, "type": _EVENTS.get(e.type, "EVENT_TYPE_UNSPECIFIED"), "isDir": e.is_dir}
+
+
+def event_of(m: dict[str, Any], root: str) -> FilesystemEvent:
+    name = m.get("name", "")
+    path = name if name.startswith("/") else f"{root.rstrip('/')}/{name}"
+    return FilesystemEvent(_EVENT_KINDS.get(m.get("type", ""), "other"), path, bool(m.get("isDir")))
+
+
+def process_json(p: ProcessInfo) -> dict[str, Any]:
+    """A ProcessInfo message (the command as one string: the agent keeps argv joined)."""
+    out: dict[str, Any] = {"config": {"cmd": p.cmd}, "pid": p.pid, "running": p.running, "pty": p.pty}
+    if p.tag:
+        out["tag"] = p.tag
+    if p.exit_code is not None:
+        out["exitCode"] = p.exit_code
+    return out
+
+
+def process_of(m: dict[str, Any]) -> ProcessInfo:
+    return ProcessInfo(int(m["pid"]), (m.get("config") or {}).get("cmd", ""), m.get("tag", ""),
+                       bool(m.get("running", True)), m.get("exitCode"), bool(m.get("pty")))
+
+
+def end_event(exit_code: int) -> dict[str, Any]:
+    """A process's end event; the agent reports a death by signal N as 128 + N, as a shell does."""
+    status = f"signal: {exit_code - 128}" if exit_code > 128 else f"exit status {exit_code}"
+    return {"end": {"exitCode": exit_code, "exited": exit_code <= 128, "status": status}}

@@ -1,0 +1,309 @@
+"""The service's control plane: E2B's REST routes for the sandbox life cycle, and ours beside them in
+the same style (the table in docs/sandbox_service.md). E2B's `pause` is our hibernate (memory and
+files kept, nothing running), `connect` resumes it; a snapshot is our checkpoint, creating from its
+id a restore; `freeze` / `thaw` (ours) stop and start the CPU without a checkpoint.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import time
+from collections.abc import Callable, Sequence
+from datetime import datetime
+from typing import Annotated, Any, TypeVar
+from urllib.parse import parse_qsl, unquote
+
+from fastapi import APIRouter, Depends, Query, Response
+from fastapi.responses import JSONResponse
+
+from k3sys.sandbox._wire import checkpoint_json
+from k3sys.sandbox.errors import InvalidArgumentError, InvalidStateError, StoreError
+from k3sys.sandbox.service.attrs import SandboxAttrs
+from k3sys.sandbox.service.core import Service
+from k3sys.sandbox.service.deps import Svc, authorize
+from k3sys.sandbox.service.e2b_models import (
+    Connect,
+    Fork,
+    NewSandbox,
+    Order,
+    Pause,
+    Prefetch,
+    Restore,
+    Snapshot,
+    Timeout,
+    e2b_states,
+    no_memory,
+    sandbox_body,
+    unsupported,
+)
+from k3sys.sandbox.service.envd.app import access_token
+from k3sys.sandbox.service.models import Cpu, Memory, Prefetched
+from k3sys.sandbox.spec import SandboxSpec
+from k3sys.sandbox.types import SandboxInfo
+
+T = TypeVar("T")
+router = APIRouter(dependencies=[Depends(authorize)])
+Limit = Annotated[int | None, Query(ge=1, le=1000, description="page size; omitted: everything")]
+_ON_TIMEOUT = {True: "hibernate", False: "kill", None: None}
+
+
+def _body(svc: Service, info: SandboxInfo) -> dict[str, Any]:
+    return sandbox_body(info, svc.attrs.get(info.id), access_token(svc.config.api_key, info.id),
+                        svc.config.on_timeout)
+
+
+def _page(items: Sequence[T], key: Callable[[T], tuple[float, str]], limit: int | None, token: str | None,
+          response: Response, desc: bool = False) -> list[T]:
+    """`items` (sorted by `key`, descending if `desc`) after the position `token` names, at most
+    `limit` of them; the next page's token, if there is one, in `X-Next-Token` (E2B's pagination)."""
+    if token:
+        try:
+            created, _, last = base64.urlsafe_b64decode(token.encode()).decode().partition("/")
+            after = (float(created), last)
+        except (binascii.Error, UnicodeDecodeError, ValueError):
+            raise InvalidArgumentError(f"nextToken: not a token this service gave, got {token[:60]!r}") from None
+        items = [i for i in items if (key(i) < after if desc else key(i) > after)]
+    if limit is None or len(items) <= limit:
+        return list(items)
+    created, last = key(items[limit - 1])
+    response.headers["x-next-token"] = base64.urlsafe_b64encode(f"{created!r}/{last}".encode()).decode()
+    return list(items[:limit])
+
+
+def _metadata_filter(metadata: str | None) -> dict[str, str]:
+    """The SDK's `metadata` query: `k=v&...`, each key and value URL-quoted once more."""
+    return {unquote(k): unquote(v) for k, v in parse_qsl(metadata or "", keep_blank_values=True)}
+
+
+def _is_checkpoint(svc: Service, tid: str) -> bool:
+    try:
+        svc.rt.get_checkpoint(tid)
+    except StoreError:  # no such checkpoint, or not even a checkpoint id: a template name
+        return False
+    return True
+
+
+# --- E2B's routes ------------------------------------------------------------------------------------
+
+
+@router.post("/sandboxes", status_code=201, tags=["sandboxes"])
+@router.post("/v2/sandboxes", status_code=201, tags=["sandboxes"])
+async def create_sandbox(svc: Svc, body: NewSandbox) -> dict[str, Any]:
+    """A sandbox from a template, or restored from a snapshot (`templateID` = its id)."""
+    body.check_supported()
+    attrs = SandboxAttrs(body.templateID, body.metadata or {}, body.envVars or {})
+    if await svc.call("lookup", _is_checkpoint, svc, body.templateID, io=True):
+        info = await svc.call("restore", svc.restore, body.templateID, body.sandboxID, body.timeout)
+    else:
+        sized = {k: v for k, v in (("cpu", body.cpu), ("memory_mb", body.memoryMB), ("pids", body.pids))
+                 if v is not None}
+        spec = SandboxSpec(template=body.templateID, timeout_s=body.timeout, on_timeout=_ON_TIMEOUT[body.autoPause],
+                           network=bool(body.allow_internet_access), **sized)
+        info = await svc.call("create", svc.create, spec, body.sandboxID)
+    svc.attrs.put(info.id, attrs)
+    return _body(svc, info)
+
+
+@router.get("/sandboxes", tags=["sandboxes"])
+@router.get("/v2/sandboxes", tags=["sandboxes"])
+async def list_sandboxes(svc: Svc, response: Response, metadata: str | None = None, state: str | None = None,
+                         template: str | None = None, startedAfter: datetime | None = None,  # noqa: N803
+                         order: Order = "asc", limit: Limit = None,
+                         nextToken: str | None = None) -> list[dict[str, Any]]:  # noqa: N803
+    """Sandboxes (every state unless `state` says), oldest first unless `order=desc`."""
+    states, wanted = e2b_states(state), _metadata_filter(metadata)
+    after = startedAfter.timestamp() if startedAfter else None
+    t0 = time.time()
+    infos = svc.rt.list()
+    svc.attrs.prune({i.id for i in infos}, before=t0)
+    bodies = [b for b in (_body(svc, i) for i in infos)
+              if (states is None or b["state"] in states) and wanted.items() <= b["metadata"].items()
+              and (template is None or template in (b["templateID"], b["alias"]))
+              and (after is None or b["k3sys"]["created"] >= after)]
+    def key(b: dict[str, Any]) -> tuple[float, str]:
+        return b["k3sys"]["created"], b["sandboxID"]
+
+    desc = order == "desc"
+    return _page(sorted(bodies, key=key, reverse=desc), key, limit, nextToken, response, desc)
+
+
+@router.get("/sandboxes/{sid}", tags=["sandboxes"])
+async def get_sandbox(svc: Svc, sid: str) -> dict[str, Any]:
+    return _body(svc, svc.rt.info(sid))
+
+
+@router.delete("/sandboxes/{sid}", status_code=204, tags=["sandboxes"])
+async def kill_sandbox(svc: Svc, sid: str) -> Response:
+    await svc.call("kill", svc.rt.kill, sid)
+    svc.attrs.drop(sid)
+    return Response(status_code=204)
+
+
+@router.post("/sandboxes/{sid}/timeout", status_code=204, tags=["sandboxes"])
+async def set_timeout(svc: Svc, sid: str, body: Timeout) -> Response:
+    """The sandbox's `on_timeout` applies `timeout` seconds from now."""
+    await svc.call("set_timeout", svc.rt.set_timeout, sid, body.timeout)
+    return Response(status_code=204)
+
+
+@router.post("/sandboxes/{sid}/pause", status_code=204, tags=["life cycle"])
+async def pause(svc: Svc, sid: str, body: Pause | None = None) -> Response:
+    """Hibernate a running sandbox (409 if it is not running)."""
+    no_memory((body or Pause()).memory, "pause")
+    if (state := svc.rt.info(sid).state) != "running":
+        raise InvalidStateError(f"sandbox {sid} is {state}: only a running sandbox can be paused")
+    await svc.call("hibernate", svc.rt.hibernate, sid)
+    return Response(status_code=204)
+
+
+async def _extend(svc: Service, sid: str, timeout: float | None) -> None:
+    """Make the sandbox live at least `timeout` seconds more (E2B's connect never shortens a life)."""
+    if timeout is None:
+        return
+    deadline = svc.rt.info(sid).deadline
+    if deadline is not None and deadline < time.time() + timeout:
+        await svc.call("set_timeout", svc.rt.set_timeout, sid, timeout)
+
+
+@router.post("/sandboxes/{sid}/connect", tags=["life cycle"], responses={201: {"description": "resumed"}})
+@router.post("/v2/sandboxes/{sid}/connect", tags=["life cycle"], responses={201: {"description": "resumed"}})
+async def connect(svc: Svc, sid: str, body: Connect | None = None) -> JSONResponse:
+    """200 with a running sandbox; a paused one is resumed first (201)."""
+    body = body or Connect()
+    no_memory(body.memory, "resume")
+    status = 200
+    if svc.rt.info(sid).state != "running":
+        await svc.call("resume", svc.resume, sid)
+        status = 201
+    await _extend(svc, sid, body.timeout)
+    return JSONResponse(_body(svc, svc.rt.info(sid)), status_code=status)
+
+
+@router.post("/sandboxes/{sid}/resume", status_code=201, tags=["life cycle"])
+async def resume(svc: Svc, sid: str, body: Connect | None = None) -> dict[str, Any]:
+    """Resume a paused, frozen or hibernated sandbox (409 if it runs)."""
+    body = body or Connect()
+    no_memory(body.memory, "resume")
+    await svc.call("resume", svc.resume, sid)
+    await _extend(svc, sid, body.timeout)
+    return _body(svc, svc.rt.info(sid))
+
+
+@router.get("/sandboxes/{sid}/metrics", tags=["sandboxes"])
+async def metrics(svc: Svc, sid: str, start: int | None = None, end: int | None = None) -> list[dict[str, Any]]:
+    """One sample, now: memory charged, CPU used on average since the processes last started."""
+    info = svc.rt.info(sid)
+    mem = await svc.call("memory", svc.rt.memory_bytes, sid, io=True)
+    cpu_s = await svc.call("cpu", svc.rt.cpu_seconds, sid, io=True)
+    now = time.time()
+    if (start is not None and now < start) or (end is not None and now > end + 1):
+        return []
+    cores = max(1, -(-info.spec.cpu // 1))
+    pct = 100.0 * cpu_s / max(now - info.created, 1e-3) / info.spec.cpu
+    return [{"timestamp": datetime.fromtimestamp(now).astimezone().isoformat(), "timestampUnix": int(now),
+             "cpuCount": int(cores), "cpuUsedPct": round(min(pct, 100.0), 2), "memUsed": mem,
+             "memTotal": info.spec.memory_mb << 20, "memCache": 0, "diskUsed": 0, "diskTotal": 0}]
+
+
+@router.post("/sandboxes/{sid}/snapshots", status_code=201, tags=["snapshots"])
+async def create_snapshot(svc: Svc, sid: str, body: Snapshot | None = None) -> dict[str, Any]:
+    """Checkpoint the sandbox (it runs on); create from the returned `snapshotID` to restore it."""
+    body = body or Snapshot()
+    no_memory(body.memory, "snapshot")
+    if body.name:
+        raise unsupported("name", "snapshots are named by their snapshotID")
+    return checkpoint_json(await svc.call("checkpoint", svc.rt.checkpoint, sid))
+
+
+@router.get("/snapshots", tags=["snapshots"])
+async def list_snapshots(svc: Svc, response: Response, sandboxID: str | None = None,  # noqa: N803
+                         name: str | None = None, limit: Limit = None,
+                         nextToken: str | None = None) -> list[dict[str, Any]]:  # noqa: N803
+    """Checkpoints, oldest first; `name` matches a snapshot's id (snapshots are not named here)."""
+    cks = await svc.call("list_checkpoints", svc.rt.checkpoints, io=True)
+    cks = sorted((c for c in cks if sandboxID in (None, c.sandbox_id) and name in (None, c.id)),
+                 key=lambda c: (c.created, c.id))
+    return [checkpoint_json(c) for c in _page(cks, lambda c: (c.created, c.id), limit, nextToken, response)]
+
+
+@router.delete("/templates/{tid}", status_code=204, tags=["snapshots"])
+async def delete_snapshot(svc: Svc, tid: str) -> Response:
+    """Delete a snapshot (templates are built by scripts, not deleted here: 404)."""
+    await svc.call("delete_checkpoint", svc.rt.delete_checkpoint, tid)
+    return Response(status_code=204)
+
+
+@router.post("/sandboxes/{sid}/fork", status_code=201, tags=["life cycle"])
+async def fork(svc: Svc, sid: str, body: Fork | None = None) -> list[dict[str, Any]]:
+    """`count` copies of the sandbox now (processes, memory, files), with its metadata and envVars."""
+    body = body or Fork()
+    kids = await svc.call("fork", svc.fork, sid, body.count)
+    parent = svc.attrs.get(sid)  # after the fork: an unknown id is a 404, with no attributes made for it
+    out = []
+    for kid in kids:
+        svc.attrs.put(kid.id, parent)
+        if body.timeout is not None:
+            await svc.call("set_timeout", svc.rt.set_timeout, kid.id, body.timeout)
+        out.append({"sandbox": _body(svc, svc.rt.info(kid.id))})
+    return out
+
+
+# --- ours --------------------------------------------------------------------------------------------
+
+
+@router.post("/sandboxes/{sid}/freeze", status_code=204, tags=["k3sys"])
+async def freeze(svc: Svc, sid: str) -> Response:
+    """Stop the sandbox's CPU, memory kept, no checkpoint (409 unless running)."""
+    await svc.call("pause", svc.rt.pause, sid)
+    return Response(status_code=204)
+
+
+@router.post("/sandboxes/{sid}/thaw", status_code=204, tags=["k3sys"])
+async def thaw(svc: Svc, sid: str) -> Response:
+    """Undo `freeze` (409 unless frozen)."""
+    if (state := svc.rt.info(sid).state) != "paused":
+        raise InvalidStateError(f"sandbox {sid} is {state}: only a frozen sandbox thaws")
+    await svc.call("resume", svc.resume, sid)
+    return Response(status_code=204)
+
+
+@router.post("/sandboxes/{sid}/hibernate", tags=["k3sys"])
+async def hibernate(svc: Svc, sid: str) -> dict[str, Any]:
+    """E2B's pause, answering with the checkpoint it took (from running or frozen)."""
+    return checkpoint_json(await svc.call("hibernate", svc.rt.hibernate, sid))
+
+
+@router.post("/sandboxes/{sid}/prefetch", response_model=Prefetched, tags=["k3sys"])
+async def prefetch(svc: Svc, sid: str, body: Prefetch | None = None) -> Any:
+    """Stage a hibernated sandbox's images for a likely resume (a hint; see `Runtime.prefetch`)."""
+    return {"staged": await svc.call("prefetch", svc.rt.prefetch, sid, (body or Prefetch()).ttlS)}
+
+
+@router.get("/sandboxes/{sid}/memory", response_model=Memory, tags=["k3sys"])
+async def sandbox_memory(svc: Svc, sid: str) -> Any:
+    """Bytes of memory charged to the sandbox now."""
+    svc.rt.info(sid)
+    return {"bytes": await svc.call("memory", svc.rt.memory_bytes, sid, io=True)}
+
+
+@router.get("/sandboxes/{sid}/cpu", response_model=Cpu, tags=["k3sys"])
+async def sandbox_cpu(svc: Svc, sid: str) -> Any:
+    """CPU seconds charged to the sandbox's cgroup (restarts at 0 when a hibernated sandbox resumes)."""
+    svc.rt.info(sid)
+    return {"seconds": await svc.call("cpu", svc.rt.cpu_seconds, sid, io=True)}
+
+
+@router.get("/snapshots/{ck}", tags=["k3sys"])
+async def get_snapshot(svc: Svc, ck: str) -> dict[str, Any]:
+    return checkpoint_json(await svc.call("get_checkpoint", svc.rt.get_checkpoint, ck, io=True))
+
+
+@router.post("/snapshots/{ck}/restore", status_code=201, tags=["k3sys"])
+async def restore(svc: Svc, ck: str, body: Restore | None = None) -> dict[str, Any]:
+    """A new sandbox from any checkpoint, with the id asked for (`timeout` omitted: the checkpoint's)."""
+    body = body or Restore()
+    info = await svc.call("restore", svc.restore, ck, body.sandboxID, body.timeout)
+    svc.attrs.put(info.id, SandboxAttrs(ck))
+    return _body(svc, info)
+

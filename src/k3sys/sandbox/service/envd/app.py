@@ -1,0 +1,133 @@
+"""envd, the in-sandbox API of E2B, served by the sandbox service on its own port: a request that
+carries `E2b-Sandbox-Id` goes to envd's routes for that sandbox (`EnvdRouter`), any other to the
+control plane. Before a route runs, the request must show the sandbox's envd access token
+(`X-Access-Token`, or a signed URL's `signature` for /files), and the sandbox must be running: an
+unknown, paused or hibernated one is answered 502 as E2B's proxy does ("... was not found"), which
+the e2b SDK reads as not running (`is_running()` is False; `connect` resumes it).
+
+The access token is derived, not stored: HMAC-SHA256 of the sandbox id under the service's API key
+(`access_token`), so every sandbox, fork and restore has its own, it survives restarts, and
+rotating the key revokes them all. A service without a key (loopback only) asks for none.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import json
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+from urllib.parse import parse_qsl
+
+from starlette.routing import Route, Router
+
+from k3sys.sandbox._envd import API_KEY_HEADER, SANDBOX_HEADER, TOKEN_HEADER
+from k3sys.sandbox.errors import NotFoundError, UnavailableError
+from k3sys.sandbox.service.envd import files, process
+from k3sys.sandbox.service.envd import filesystem as fs
+from k3sys.sandbox.service.envd.rpc import EnvdState, client_stream, server_stream, unary
+
+_SERVING = ("running", "checkpointing")  # states in which envd answers (a checkpoint only holds a call)
+
+_ROUTES = {
+    "/process.Process/Start": server_stream(process.start),
+    "/process.Process/Connect": server_stream(process.connect),
+    "/process.Process/List": unary(process.list_processes),
+    "/process.Process/SendInput": unary(process.send_input),
+    "/process.Process/StreamInput": client_stream(process.stream_input),
+    "/process.Process/CloseStdin": unary(process.close_stdin),
+    "/process.Process/SendSignal": unary(process.send_signal),
+    "/process.Process/Update": unary(process.update),
+    "/filesystem.Filesystem/Stat": unary(fs.stat),
+    "/filesystem.Filesystem/ListDir": unary(fs.list_dir),
+    "/filesystem.Filesystem/MakeDir": unary(fs.make_dir),
+    "/filesystem.Filesystem/Move": unary(fs.move),
+    "/filesystem.Filesystem/Remove": unary(fs.remove),
+    "/filesystem.Filesystem/WatchDir": server_stream(fs.watch_dir),
+    "/filesystem.Filesystem/CreateWatcher": unary(fs.create_watcher),
+    "/filesystem.Filesystem/GetWatcherEvents": unary(fs.get_watcher_events),
+    "/filesystem.Filesystem/RemoveWatcher": unary(fs.remove_watcher),
+}
+
+
+def access_token(api_key: str | None, sid: str) -> str | None:
+    """The envd access token of sandbox `sid` (None when the service has no API key)."""
+    if api_key is None:
+        return None
+    mac = hmac.new(api_key.encode(), b"k3sys envd access token\0" + sid.encode(), hashlib.sha256).digest()
+    return base64.urlsafe_b64encode(mac).rstrip(b"=").decode()
+
+
+def url_signature(path: str, operation: str, user: str | None, token: str, expiration: int | None) -> str:
+    """A signed /files URL's `signature` (E2B's v1 scheme: a hash of path, operation, user, token
+    and expiry)."""
+    raw = f"{path}:{operation}:{user or ''}:{token}" + (f":{expiration}" if expiration is not None else "")
+    return "v1_" + base64.b64encode(hashlib.sha256(raw.encode()).digest()).rstrip(b"=").decode()
+
+
+def _signed(query: dict[str, str], method: str, token: str) -> bool:
+    sig, exp = query.get("signature"), query.get("signature_expiration")
+    if not sig or (exp is not None and not exp.isdigit()):
+        return False
+    expiration = int(exp) if exp is not None else None
+    if expiration is not None and expiration < time.time():
+        return False
+    want = url_signature(query.get("path", ""), "read" if method == "GET" else "write", query.get("username"),
+                         token, expiration)
+    return hmac.compare_digest(sig.encode(), want.encode())
+
+
+def _refusal(svc: Any, sid: str, scope: dict[str, Any]) -> tuple[int, str] | None:
+    """(status, message) when the request may not reach the sandbox's envd, else None."""
+    token = access_token(svc.config.api_key, sid)
+    path = scope["path"]
+    if token is not None and path != "/health":
+        headers = dict(scope["headers"])
+        given, key = headers.get(TOKEN_HEADER.encode(), b""), headers.get(API_KEY_HEADER.encode())
+        query = dict(parse_qsl(scope.get("query_string", b"").decode()))
+        if not (hmac.compare_digest(given, token.encode())
+                or (key is not None and hmac.compare_digest(key, svc.config.api_key.encode()))
+                or (path == "/files" and _signed(query, scope["method"], token))):
+            return 401, f"sandbox {sid}: {'wrong' if given else 'missing'} envd access token (X-Access-Token)"
+    try:
+        state = svc.rt.info(sid).state
+    except NotFoundError:
+        return 502, f"The sandbox {sid} was not found"
+    except UnavailableError as e:  # the service is shutting down
+        return 503, str(e)
+    if state not in _SERVING:
+        return 502, f"The sandbox {sid} was not found running: it is {state} (connect resumes it)"
+    return None
+
+
+class EnvdRouter:
+    """ASGI middleware: requests with `E2b-Sandbox-Id` go to envd (after the token and state
+    checks), the rest to the application it wraps."""
+
+    def __init__(self, app: Callable[..., Awaitable[None]]) -> None:
+        self.app = app
+        self.envd = Router(routes=[Route(p, h, methods=["POST"]) for p, h in _ROUTES.items()] + [
+            Route("/files", files.download, methods=["GET"]), Route("/files", files.upload, methods=["POST"]),
+            Route("/health", files.health, methods=["GET"])])
+
+    async def __call__(self, scope: dict[str, Any], receive: Callable, send: Callable) -> None:
+        sid = next((v for k, v in scope.get("headers", ()) if k == SANDBOX_HEADER.encode()), None) \
+            if scope["type"] == "http" else None
+        if sid is None:
+            return await self.app(scope, receive, send)
+        svc = scope["app"].state.service
+        refused = _refusal(svc, sid.decode("latin-1"), scope)
+        if refused is not None:
+            body = json.dumps({"code": refused[0], "message": refused[1]}).encode()
+            headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+            await send({"type": "http.response.start", "status": refused[0], "headers": headers})
+            return await send({"type": "http.response.body", "body": body})
+        await self.envd(scope, receive, send)
+
+
+def install(app: Any) -> None:
+    """Serve envd on `app` (a FastAPI application whose `state.service` is the Service)."""
+    app.state.envd = EnvdState()
+    app.add_middleware(EnvdRouter)

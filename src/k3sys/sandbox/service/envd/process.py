@@ -1,0 +1,155 @@
+"""envd's `process.Process` service over the runtime's agent-backed commands.
+
+A process's output is read from the sandbox's agent (its ring, inside the sandbox) by polling
+`read_command_output`: every look is one agent round trip (~1 ms), made more seldom while the
+process is quiet (5 ms growing to 100 ms). A checkpoint in progress holds a look, so a stream pauses
+and then goes on from its offsets; a paused (frozen) sandbox holds it until the thaw. Start and
+Connect streams send the output from the process's start (what the agent's ring still holds).
+The process's record in the agent is freed when a stream delivered its end and no other stream of
+it is open; a client that goes away first leaves it for a later Connect.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+
+from k3sys.sandbox._envd import ALL_HEADER, FOLLOW_HEADER, KEEP_HEADER, SIGNALS, end_event, process_json
+from k3sys.sandbox.errors import InvalidArgumentError
+from k3sys.sandbox.service.envd.rpc import Rpc, past_deadline, selector_pid
+
+_POLL_S = (0.005, 0.1)  # seconds between looks at a process's output: when busy, when quiet
+_PIECE = 1 << 20  # bytes of output per message at most
+
+
+def _b64(field: str, value: Any) -> bytes:
+    try:
+        return base64.b64decode(value or "", validate=True)
+    except (binascii.Error, TypeError, ValueError):
+        raise InvalidArgumentError(f"{field}: expected base64 bytes, got {str(value)[:40]!r}") from None
+
+
+def _pty_size(msg: dict[str, Any]) -> tuple[int, int] | None:
+    pty = msg.get("pty")
+    if pty is None:
+        return None
+    size = (pty or {}).get("size") or {}
+    return int(size.get("rows", 24) or 24), int(size.get("cols", 80) or 80)
+
+
+def _input(msg: dict[str, Any]) -> bytes:
+    inp = msg.get("input") or {}
+    if not isinstance(inp, dict):
+        raise InvalidArgumentError(f"input: expected {{\"stdin\"|\"pty\": <base64>}}, got {inp!r}")
+    return _b64("input", inp.get("stdin", inp.get("pty", "")))
+
+
+async def _output(rpc: Rpc, cid: str, pid: int, pty: bool) -> AsyncIterator[dict[str, Any]]:
+    """The start event, the process's output, then its end (or a deadline or keepalive meanwhile)."""
+    rt, key, streams = rpc.svc.rt, (rpc.sid, pid), rpc.state.streams
+    streams[key] = streams.get(key, 0) + 1
+    ended = False
+    try:
+        yield {"event": {"start": {"pid": pid}}}
+        offsets, delay, quiet_since = (0, 0), _POLL_S[0], time.monotonic()
+        while True:
+            out, err, done = await rpc.svc.call("envd.output", rt.read_command_output, cid, offsets, io=True)
+            offsets = (offsets[0] + len(out), offsets[1] + len(err))
+            for name, data in (("pty" if pty else "stdout", out), ("stderr", err)):
+                for i in range(0, len(data), _PIECE):
+                    yield {"event": {"data": {name: base64.b64encode(data[i:i + _PIECE]).decode()}}}
+            if done:
+                ended = rpc.headers.get(KEEP_HEADER) != "1"
+                yield {"event": end_event(rt.command_exit(cid).exit)}
+                return
+            if rpc.headers.get(FOLLOW_HEADER) == "0":
+                return
+            if (late := past_deadline(rpc)) is not None:
+                raise late
+            now = time.monotonic()
+            if out or err:
+                delay, quiet_since = _POLL_S[0], now
+            else:
+                delay = min(delay * 2, _POLL_S[1])
+                if rpc.keepalive_s is not None and now - quiet_since >= rpc.keepalive_s:
+                    quiet_since = now
+                    yield {"event": {"keepalive": {}}}
+            await anyio.sleep(delay)
+    finally:
+        streams[key] -= 1
+        last = streams[key] == 0
+        if last:
+            del streams[key]
+        with anyio.CancelScope(shield=True):
+            await rpc.svc.call("envd.release", rt.release_command if ended and last else rt.forget_command, cid,
+                               io=True)
+
+
+async def start(rpc: Rpc) -> AsyncIterator[dict[str, Any]]:
+    proc = rpc.msg.get("process") or {}
+    if not isinstance(proc, dict) or not isinstance(proc.get("cmd"), str) or not proc["cmd"]:
+        raise InvalidArgumentError(f"process.cmd: expected a program to run, got {proc!r}")
+    argv = [proc["cmd"], *proc.get("args", [])]
+    pty = _pty_size(rpc.msg)
+    envs = {**rpc.svc.attrs.get(rpc.sid).envs, **(proc.get("envs") or {})}  # the sandbox's envVars, then the call's
+    cid = await rpc.svc.call("envd.start", rpc.svc.rt.start_process, rpc.sid, argv, proc.get("cwd") or None,
+                             envs, rpc.user, bool(rpc.msg.get("stdin")), pty, io=True)
+    async for event in _output(rpc, cid, rpc.svc.rt.command_pid(cid), pty is not None):
+        yield event
+
+
+async def connect(rpc: Rpc) -> AsyncIterator[dict[str, Any]]:
+    pid = selector_pid(rpc.msg)
+    cid = await rpc.svc.call("envd.connect", rpc.svc.rt.connect_command, rpc.sid, pid, io=True)
+    procs = await rpc.svc.call("envd.list", rpc.svc.rt.processes, rpc.sid, io=True)
+    pty = any(p.pid == pid and p.pty for p in procs)
+    async for event in _output(rpc, cid, pid, pty):
+        yield event
+
+
+async def list_processes(rpc: Rpc) -> dict[str, Any]:
+    procs = await rpc.svc.call("envd.list", rpc.svc.rt.processes, rpc.sid, io=True)
+    every = rpc.headers.get(ALL_HEADER) == "1"
+    return {"processes": [process_json(p) for p in procs if p.running or every]}
+
+
+async def send_input(rpc: Rpc) -> dict[str, Any]:
+    await rpc.svc.call("envd.stdin", rpc.svc.rt.send_stdin, rpc.sid, selector_pid(rpc.msg), _input(rpc.msg), io=True)
+    return {}
+
+
+async def stream_input(rpc: Rpc, messages: AsyncIterator[dict[str, Any]]) -> dict[str, Any]:
+    pid = None
+    async for msg in messages:
+        if "start" in msg:
+            pid = selector_pid(msg["start"] or {})
+        elif "data" in msg:
+            if pid is None:
+                raise InvalidArgumentError("stream input: a data message before the start message")
+            await rpc.svc.call("envd.stdin", rpc.svc.rt.send_stdin, rpc.sid, pid, _input(msg["data"] or {}), io=True)
+    return {}
+
+
+async def close_stdin(rpc: Rpc) -> dict[str, Any]:
+    await rpc.svc.call("envd.stdin", rpc.svc.rt.send_stdin, rpc.sid, selector_pid(rpc.msg), b"", True, io=True)
+    return {}
+
+
+async def send_signal(rpc: Rpc) -> dict[str, Any]:
+    sig = SIGNALS.get(rpc.msg.get("signal"))
+    if sig is None:
+        raise InvalidArgumentError(f"signal: expected SIGNAL_SIGTERM or SIGNAL_SIGKILL, got {rpc.msg.get('signal')!r}")
+    await rpc.svc.call("envd.signal", rpc.svc.rt.signal_process, rpc.sid, selector_pid(rpc.msg), sig, io=True)
+    return {}
+
+
+async def update(rpc: Rpc) -> dict[str, Any]:
+    size = _pty_size(rpc.msg)
+    if size is not None:
+        await rpc.svc.call("envd.resize", rpc.svc.rt.resize_pty, rpc.sid, selector_pid(rpc.msg), *size, io=True)
+    return {}

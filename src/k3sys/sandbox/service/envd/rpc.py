@@ -1,0 +1,206 @@
+"""Connect RPC on the service's side: a method table, unary and server-stream answers, the request's
+sandbox, user and deadline (the wire format itself is in `k3sys.sandbox._connect`).
+
+Every handler gets an `Rpc`: the service, the sandbox id from `E2b-Sandbox-Id` (checked by app.py
+before any handler runs), the user of `Authorization: Basic base64(user:)` (None: the agent's
+default) and the request's message. A unary handler returns the answer's message; a stream handler
+is an async generator of messages. Errors become Connect errors (unary: status + JSON body; stream:
+the end-of-stream frame), with our error type alongside.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from k3sys.sandbox._connect import (
+    ERROR_TYPE,
+    STATUS,
+    STREAM_CONTENT_TYPE,
+    ConnectError,
+    FrameReader,
+    decode,
+    end_frame,
+    error_json,
+    frame,
+)
+from k3sys.sandbox.errors import InvalidArgumentError, TooLargeError
+from k3sys.sandbox.service.core import Service
+
+if TYPE_CHECKING:
+    from k3sys.sandbox.runtime.watch import WatchHandle
+
+MAX_REQUEST = 4 << 20  # bytes of one request message (the SDK's own default read limit)
+
+
+@dataclass
+class EnvdState:
+    """What envd keeps between calls (on `app.state.envd`): open output streams per (sandbox, pid),
+    and the watchers of CreateWatcher by id, with their sandbox."""
+
+    streams: dict[tuple[str, int], int] = field(default_factory=dict)
+    watchers: dict[str, tuple[str, WatchHandle]] = field(default_factory=dict)
+
+
+@dataclass
+class Rpc:
+    """One call: the service, its sandbox, the user it runs as, the message, and when it must end
+    (`deadline`, monotonic seconds; None: never), asked by `Connect-Timeout-Ms`."""
+
+    svc: Service
+    sid: str
+    user: str | None
+    msg: dict[str, Any]
+    deadline: float | None
+    keepalive_s: float | None
+    state: EnvdState
+    headers: Mapping[str, str]
+
+
+Unary = Callable[[Rpc], Awaitable[dict[str, Any]]]
+Stream = Callable[[Rpc], AsyncIterator[dict[str, Any]]]
+
+
+def user_of(authorization: str | None) -> str | None:
+    """The user of an `Authorization: Basic base64("user:")` header (None without one)."""
+    if not authorization:
+        return None
+    scheme, _, value = authorization.partition(" ")
+    if scheme.lower() != "basic":
+        return None  # a bearer key for the control plane names no user
+    try:
+        user = base64.b64decode(value.strip(), validate=True).decode().partition(":")[0]
+    except (binascii.Error, UnicodeDecodeError):
+        raise InvalidArgumentError(f"authorization: not base64 of `user:`: {value[:40]!r}") from None
+    return user or None
+
+
+def _number_header(request: Request, name: str, scale: float) -> float | None:
+    raw = request.headers.get(name)
+    if raw is None:
+        return None
+    try:
+        v = float(raw)
+    except ValueError:
+        raise InvalidArgumentError(f"{name}: expected a number, got {raw[:20]!r}") from None
+    return v * scale if v > 0 else None
+
+
+async def _read_body(request: Request, streamed: bool) -> dict[str, Any]:
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_REQUEST + 5:
+            raise TooLargeError(f"connect request: more than {MAX_REQUEST} bytes")
+    if not streamed:
+        return decode(bytes(body))
+    reader = FrameReader(MAX_REQUEST)
+    messages = [m for _, m in reader.feed(bytes(body))]
+    if reader.pending or len(messages) != 1:
+        raise InvalidArgumentError(f"connect stream request: expected one whole message, got {len(messages)}")
+    return messages[0]
+
+
+async def _rpc(request: Request, streamed: bool, read: bool = True) -> Rpc:
+    timeout = _number_header(request, "connect-timeout-ms", 1e-3)
+    return Rpc(svc=request.app.state.service, sid=request.headers["e2b-sandbox-id"],
+               user=user_of(request.headers.get("authorization")),
+               msg=await _read_body(request, streamed) if read else {},
+               deadline=None if timeout is None else time.monotonic() + timeout,
+               keepalive_s=_number_header(request, "keepalive-ping-interval", 1.0), state=request.app.state.envd,
+               headers=request.headers)
+
+
+def error_response(exc: BaseException) -> JSONResponse:
+    """A unary Connect error answer (our error type in a header)."""
+    err, kind = error_json(exc)
+    return JSONResponse(err, status_code=STATUS.get(err["code"], 500), headers={ERROR_TYPE: kind} if kind else {})
+
+
+def unary(handler: Unary) -> Callable[[Request], Awaitable[Response]]:
+    async def endpoint(request: Request) -> Response:
+        try:
+            return JSONResponse(await handler(await _rpc(request, streamed=False)))
+        except Exception as e:  # every failure is an answer of the protocol
+            return error_response(e)
+    return endpoint
+
+
+def server_stream(handler: Stream) -> Callable[[Request], Awaitable[Response]]:
+    async def endpoint(request: Request) -> Response:
+        try:
+            rpc = await _rpc(request, streamed=True)
+        except Exception as e:
+            return _stream_response(_only_end(e))
+        return _stream_response(_frames(handler(rpc)))
+    return endpoint
+
+
+def client_stream(handler: Callable[[Rpc, AsyncIterator[dict[str, Any]]], Awaitable[dict[str, Any]]]
+                  ) -> Callable[[Request], Awaitable[Response]]:
+    """A client-streaming method: `handler(rpc, messages)` gets the request's frames as they arrive
+    and returns the one answer, sent as a stream of one message and the end frame."""
+    async def endpoint(request: Request) -> Response:
+        async def messages() -> AsyncIterator[dict[str, Any]]:
+            reader = FrameReader(MAX_REQUEST)
+            async for chunk in request.stream():
+                for flags, msg in reader.feed(chunk):
+                    if not flags & 0x02:
+                        yield msg
+            if reader.pending:
+                raise InvalidArgumentError("connect stream request: cut off inside a frame")
+
+        async def one() -> AsyncIterator[bytes]:
+            try:
+                answer = await handler(await _rpc(request, streamed=True, read=False), messages())
+            except Exception as e:
+                yield end_frame(e)
+                return
+            yield frame(answer)
+            yield end_frame()
+        return _stream_response(one())
+    return endpoint
+
+
+def _stream_response(body: AsyncIterator[bytes]) -> StreamingResponse:
+    return StreamingResponse(body, media_type=STREAM_CONTENT_TYPE)
+
+
+async def _only_end(exc: BaseException) -> AsyncIterator[bytes]:
+    yield end_frame(exc)
+
+
+async def _frames(messages: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
+    try:
+        async for msg in messages:
+            yield frame(msg)
+    except Exception as e:
+        yield end_frame(e)
+        return
+    yield end_frame()
+
+
+def past_deadline(rpc: Rpc) -> ConnectError | None:
+    """The error a stream ends with once its `Connect-Timeout-Ms` has passed (else None)."""
+    if rpc.deadline is not None and time.monotonic() > rpc.deadline:
+        return ConnectError("deadline_exceeded", "the call ran past its Connect-Timeout-Ms")
+    return None
+
+
+def selector_pid(msg: dict[str, Any], field: str = "process") -> int:
+    """The pid of a `ProcessSelector` (selecting by tag is not supported: the agent has no tags of
+    the client's)."""
+    sel = msg.get(field) or {}
+    pid = sel.get("pid") if isinstance(sel, dict) else None
+    if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 0:
+        if isinstance(sel, dict) and "tag" in sel:
+            raise ConnectError("unimplemented", f"{field}: selecting a process by tag is not supported")
+        raise InvalidArgumentError(f"{field}: expected {{\"pid\": <positive integer>}}, got {sel!r}")
+    return pid

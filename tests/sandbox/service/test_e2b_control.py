@@ -1,0 +1,257 @@
+"""The control plane through the official `e2b` SDK (2.63.0, sync and async), unchanged, against a
+real `k3sys sandbox serve` on 127.0.0.1: create, info, list with filters and pages, kill, timeouts,
+pause -> connect, snapshots -> create from one, fork, and the errors the SDK maps to its exceptions.
+Commands run through the service's own routes (our client) until envd serves them."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from datetime import UTC, datetime
+
+import httpx
+import pytest
+from e2b import AsyncSandbox, Sandbox, SandboxQuery, SandboxState
+from e2b.exceptions import AuthenticationException, NotFoundException, SandboxException
+from service_process import ServiceProcess
+
+from k3sys.sandbox import InvalidStateError
+
+pytestmark = pytest.mark.timeout(180)
+TEMPLATE = "busybox"
+KEY = "e2b-control-test-" + uuid.uuid4().hex
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """A service whose key is E2B_API_KEY, the SDK pointed at it by E2B's environment variables."""
+    from sandbox_fixtures import MISSING, leftovers
+
+    if MISSING:
+        pytest.skip(f"sandbox runtime unavailable: {MISSING}")
+    root = tmp_path_factory.mktemp("e2bsvc")
+    mp = pytest.MonkeyPatch()
+    with ServiceProcess(root, env={"K3SYS_API_KEY": KEY}) as svc:
+        for k, v in {"E2B_API_URL": svc.url, "E2B_SANDBOX_URL": svc.url, "E2B_API_KEY": KEY}.items():
+            mp.setenv(k, v)
+        try:
+            yield svc
+        finally:
+            mp.undo()
+            ids = svc.kill_all()
+    assert leftovers(root, ids) == []
+
+
+@pytest.fixture
+def ours(server):
+    """The k3sys client of the same service (commands and files until envd serves them)."""
+    with server.client() as c:
+        yield c
+
+
+@pytest.fixture
+def sbx(server):
+    s = Sandbox.create(TEMPLATE, timeout=120)
+    yield s
+    s.kill()
+
+
+def _tag() -> str:
+    return uuid.uuid4().hex[:8]
+
+
+def test_create_info_kill(server):
+    before = datetime.now(UTC)
+    s = Sandbox.create(TEMPLATE, timeout=90, metadata={"who": "test", "odd key": "a b&c=d/é"})
+    info = s.get_info()
+    assert info.sandbox_id == s.sandbox_id and info.state == SandboxState.RUNNING
+    assert info.template_id == TEMPLATE and info.metadata == {"who": "test", "odd key": "a b&c=d/é"}
+    assert before.timestamp() - 1 <= info.started_at.timestamp() <= time.time() + 1
+    assert abs((info.end_at - info.started_at).total_seconds() - 90) < 5
+    assert info.memory_mb > 0 and info.cpu_count >= 1 and info.envd_version >= "0.6"
+    assert s._envd_access_token and Sandbox.get_info(s.sandbox_id).sandbox_id == s.sandbox_id
+    assert s.kill() is True
+    assert Sandbox.kill(s.sandbox_id) is False  # 404: already gone
+    with pytest.raises(NotFoundException):
+        Sandbox.get_info(s.sandbox_id)
+
+
+def test_wrong_key_and_missing_sandbox(server):
+    with pytest.raises(AuthenticationException):
+        Sandbox.create(TEMPLATE, api_key="not-the-key")
+    with pytest.raises(AuthenticationException):
+        Sandbox.list(api_key="not-the-key").next_items()
+    r = httpx.get(f"{server.url}/v2/sandboxes", timeout=30)  # no key at all
+    assert r.status_code == 401 and r.json()["code"] == 401 and r.json()["type"] == "unauthorized"
+    for call in (lambda: Sandbox.connect("sbx-nonexistent"), lambda: Sandbox.set_timeout("sbx-nonexistent", 10),
+                 lambda: Sandbox.pause("sbx-nonexistent"), lambda: Sandbox.fork("sbx-nonexistent", count=2)):
+        with pytest.raises(NotFoundException):
+            call()
+
+
+def test_bad_input_is_refused_by_name(server):
+    with pytest.raises(SandboxException, match="no-such-template"):
+        Sandbox.create("no-such-template")
+    h = {"x-api-key": KEY}
+    r = httpx.post(f"{server.url}/v2/sandboxes", json={"templateID": TEMPLATE, "bogus": 1}, headers=h, timeout=30)
+    assert r.status_code == 422 and "bogus" in r.json()["message"] and r.json()["code"] == 422
+    r = httpx.post(f"{server.url}/v2/sandboxes", json={"templateID": TEMPLATE, "mcp": {"x": {}}}, headers=h,
+                   timeout=30)
+    assert r.status_code == 422 and "mcp" in r.json()["message"]
+    r = httpx.post(f"{server.url}/v2/sandboxes", headers=h, timeout=30,
+                   json={"templateID": TEMPLATE, "metadata": {f"k{i}": "v" for i in range(300)}})
+    assert r.status_code == 422 and "metadata" in r.json()["message"]
+    r = httpx.get(f"{server.url}/v2/sandboxes", params={"nextToken": "garbage!", "limit": 1}, headers=h, timeout=30)
+    assert r.status_code == 422 and "nextToken" in r.json()["message"]
+    r = httpx.get(f"{server.url}/v2/sandboxes", params={"state": "sleeping"}, headers=h, timeout=30)
+    assert r.status_code == 422 and "sleeping" in r.json()["message"]
+
+
+def test_list_filters_and_pages(server):
+    tag = _tag()
+    boxes = [Sandbox.create(TEMPLATE, timeout=120, metadata={"group": tag, "i": str(i)}) for i in range(3)]
+    try:
+        mine = SandboxQuery(metadata={"group": tag})
+        pages, paginator = [], Sandbox.list(query=mine, limit=2)
+        while paginator.has_next:
+            pages.append([i.sandbox_id for i in paginator.next_items()])
+        assert [len(p) for p in pages] == [2, 1]
+        assert [x for p in pages for x in p] == [b.sandbox_id for b in boxes]  # oldest first, no repeats
+        desc = Sandbox.list(query=mine, order="desc").next_items()
+        assert [i.sandbox_id for i in desc] == [b.sandbox_id for b in reversed(boxes)]
+        one = Sandbox.list(query=SandboxQuery(metadata={"group": tag, "i": "1"})).next_items()
+        assert [i.sandbox_id for i in one] == [boxes[1].sandbox_id]
+        assert boxes[2].pause() is True
+        paused = Sandbox.list(query=SandboxQuery(metadata={"group": tag}, state=[SandboxState.PAUSED])).next_items()
+        running = Sandbox.list(query=SandboxQuery(metadata={"group": tag}, state=[SandboxState.RUNNING])).next_items()
+        assert [i.sandbox_id for i in paused] == [boxes[2].sandbox_id]
+        assert {i.sandbox_id for i in running} == {boxes[0].sandbox_id, boxes[1].sandbox_id}
+        assert Sandbox.list(query=SandboxQuery(metadata={"group": "nobody-" + tag})).next_items() == []
+    finally:
+        for b in boxes:
+            b.kill()
+
+
+def test_timeout_and_metrics(sbx):
+    sbx.set_timeout(40)
+    info = sbx.get_info()
+    assert abs(info.end_at.timestamp() - (time.time() + 40)) < 5
+    (m,) = sbx.get_metrics()
+    assert m.mem_total == info.memory_mb << 20 and 0 < m.mem_used <= m.mem_total and 0 <= m.cpu_used_pct <= 100
+
+
+def test_timeout_kills_when_it_runs_out(server):
+    s = Sandbox.create(TEMPLATE, timeout=120, lifecycle={"on_timeout": "kill"})
+    s.set_timeout(1)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            Sandbox.get_info(s.sandbox_id)
+        except NotFoundException:
+            return
+        time.sleep(0.3)
+    pytest.fail("the sandbox outlived its timeout")
+
+
+def test_timeout_pauses_with_lifecycle_pause(server, ours):
+    s = Sandbox.create(TEMPLATE, timeout=2, lifecycle={"on_timeout": "pause"})
+    try:
+        assert s.get_info().lifecycle["on_timeout"] == "pause"
+        ours.write_file(s.sandbox_id, "/tmp/kept", b"yes")
+        deadline = time.monotonic() + 30
+        while ours.info(s.sandbox_id).state != "hibernated":
+            assert time.monotonic() < deadline, "not paused by its timeout"
+            time.sleep(0.3)
+        assert s.get_info().state == SandboxState.PAUSED
+        back = Sandbox.connect(s.sandbox_id, timeout=60)
+        assert back.get_info().state == SandboxState.RUNNING
+        assert ours.read_file(s.sandbox_id, "/tmp/kept") == b"yes"
+    finally:
+        s.kill()
+
+
+def test_env_vars_reach_commands(server, ours):
+    s = Sandbox.create(TEMPLATE, timeout=60, envs={"GREETING": "hello e2b", "OTHER": "1"})
+    try:
+        assert ours.run(s.sandbox_id, "echo $GREETING-$OTHER").stdout == "hello e2b-1\n"
+        assert ours.run(s.sandbox_id, "echo $GREETING", env={"GREETING": "call wins"}).stdout == "call wins\n"
+    finally:
+        s.kill()
+
+
+def test_pause_connect_keeps_processes(sbx, ours):
+    sid = sbx.sandbox_id
+    cid = ours.start_command(sid, "sh -c 'i=0; while :; do i=$((i+1)); echo $i > /tmp/n; sleep 0.1; done'")
+    time.sleep(0.5)
+    assert sbx.pause() is True
+    assert sbx.get_info().state == SandboxState.PAUSED and ours.info(sid).state == "hibernated"
+    assert sbx.pause() is False  # 409: already paused
+    with pytest.raises(InvalidStateError):  # nothing runs while paused
+        ours.run(sid, "cat /tmp/n")
+    same = Sandbox.connect(sid, timeout=100)  # 201: resumed
+    assert same.sandbox_id == sid and same.get_info().state == SandboxState.RUNNING
+    assert ours.command_running(cid)
+    n = int(ours.run(sid, "cat /tmp/n").stdout)
+    time.sleep(0.4)
+    assert int(ours.run(sid, "cat /tmp/n").stdout) > n  # the same loop counts on
+    again = sbx.connect()  # 200: already running
+    assert again.get_info().state == SandboxState.RUNNING
+
+
+def test_snapshot_then_create_from_it(sbx, ours):
+    sid = sbx.sandbox_id
+    ours.write_file(sid, "/tmp/mark", b"before")
+    snap = sbx.create_snapshot()
+    ours.write_file(sid, "/tmp/mark", b"after")
+    assert snap.snapshot_id in [s.snapshot_id for s in Sandbox.list_snapshots(sandbox_id=sid).next_items()]
+    assert [s.snapshot_id for s in sbx.list_snapshots(name=snap.snapshot_id).next_items()] == [snap.snapshot_id]
+    copy = Sandbox.create(snap.snapshot_id, timeout=60, metadata={"from": "snapshot"})
+    try:
+        assert copy.sandbox_id != sid and copy.get_info().template_id == snap.snapshot_id
+        assert ours.read_file(copy.sandbox_id, "/tmp/mark") == b"before"
+        assert ours.read_file(sid, "/tmp/mark") == b"after"  # the source ran on
+    finally:
+        copy.kill()
+    assert Sandbox.delete_snapshot(snap.snapshot_id) is True
+    assert Sandbox.delete_snapshot(snap.snapshot_id) is False
+    with pytest.raises(SandboxException, match="not supported"):
+        sbx.create_snapshot(mode="filesystem")
+
+
+def test_fork_two(sbx, ours):
+    ours.write_file(sbx.sandbox_id, "/tmp/mark", b"parent")
+    kids = sbx.fork(count=2, timeout=60)
+    try:
+        assert len(kids) == 2 and all(isinstance(k, Sandbox) for k in kids)
+        ids = {k.sandbox_id for k in kids}
+        assert len(ids) == 2 and sbx.sandbox_id not in ids
+        for k in kids:
+            assert ours.read_file(k.sandbox_id, "/tmp/mark") == b"parent"
+            info = k.get_info()
+            assert info.state == SandboxState.RUNNING and abs(info.end_at.timestamp() - time.time() - 60) < 10
+        assert len({k._envd_access_token for k in kids} | {sbx._envd_access_token}) == 3
+    finally:
+        for k in kids:
+            if isinstance(k, Sandbox):
+                k.kill()
+
+
+def test_async_life_cycle(server):
+    async def main() -> None:
+        tag = _tag()
+        s = await AsyncSandbox.create(TEMPLATE, timeout=60, metadata={"group": tag})
+        try:
+            assert (await s.get_info()).state == SandboxState.RUNNING
+            listed = await AsyncSandbox.list(query=SandboxQuery(metadata={"group": tag})).next_items()
+            assert [i.sandbox_id for i in listed] == [s.sandbox_id]
+            assert await s.pause() is True
+            assert (await AsyncSandbox.get_info(s.sandbox_id)).state == SandboxState.PAUSED
+            back = await AsyncSandbox.connect(s.sandbox_id)
+            assert (await back.get_info()).state == SandboxState.RUNNING
+        finally:
+            assert await s.kill() is True
+        with pytest.raises(NotFoundException):
+            await AsyncSandbox.get_info(s.sandbox_id)
+
+    asyncio.run(main())
