@@ -16,6 +16,7 @@ import struct
 from collections.abc import Iterator
 from typing import Any
 
+from k3sys.sandbox._wire import ERROR_HEADER as ERROR_TYPE  # our error type: a header, or a stream's trailer
 from k3sys.sandbox.errors import (
     AuthError,
     CapacityError,
@@ -33,7 +34,6 @@ from k3sys.sandbox.errors import (
 
 STREAM_CONTENT_TYPE = "application/connect+json"
 UNARY_CONTENT_TYPE = "application/json"
-ERROR_TYPE = "k3sys-error-type"  # our SandboxError.code, as a header or an end-of-stream trailer
 END_STREAM = 0x02
 MAX_MESSAGE = 16 << 20  # bytes in one frame, at most (a frame's length is the peer's to choose)
 _HEAD = struct.Struct(">BI")
@@ -147,3 +147,19 @@ def trailer_type(end: dict[str, Any]) -> str | None:
     """Our error type in an end-of-stream message's metadata, if any."""
     values = (end.get("metadata") or {}).get(ERROR_TYPE) or []
     return str(values[0]) if values else None
+
+
+def http_error_of(status: int, body: bytes, headers: Any) -> SandboxError:
+    """The exception an error answer of envd stands for: a Connect error (`{"code": <name>}`), or one
+    of envd's HTTP errors and refusals (`{"code": <status>}`), typed by our header when present."""
+    try:
+        err = json.loads(body) if body else {}
+    except ValueError:
+        err = {}
+    err = err if isinstance(err, dict) else {}
+    kind = headers.get(ERROR_TYPE)
+    if not isinstance(err.get("code"), str):
+        by_status = {v: k for k, v in STATUS.items() if k not in ("failed_precondition", "aborted", "out_of_range")}
+        err = {"code": by_status.get(status, "unknown"),
+               "message": err.get("message") or f"HTTP {status}: {body[:300].decode(errors='replace')}"}
+    return error_of(err, kind)

@@ -3,17 +3,24 @@ them and the k3sys remote client reads them; standard library only.
 
 Fields envd does not have ride along where the e2b SDK ignores them (it reads with unknown fields
 ignored): a process's `running` / `exitCode` / `pty` in List, an event's `isDir`, a written file's
-`size`. Extension headers, sent only by the k3sys client: `k3sys-follow: 0` (Connect: send what
-the process wrote so far, then end without its end event) and `k3sys-keep: 1` (Connect: keep the
-ended process's record, for a later wait), `k3sys-all: 1` (List: ended processes too).
+`size`; and two in a request: Start's `k3sysShell` (the command as a shell string, for `/bin/sh -c`,
+as the embedded runtime starts it) and `k3sysStdin` (base64: the whole stdin, written then closed).
+Extension headers, sent only by the k3sys client: `k3sys-follow: 0` (Start, Connect: send what the
+process wrote so far, then end without its end event), `k3sys-keep: 1` (Connect: keep the ended
+process's record, for a later wait), `k3sys-all: 1` (List: ended processes too),
+`k3sys-kill-on-timeout: 1` (Start, Connect: past `Connect-Timeout-Ms`, kill the process).
 """
 
 from __future__ import annotations
 
+import base64
 import stat
 from datetime import UTC, datetime
 from typing import Any
 
+from k3sys.sandbox._connect import END_STREAM, FrameReader, error_of, trailer_type
+from k3sys.sandbox.errors import CommandTimeoutError, SandboxError, UnavailableError
+from k3sys.sandbox.spec import CommandResult
 from k3sys.sandbox.types import EntryInfo, FilesystemEvent, ProcessInfo
 
 SANDBOX_HEADER = "e2b-sandbox-id"
@@ -21,7 +28,7 @@ PORT_HEADER = "e2b-sandbox-port"
 TOKEN_HEADER = "x-access-token"
 API_KEY_HEADER = "x-api-key"  # the service's API key, accepted by envd instead of the sandbox's token
 ENVD_PORT = 49983
-FOLLOW_HEADER, KEEP_HEADER, ALL_HEADER = "k3sys-follow", "k3sys-keep", "k3sys-all"
+FOLLOW_HEADER, KEEP_HEADER, ALL_HEADER, KILL_HEADER = "k3sys-follow", "k3sys-keep", "k3sys-all", "k3sys-kill-on-timeout"
 SIGNALS = {"SIGNAL_SIGTERM": 15, "SIGNAL_SIGKILL": 9}
 
 _TYPES = {"file": "FILE_TYPE_FILE", "dir": "FILE_TYPE_DIRECTORY", "symlink": "FILE_TYPE_SYMLINK"}
@@ -81,3 +88,51 @@ def end_event(exit_code: int) -> dict[str, Any]:
     """A process's end event; the agent reports a death by signal N as 128 + N, as a shell does."""
     status = f"signal: {exit_code - 128}" if exit_code > 128 else f"exit status {exit_code}"
     return {"end": {"exitCode": exit_code, "exited": exit_code <= 128, "status": status}}
+
+
+class ProcessStream:
+    """A Start or Connect stream as the k3sys client reads it: `feed` the body's bytes as they come
+    and get `("stdout" | "stderr", bytes)` pieces; `pid` is set by the start event, `exit` by the
+    end event, `done` by the end-of-stream frame; an error there is raised (a command timeout with
+    the output `kept` so far, when kept)."""
+
+    def __init__(self, keep: bool = False) -> None:
+        self._frames = FrameReader()
+        self.pid: int | None = None
+        self.exit: int | None = None
+        self.done = False
+        self.kept: dict[str, bytearray] | None = {"stdout": bytearray(), "stderr": bytearray()} if keep else None
+
+    def feed(self, data: bytes) -> list[tuple[str, bytes]]:
+        pieces: list[tuple[str, bytes]] = []
+        for flags, msg in self._frames.feed(data):
+            if flags & END_STREAM:
+                self.done = True
+                if "error" in msg:
+                    raise self._error(msg)
+                continue
+            event = msg.get("event") or {}
+            if "start" in event:
+                self.pid = int((event["start"] or {}).get("pid", 0))
+            elif "data" in event:
+                for name, b64 in (event["data"] or {}).items():
+                    name, data = "stderr" if name == "stderr" else "stdout", base64.b64decode(b64)
+                    pieces.append((name, data))
+                    if self.kept is not None:
+                        self.kept[name] += data
+            elif "end" in event:
+                self.exit = int((event["end"] or {}).get("exitCode", 0))
+        return pieces
+
+    def _error(self, end: dict[str, Any]) -> SandboxError:
+        exc = error_of(end["error"], trailer_type(end))
+        if isinstance(exc, CommandTimeoutError) and self.kept is not None:
+            exc.stdout, exc.stderr = (self.kept[n].decode(errors="replace") for n in ("stdout", "stderr"))
+        return exc
+
+    def result(self, where: str) -> CommandResult:
+        """The finished command (after the whole body was fed)."""
+        if self.exit is None or self.kept is None:
+            raise UnavailableError(f"{where}: the stream ended before the process did")
+        out, err = (self.kept[n].decode(errors="replace") for n in ("stdout", "stderr"))
+        return CommandResult(out, err, self.exit)

@@ -28,8 +28,8 @@ from k3sys.sandbox.errors import (
     error_classes,
     error_from_code,
 )
-from k3sys.sandbox.spec import CommandResult, SandboxSpec
-from k3sys.sandbox.types import CheckpointInfo, EntryInfo, SandboxInfo
+from k3sys.sandbox.spec import SandboxSpec
+from k3sys.sandbox.types import CheckpointInfo, SandboxInfo
 
 ERROR_HEADER = "k3sys-error-type"
 ERROR_MESSAGE_HEADER = "k3sys-error-message"
@@ -122,42 +122,3 @@ def checkpoint_info(d: Mapping[str, Any]) -> CheckpointInfo:
     fields = snake(d)
     return CheckpointInfo(**{k: fields[k] for k in CheckpointInfo.__dataclass_fields__})
 
-
-def entry_info(d: Mapping[str, Any]) -> EntryInfo:
-    return EntryInfo(**d)
-
-
-def command_result(d: Mapping[str, Any]) -> CommandResult:
-    return CommandResult(**d)
-
-
-# --- command output as server-sent events -----------------------------------------------------------
-
-
-class EventReader:
-    """The client's side of /commands/{cid}/events (server-sent events), line by line: `feed`
-    returns `[(stream, text)]` for an output event (else `[]`), raises the error an `error` event carries, and
-    sets `ended` at the `end` event."""
-
-    def __init__(self, api_url: str, cid: str) -> None:
-        self.event, self.data, self.ended = "message", [], False
-        self.where = f"sandbox service at {api_url}: the output stream of {cid}"
-        self.request = ("GET", f"/commands/{cid}/events")
-
-    def feed(self, line: str) -> list[tuple[str, str]]:
-        if line.startswith("event:"):
-            self.event = line[6:].strip()
-        elif line.startswith("data:"):
-            self.data.append(line[5:].lstrip(" "))
-        elif not line and self.data:  # a blank line dispatches the event
-            event, data = self.event, "\n".join(self.data)
-            self.event, self.data = "message", []
-            if event in ("stdout", "stderr"):
-                return [(event, json.loads(data))]
-            if event == "error":
-                raise error_of(500, data.encode())
-            self.ended = event == "end"
-        return []
-
-    def broke_off(self) -> UnavailableError:
-        return UnavailableError(f"{self.where} broke off")

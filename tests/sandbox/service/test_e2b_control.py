@@ -1,7 +1,8 @@
 """The control plane through the official `e2b` SDK (2.63.0, sync and async), unchanged, against a
 real `k3sys sandbox serve` on 127.0.0.1: create, info, list with filters and pages, kill, timeouts,
-pause -> connect, snapshots -> create from one, fork, and the errors the SDK maps to its exceptions.
-Commands run through the service's own routes (our client) until envd serves them."""
+pause -> connect, snapshots -> create from one, fork, and the errors the SDK maps to its exceptions;
+then background commands through pause, snapshot and fork with envd (commands and files in the SDK).
+The first tests look inside through our own client (`ours`)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import httpx
 import pytest
 from e2b import AsyncSandbox, Sandbox, SandboxQuery, SandboxState
 from e2b.exceptions import AuthenticationException, NotFoundException, SandboxException
+from e2b.sandbox.commands.command_handle import CommandExitException
 from service_process import ServiceProcess
 
 from k3sys.sandbox import InvalidStateError
@@ -255,3 +257,73 @@ def test_async_life_cycle(server):
             await AsyncSandbox.get_info(s.sandbox_id)
 
     asyncio.run(main())
+
+
+# --- with envd: the same life cycle, commands and files through the SDK alone ---------------------------
+
+SHELL = "debian"  # the SDK runs commands with bash (busybox has none)
+COUNTER = "i=0; while :; do i=$((i+1)); echo $i; echo $i > /tmp/n; sleep 0.1; done"
+
+
+def _count(s: Sandbox) -> int:
+    return int(s.files.read("/tmp/n").strip() or 0) if s.files.exists("/tmp/n") else 0
+
+
+def _counting(s: Sandbox) -> None:
+    """The counter of `COUNTER` moves on in `s` (its process alive after whatever happened)."""
+    n = _count(s)
+    deadline = time.monotonic() + 10
+    while _count(s) <= n:
+        assert time.monotonic() < deadline, "the counter stopped"
+        time.sleep(0.1)
+
+
+def _reattach(s: Sandbox, pid: int) -> None:
+    """`commands.connect(pid)` streams the process's output again; killing it ends the stream."""
+    h = s.commands.connect(pid, timeout=30)
+    first = next(out for out, _, _ in h if out)
+    assert first.split()[0].isdigit()
+    assert s.commands.kill(pid) is True
+    with pytest.raises(CommandExitException):
+        h.wait()
+
+
+@pytest.fixture
+def dsbx(server):
+    s = Sandbox.create(SHELL, timeout=120)
+    yield s
+    s.kill()
+
+
+def test_background_command_through_pause_and_connect(dsbx):
+    sbx = dsbx
+    h = sbx.commands.run(COUNTER, background=True)
+    _counting(sbx)
+    with pytest.raises(CommandExitException) as e:
+        sbx.commands.run("exit 7")
+    assert e.value.exit_code == 7
+    assert sbx.pause() is True and sbx.is_running() is False  # envd answers 502 while paused
+    back = Sandbox.connect(sbx.sandbox_id)
+    assert back.is_running() and sbx.is_running()
+    _counting(back)  # the same process, resumed from the hibernation
+    _reattach(back, h.pid)
+
+
+def test_background_command_through_snapshot_and_fork(dsbx):
+    sbx = dsbx
+    h = sbx.commands.run(COUNTER, background=True)
+    sbx.files.write("/tmp/big.bin", bytes(range(256)) * 4096)  # 1 MiB, binary
+    _counting(sbx)
+    snap = sbx.create_snapshot()
+    copy = Sandbox.create(snap.snapshot_id, timeout=60)
+    kids = sbx.fork(count=2, timeout=60)
+    try:
+        for s in (copy, *kids):
+            assert s.files.read("/tmp/big.bin", format="bytes") == bytes(range(256)) * 4096
+            _counting(s)  # the counter runs on in each copy
+            _reattach(s, h.pid)
+        _counting(sbx)  # and in the source
+    finally:
+        for s in (copy, *kids):
+            s.kill()
+        Sandbox.delete_snapshot(snap.snapshot_id)

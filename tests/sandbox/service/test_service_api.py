@@ -4,6 +4,7 @@ capacity limits, streaming, the OpenAPI spec, metrics, and the SDK (sync and asy
 from __future__ import annotations
 
 import asyncio
+import base64
 import hashlib
 import io
 import json
@@ -36,6 +37,7 @@ from k3sys.sandbox import (
     UnavailableError,
     WrongFileTypeError,
 )
+from k3sys.sandbox._connect import STREAM_CONTENT_TYPE, FrameReader, frame
 from k3sys.sandbox._wire import ERROR_HEADER, error_body, error_of, status_of
 from k3sys.sandbox.service.auth import check_bind, load_or_create_key
 
@@ -70,6 +72,18 @@ def assert_error(r: httpx.Response, status: int, type_: str) -> str:
     return body["message"]
 
 
+def envd(sid: str) -> dict[str, str]:
+    """Headers that send a request to sandbox `sid`'s envd (the `http` fixture's bearer key lets it in)."""
+    return {"e2b-sandbox-id": sid}
+
+
+def assert_envd_error(r: httpx.Response, status: int, type_: str) -> str:
+    """`r` is an envd error answer (`{"code", "message"}`) with this status and our error type; its message."""
+    assert r.status_code == status, r.text
+    assert r.headers[ERROR_HEADER] == type_, r.headers
+    return r.json()["message"]
+
+
 # --- auth -----------------------------------------------------------------------------------------
 
 
@@ -77,8 +91,7 @@ def test_key_required_everywhere_but_health(service, http):
     anon = httpx.Client(base_url=service.url, timeout=30)
     assert anon.get("/health").json()["status"] == "ok"
     probes = [("GET", "/v2/sandboxes"), ("POST", "/v2/sandboxes"), ("GET", "/sandboxes/x"), ("DELETE", "/sandboxes/x"),
-              ("GET", "/metrics"), ("GET", "/openapi.json"), ("GET", "/snapshots"), ("POST", "/sandboxes/x/pause"),
-              ("GET", "/sandboxes/x/files?path=/etc/passwd"), ("POST", "/commands/c/wait")]
+              ("GET", "/metrics"), ("GET", "/openapi.json"), ("GET", "/snapshots"), ("POST", "/sandboxes/x/pause")]
     for method, path in probes:
         for headers in ({}, {"x-api-key": "wrong-key"}, {"x-api-key": ""}, {"authorization": "Bearer wrong-key"},
                         {"authorization": f"Basic {service.key}"}, {"authorization": "Bearer"},
@@ -167,7 +180,7 @@ def test_errors_over_http(http, rsbx):
     sid = rsbx.id
     assert_error(http.get("/sandboxes/nope"), 404, "not_found")
     assert_error(http.post("/snapshots/ck-nope/restore"), 404, "checkpoint_not_found")
-    assert_error(http.get(f"/sandboxes/{sid}/files", params={"path": "/no/such"}), 404, "file_not_found")
+    assert_envd_error(http.get("/files", params={"path": "/no/such"}, headers=envd(sid)), 404, "file_not_found")
     assert_error(http.get("/no/such/route"), 404, "not_found")
     assert_error(http.post(f"/sandboxes/{sid}/resume"), 409, "invalid_state")
     new = {"templateID": "busybox"}
@@ -179,16 +192,13 @@ def test_errors_over_http(http, rsbx):
     assert_error(http.post("/v2/sandboxes", content=b"{not json", headers={"content-type": "application/json"}),
                  422, "invalid_argument")
     assert_error(http.post("/v2/sandboxes", json={"templateID": "no-such"}), 422, "unknown_template")
-    assert_error(http.post(f"/sandboxes/{sid}/commands", json={"cmd": "true", "stdin_base64": "%%"}),
-                 422, "invalid_argument")
-    r = http.post(f"/sandboxes/{sid}/commands", json={"cmd": "echo partial; sleep 5", "timeout": 0.3})
-    assert_error(r, 408, "command_timeout")
-    assert r.json()["stdout"] == "partial\n"
     assert_error(http.patch("/sandboxes"), 405, "http_405")
-    assert "is a directory" in assert_error(http.get(f"/sandboxes/{sid}/files", params={"path": "/etc"}),
-                                            422, "wrong_file_type")
-    assert_error(http.put(f"/sandboxes/{sid}/files", params={"path": "/etc"}, content=b"x"), 422, "wrong_file_type")
-    assert_error(http.get(f"/sandboxes/{sid}/dirs", params={"path": "/etc/passwd"}), 422, "wrong_file_type")
+    assert "is a directory" in assert_envd_error(http.get("/files", params={"path": "/etc"}, headers=envd(sid)),
+                                                 400, "wrong_file_type")
+    r = http.post("/files", params={"path": "/etc"}, content=b"x", headers=envd(sid))
+    assert_envd_error(r, 400, "wrong_file_type")
+    r = http.post("/filesystem.Filesystem/ListDir", json={"path": "/etc/passwd"}, headers=envd(sid))
+    assert r.json()["code"] == "invalid_argument" and r.headers[ERROR_HEADER] == "wrong_file_type"
     for count in (0, 257, "2", True):
         msg = assert_error(http.post(f"/sandboxes/{sid}/fork", json={"count": count}), 422, "invalid_argument")
         assert msg.startswith("count:") and repr(count) in msg, msg
@@ -200,7 +210,7 @@ def test_errors_over_http(http, rsbx):
         rsbx.files.read("/etc")
     rsbx.pause()
     with pytest.raises(InvalidStateError, match="paused"):
-        rsbx.files.exists("/etc")  # a bodiless HEAD answer keeps its type
+        rsbx.files.exists("/etc")  # envd's 502 for a sandbox that does not run keeps our type
     rsbx.resume()
 
 
@@ -219,21 +229,23 @@ def test_path_traversal_in_the_files_api(http, rsbx, tmp_path):
     rsbx.commands.run("ln -s ../../../../../../ /tmp/up")
     escapes = ["/../etc/passwd", "../../etc/hostname", "/tmp/../../..", f"/../../../../../../..{secret}"]
     for path in escapes:
-        assert_error(http.get(f"/sandboxes/{sid}/files", params={"path": path}), 422, "path_escape")
-        assert_error(http.put(f"/sandboxes/{sid}/files", params={"path": path}, content=b"x"), 422, "path_escape")
-        assert_error(http.get(f"/sandboxes/{sid}/dirs", params={"path": path}), 422, "path_escape")
+        assert_envd_error(http.get("/files", params={"path": path}, headers=envd(sid)), 400, "path_escape")
+        r = http.post("/files", params={"path": path}, content=b"x", headers=envd(sid))
+        assert_envd_error(r, 400, "path_escape")
+        r = http.post("/filesystem.Filesystem/ListDir", json={"path": path}, headers=envd(sid))
+        assert r.status_code == 400 and r.headers[ERROR_HEADER] == "path_escape"
     # Encoded by hand: the server decodes the query once and the sandbox path check still applies.
-    r = http.get(f"/sandboxes/{sid}/files?path=%2F..%2F..%2Fetc%2Fpasswd")
-    assert_error(r, 422, "path_escape")
-    # An id is one path segment; anything else never reaches a sandbox.
-    for bad in ("..%2F..%2Fetc", "..", "%2e%2e"):
-        assert http.get(f"/sandboxes/{bad}/files", params={"path": "/etc/passwd"}).status_code in (404, 422)
-    assert_error(http.get(f"/sandboxes/{sid}/files"), 422, "invalid_argument")  # no path at all
+    assert_envd_error(http.get("/files?path=%2F..%2F..%2Fetc%2Fpasswd", headers=envd(sid)), 400, "path_escape")
+    # An id names a sandbox, never a path: anything else reaches no sandbox.
+    for bad in ("../../etc", "..", sid + "/.."):
+        r = http.get("/files", params={"path": "/etc/passwd"}, headers=envd(bad))
+        assert_envd_error(r, 502, "not_found")
+    assert_envd_error(http.get("/files", headers=envd(sid)), 400, "invalid_argument")  # no path at all
     # A link climbing out stops at the sandbox's own root, as for the sandbox itself (its agent
     # resolves it): the sandbox's files, never the host's.
-    r = http.get(f"/sandboxes/{sid}/files", params={"path": f"/tmp/up{secret}"})
-    assert_error(r, 404, "file_not_found")
-    assert http.get(f"/sandboxes/{sid}/files", params={"path": "/tmp/up/etc/passwd"}).content.startswith(b"root:")
+    r = http.get("/files", params={"path": f"/tmp/up{secret}"}, headers=envd(sid))
+    assert_envd_error(r, 404, "file_not_found")
+    assert http.get("/files", params={"path": "/tmp/up/etc/passwd"}, headers=envd(sid)).content.startswith(b"root:")
     assert secret.read_text() == "host only"
     with pytest.raises(PathEscapeError):
         rsbx.files.write("/../escaped", b"x")
@@ -255,9 +267,9 @@ def test_oversized_bodies(tmp_path):
     with ServiceProcess(root, "--max-body-mb", "1") as svc, svc.client() as rt, \
             Sandbox.create(runtime=rt, memory_mb=64) as s:
         http = httpx.Client(base_url=svc.url, headers={"x-api-key": svc.key}, timeout=60)
-        url, big = f"/sandboxes/{s.id}/files", b"x" * ((1 << 20) + 1)
-        assert_error(http.put(url, params={"path": "/a"}, content=big), 413, "too_large")  # Content-Length
-        r = http.put(url, params={"path": "/b"}, content=iter([big[:600_000], big[600_000:]]))  # chunked
+        url, big, h = "/files", b"x" * ((1 << 20) + 1), envd(s.id)
+        assert_error(http.post(url, params={"path": "/a"}, content=big, headers=h), 413, "too_large")  # Content-Length
+        r = http.post(url, params={"path": "/b"}, content=iter([big[:600_000], big[600_000:]]), headers=h)  # chunked
         assert_error(r, 413, "too_large")
         assert_error(http.post("/v2/sandboxes", json={"templateID": "x" * (1 << 20)}), 413, "too_large")
         assert not s.files.exists("/a") and not s.files.exists("/b")
@@ -304,32 +316,36 @@ def test_capacity_and_command_timeout_caps(tmp_path):
 # --- commands ---------------------------------------------------------------------------------------
 
 
-def test_background_output_streams_as_server_sent_events(http, rsbx):
-    cid = rsbx.commands.run("echo first; sleep 1.5; printf '\\303'; sleep 0.2; printf '\\251\\n'; echo e >&2",
-                            background=True).id
+def test_background_output_streams_as_connect_frames(http, rsbx):
+    h = rsbx.commands.run("echo first; sleep 1.5; printf '\\303'; sleep 0.2; printf '\\251\\n'; echo e >&2",
+                          background=True)
     t0 = time.monotonic()
-    events, first_at = [], None
-    with http.stream("GET", f"/commands/{cid}/events") as r:
-        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
-        name = None
-        for line in r.iter_lines():
-            if line.startswith("event:"):
-                name = line[6:].strip()
-            elif line.startswith("data:"):
-                events.append((name, json.loads(line[5:])))
-                first_at = first_at or time.monotonic() - t0
+    reader, messages, first_at = FrameReader(), [], None
+    body = frame({"process": {"pid": h.pid}})
+    headers = {**envd(rsbx.id), "content-type": STREAM_CONTENT_TYPE, "k3sys-keep": "1"}
+    with http.stream("POST", "/process.Process/Connect", content=body, headers=headers) as r:
+        assert r.status_code == 200 and r.headers["content-type"] == STREAM_CONTENT_TYPE
+        for chunk in r.iter_bytes():
+            for flags, msg in reader.feed(chunk):
+                messages.append((flags, msg))
+                if "data" in msg.get("event", {}):
+                    first_at = first_at or time.monotonic() - t0
     assert first_at < 1.2, "the first line came only at the end, not streamed"
-    assert events[-1] == ("end", {})
-    out = "".join(t for n, t in events if n == "stdout")
-    assert out == "first\né\n" and "\ufffd" not in out  # the split character arrives whole
-    assert "".join(t for n, t in events if n == "stderr") == "e\n"
-    assert http.post(f"/commands/{cid}/wait").json()["exit_code"] == 0
-    assert_error(http.get("/commands/cmd-nope/events"), 404, "not_found")
-    # The same through the SDK.
-    h = rsbx.commands.run("for i in 1 2 3; do echo $i; done; echo x >&2; exit 3", background=True)
+    assert messages[0][1] == {"event": {"start": {"pid": h.pid}}} and messages[-1] == (2, {})
+    assert messages[-2][1]["event"]["end"]["exitCode"] == 0
+    datas = [m["event"]["data"] for _, m in messages if "data" in m.get("event", {})]
+    out = b"".join(base64.b64decode(d.get("stdout", "")) for d in datas)
+    assert out == "first\né\n".encode()
+    assert h.wait(10).exit_code == 0  # the record was kept for a wait
+    end = [m for _, m in FrameReader().feed(http.post("/process.Process/Connect", content=frame(
+        {"process": {"pid": 99999}}), headers=headers).content)][-1]
+    assert end["error"]["code"] == "not_found"
+    # The same through the SDK: text pieces, a character split across two writes arrives whole.
+    h = rsbx.commands.run("for i in 1 2 3; do echo $i; done; printf '\\303'; sleep 0.2; printf '\\251'; "
+                          "echo x >&2; exit 3", background=True)
     pieces = list(h.stream())
     assert {n for n, _ in pieces} == {"stdout", "stderr"}
-    assert ["".join(t for n, t in pieces if n == name) for name in ("stdout", "stderr")] == ["1\n2\n3\n", "x\n"]
+    assert ["".join(t for n, t in pieces if n == name) for name in ("stdout", "stderr")] == ["1\n2\n3\né", "x\n"]
     assert h.wait(10).exit_code == 3
 
 
@@ -347,13 +363,6 @@ ROUTES = {
     ("/sandboxes/{sid}/freeze", "post"), ("/sandboxes/{sid}/thaw", "post"), ("/sandboxes/{sid}/hibernate", "post"),
     ("/sandboxes/{sid}/prefetch", "post"), ("/sandboxes/{sid}/memory", "get"), ("/sandboxes/{sid}/cpu", "get"),
     ("/snapshots/{ck}", "get"), ("/snapshots/{ck}/restore", "post"),
-    # commands and files (until envd's Connect RPC serves them)
-    ("/sandboxes/{sid}/commands", "post"),
-    ("/commands/{cid}", "get"), ("/commands/{cid}", "delete"), ("/commands/{cid}/events", "get"),
-    ("/commands/{cid}/wait", "post"), ("/sandboxes/{sid}/processes", "get"),
-    ("/sandboxes/{sid}/processes/{pid}/connect", "post"),
-    ("/sandboxes/{sid}/files", "get"), ("/sandboxes/{sid}/files", "put"), ("/sandboxes/{sid}/files", "delete"),
-    ("/sandboxes/{sid}/files", "head"), ("/sandboxes/{sid}/dirs", "get"), ("/sandboxes/{sid}/dirs", "post"),
 }
 
 

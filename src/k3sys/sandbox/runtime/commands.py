@@ -105,22 +105,15 @@ class Commands(Table):
     def start_command(self, sid: str, cmd: str, cwd: str | None = None, env: dict[str, str] | None = None,
                       stdin: bytes | None = None) -> str:
         """Start `sh -c cmd` in the sandbox; returns a command id for `wait_command` / `kill_command`."""
-        env = _checked(cmd, cwd, env)
-        with self._locked(sid) as rec:
-            self._require(rec, "run a command in", State.RUNNING)
-            pid = self._agent(sid).start(cmd, env=env, cwd=cwd or "/", stdin=stdin is not None)
-        if stdin is not None:
-            # On a thread: a command that does not read its stdin would block a write past the pipe's
-            # buffer, and with it this call and the timeout the caller's wait is about to start.
-            threading.Thread(target=self._feed, args=(sid, pid, stdin), daemon=True).start()
-        return self._register_command(sid, pid)
+        return self.start_process(sid, cmd, cwd or "/", env, stdin=stdin)
 
     def start_process(self, sid: str, cmd: str | list[str], cwd: str | None = None,
-                      env: dict[str, str] | None = None, user: str | None = None, stdin: bool = False,
+                      env: dict[str, str] | None = None, user: str | None = None, stdin: bool | bytes | None = None,
                       pty: tuple[int, int] | None = None) -> str:
         """Start `cmd` (a shell string, or an argv looked up in PATH) as `user` (a name or uid; None:
-        the agent's default), with its stdin a pipe kept open (`stdin`) or a terminal of `pty` =
-        (rows, cols); returns a command id (`command_pid` gives its pid). `cwd` None: the user's home."""
+        the agent's default); `stdin` True: a pipe kept open for `send_stdin`; bytes: written to it,
+        then closed; a `pty` = (rows, cols) makes a terminal its stdin, stdout and stderr. Returns a
+        command id (`command_pid` gives its pid). `cwd` None: the user's home."""
         if isinstance(cmd, list) and not (cmd and all(isinstance(a, str) and "\0" not in a for a in cmd) and cmd[0]):
             raise InvalidArgumentError(f"cmd: expected a non-empty argv of strings without NUL, got {cmd!r}")
         env = _checked(cmd[0] if isinstance(cmd, list) else cmd, cwd, env)
@@ -128,7 +121,12 @@ class Commands(Table):
             raise InvalidArgumentError(f"pty: expected (rows, cols) between 1 and 65535, got {pty!r}")
         with self._locked(sid) as rec:
             self._require(rec, "run a command in", State.RUNNING)
-            pid = self._agent(sid).start(cmd, env=env, cwd=cwd, user=user, stdin=stdin, pty=pty)
+            pid = self._agent(sid).start(cmd, env=env, cwd=cwd, user=user, pty=pty,
+                                         stdin=stdin is True or isinstance(stdin, bytes))
+        if isinstance(stdin, bytes):
+            # On a thread: a command that does not read its stdin would block a write past the pipe's
+            # buffer, and with it this call and the timeout the caller's wait is about to start.
+            threading.Thread(target=self._feed, args=(sid, pid, stdin), daemon=True).start()
         return self._register_command(sid, pid)
 
     def send_stdin(self, sid: str, pid: int, data: bytes, close: bool = False) -> None:
@@ -140,8 +138,11 @@ class Commands(Table):
             self._retrying(sid, lambda a: a.close_stdin(pid))
 
     def signal_process(self, sid: str, pid: int, sig: int) -> None:
-        """Send signal `sig` to process `pid`'s group in the sandbox."""
+        """Send signal `sig` to process `pid`'s group in the sandbox; a SIGKILL waits (up to 10 s)
+        for the process to end, so it is no longer running once this returns."""
         self._retrying(sid, lambda a: a.signal(pid, sig))
+        if sig == 9:
+            self._retrying(sid, lambda a: a.wait(pid, 10))
 
     def resize_pty(self, sid: str, pid: int, rows: int, cols: int) -> None:
         """Resize the terminal of PTY process `pid` (`rows` x `cols` characters)."""
@@ -276,8 +277,7 @@ class Commands(Table):
         if self._killed(c):
             return
         with contextlib.suppress(NotFoundError):
-            self._retrying(c.sandbox_id, lambda a: a.signal(c.pid, 9))
-            self._retrying(c.sandbox_id, lambda a: a.wait(c.pid, 10))
+            self.signal_process(c.sandbox_id, c.pid, 9)
 
     def run(self, sid: str, cmd: str, timeout: float | None = 60, cwd: str | None = None,
             env: dict[str, str] | None = None, stdin: bytes | None = None) -> CommandResult:

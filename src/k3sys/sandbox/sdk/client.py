@@ -15,39 +15,43 @@ blocking client per (url, key) per process, `aconnect` one async client per (url
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import dataclasses
+import json
 import os
 import threading
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO, NoReturn
+from typing import Any
 from urllib.parse import quote
 
 import httpx
 
-from k3sys.sandbox._wire import (
-    EventReader,
-    checkpoint_info,
-    command_result,
-    entry_info,
-    error_of,
-    sandbox_info,
+from k3sys.sandbox._connect import STREAM_CONTENT_TYPE, UNARY_CONTENT_TYPE, frame, http_error_of
+from k3sys.sandbox._envd import (
+    API_KEY_HEADER,
+    ENVD_PORT,
+    KEEP_HEADER,
+    KILL_HEADER,
+    PORT_HEADER,
+    SANDBOX_HEADER,
+    ProcessStream,
 )
-from k3sys.sandbox.errors import InvalidArgumentError, SandboxFileNotFoundError, UnavailableError
+from k3sys.sandbox._wire import checkpoint_info, error_of, sandbox_info
+from k3sys.sandbox.errors import (
+    InvalidArgumentError,
+    SandboxError,
+    UnavailableError,
+)
 from k3sys.sandbox.sdk.backend import AsyncBackend
-from k3sys.sandbox.spec import MAX_FORK, CommandResult, SandboxSpec, check_number
-from k3sys.sandbox.types import CheckpointInfo, EntryInfo, ProcessInfo, SandboxInfo
+from k3sys.sandbox.sdk.envd_calls import EnvdCalls, split_cid, texts
+from k3sys.sandbox.sdk.envd_calls import no_answer as _none
+from k3sys.sandbox.spec import MAX_FORK, CommandResult, OutputPieces, SandboxSpec, check_number
+from k3sys.sandbox.types import CheckpointInfo, SandboxInfo
 
 DEFAULT_TIMEOUT = httpx.Timeout(600.0, connect=10.0)  # life-cycle calls (a fork of many) may take minutes
 _MARGIN = 30.0  # extra seconds the HTTP read waits beyond a command's own timeout
-_CHUNK = 1 << 20
-
-
-def _none(r: httpx.Response) -> None:
-    return None
 
 
 @dataclass(frozen=True)
@@ -64,30 +68,17 @@ class _Call:
     timeout: Any = httpx.USE_CLIENT_DEFAULT
     raw: bool = False
     headers: dict[str, str] = field(default_factory=dict)
-
-
-def _exists(r: httpx.Response) -> bool:
-    if r.status_code == 200:
-        return True
-    err = error_of(r.status_code, r.content, r.headers)
-    if isinstance(err, SandboxFileNotFoundError):
-        return False
-    raise err
+    errors: Callable[[int, bytes, Any], SandboxError] = error_of  # (status, body, headers) -> the exception
 
 
 def _command_timeout(timeout: float | None) -> float | None:
     return None if timeout is None else timeout + _MARGIN
 
 
-def _chunks(f: BinaryIO) -> Iterator[bytes]:
-    while chunk := f.read(_CHUNK):
-        yield chunk
-
-
 _STREAM_TIMEOUT = httpx.Timeout(None, connect=10.0)  # a quiet command may send nothing for long
 
 
-class _Routes:
+class _Routes(EnvdCalls):
     """The sandbox service's routes, each described once; `_do` (the sibling's) performs the request,
     so each returns its answer in `HTTPBackend` and a coroutine of it in `AsyncHTTPBackend`.
 
@@ -120,7 +111,7 @@ class _Routes:
 
     def _answer(self, call: _Call, r: httpx.Response) -> Any:
         if r.status_code >= 400 and not call.raw:
-            raise error_of(r.status_code, r.content, r.headers)
+            raise call.errors(r.status_code, r.content, r.headers)
         return call.parse(r)
 
     @contextlib.contextmanager
@@ -159,77 +150,47 @@ class _Routes:
     def cpu_seconds(self, sid: str) -> float:
         return self._do(_Call("GET", f"/sandboxes/{sid}/cpu", parse=lambda r: r.json()["seconds"]))
 
-    # --- commands -------------------------------------------------------------------------------
+    # --- commands and files: envd's protocol (_envd.py), routed by the sandbox's id ------------
 
-    @staticmethod
-    def _command_body(cmd: str, cwd: str | None, env: dict[str, str] | None, stdin: bytes | None) -> dict:
-        return {"cmd": cmd, "cwd": cwd, "env": env,
-                "stdin_base64": base64.b64encode(stdin).decode() if stdin is not None else None}
+    def _envd(self, sid: str, method: str, msg: dict[str, Any], parse: Callable[[httpx.Response], Any],
+              stream: bool = False, headers: dict[str, str] | None = None, timeout: Any = httpx.USE_CLIENT_DEFAULT,
+              raw: bool = False) -> Any:
+        """A Connect call of envd (`method`: "process.Process/Start"): unary, or a server stream
+        whose whole body `parse` reads."""
+        h = {SANDBOX_HEADER: sid, PORT_HEADER: str(ENVD_PORT), "content-type": STREAM_CONTENT_TYPE if stream
+             else UNARY_CONTENT_TYPE, **({API_KEY_HEADER: self.api_key} if self.api_key else {}), **(headers or {})}
+        body = frame(msg) if stream else json.dumps(msg).encode()
+        return self._do(_Call("POST", f"/{method}", content=body, headers=h, parse=parse, timeout=timeout, raw=raw,
+                              errors=http_error_of))
 
-    def start_command(self, sid: str, cmd: str, cwd: str | None = None, env: dict[str, str] | None = None,
-                      stdin: bytes | None = None) -> str:
-        body = {**self._command_body(cmd, cwd, env, stdin), "background": True}
-        return self._do(_Call("POST", f"/sandboxes/{sid}/commands", json=body, parse=lambda r: r.json()["id"]))
+    def _connect_stream(self, cid: str) -> tuple[str, str, dict[str, Any]]:
+        """(method, url, keyword arguments) of `stream_command`'s request: a Connect stream that keeps
+        the ended process's record for `wait_command`."""
+        sid, pid = split_cid(cid)
+        headers = {SANDBOX_HEADER: sid, PORT_HEADER: str(ENVD_PORT), "content-type": STREAM_CONTENT_TYPE,
+                   KEEP_HEADER: "1", **({API_KEY_HEADER: self.api_key} if self.api_key else {})}
+        return "POST", "/process.Process/Connect", {"content": frame({"process": {"pid": pid}}), "headers": headers,
+                                                    "timeout": _STREAM_TIMEOUT}
 
-    def run(self, sid: str, cmd: str, timeout: float | None = 60, cwd: str | None = None,
-            env: dict[str, str] | None = None, stdin: bytes | None = None) -> CommandResult:
-        body = {**self._command_body(cmd, cwd, env, stdin), "timeout": timeout}
-        return self._do(_Call("POST", f"/sandboxes/{sid}/commands", json=body, timeout=_command_timeout(timeout),
-                              parse=lambda r: command_result(r.json())))
+    def _files(self, method: str, sid: str, path: str, parse: Callable[[httpx.Response], Any] = _none,
+               content: bytes | Iterable[bytes] | None = None) -> Any:
+        h = {SANDBOX_HEADER: sid, **({API_KEY_HEADER: self.api_key} if self.api_key else {})}
+        if content is not None:
+            h["content-type"] = "application/octet-stream"
+        return self._do(_Call(method, "/files", params={"path": path}, content=content, headers=h, parse=parse,
+                              errors=http_error_of))
 
-    def wait_command(self, cid: str, timeout: float | None = None) -> CommandResult:
-        return self._do(_Call("POST", f"/commands/{cid}/wait", json={"timeout": timeout},
-                              timeout=_command_timeout(timeout), parse=lambda r: command_result(r.json())))
+    def _follow(self, sid: str, method: str, msg: dict[str, Any], timeout: float | None) -> CommandResult:
+        """Start or Connect to the end of the process; past `timeout` (s) it is killed (CommandTimeoutError)."""
+        def parse(r: httpx.Response) -> CommandResult:
+            stream = ProcessStream(keep=True)
+            stream.feed(r.content)
+            return stream.result(f"sandbox service at {self.api_url}: {method} in sandbox {sid}")
 
-    def command_output(self, cid: str) -> tuple[str, str]:
-        return self._do(_Call("GET", f"/commands/{cid}", parse=lambda r: (r.json()["stdout"], r.json()["stderr"])))
-
-    def command_running(self, cid: str) -> bool:
-        return self._do(_Call("GET", f"/commands/{cid}", parse=lambda r: r.json()["running"]))
-
-    def kill_command(self, cid: str) -> None:
-        return self._do(_Call("DELETE", f"/commands/{cid}"))
-
-    def processes(self, sid: str) -> list[ProcessInfo]:
-        return self._do(_Call("GET", f"/sandboxes/{sid}/processes",
-                              parse=lambda r: [ProcessInfo(**p) for p in r.json()]))
-
-    def connect_command(self, sid: str, pid: int) -> str:
-        return self._do(_Call("POST", f"/sandboxes/{sid}/processes/{int(pid)}/connect",
-                              parse=lambda r: r.json()["id"]))
-
-    def command_pid(self, cid: str) -> int:
-        return self._do(_Call("GET", f"/commands/{cid}", parse=lambda r: r.json()["pid"]))
-
-    # --- files ----------------------------------------------------------------------------------
-
-    def read_file(self, sid: str, path: str) -> bytes:
-        return self._do(_Call("GET", f"/sandboxes/{sid}/files", params={"path": path}, parse=lambda r: r.content))
-
-    def write_file(self, sid: str, path: str, data: bytes | str | BinaryIO) -> int:
-        """Upload `data`; a file object is streamed in chunks."""
-        if isinstance(data, str):
-            data = data.encode()
-        content = _chunks(data) if hasattr(data, "read") else bytes(data)
-        return self._do(_Call("PUT", f"/sandboxes/{sid}/files", params={"path": path}, content=content,
-                              headers={"content-type": "application/octet-stream"},
-                              parse=lambda r: r.json()["bytes"]))
-
-    def list_dir(self, sid: str, path: str = "/") -> list[EntryInfo]:
-        return self._do(_Call("GET", f"/sandboxes/{sid}/dirs", params={"path": path},
-                              parse=lambda r: [entry_info(d) for d in r.json()]))
-
-    def remove(self, sid: str, path: str) -> None:
-        return self._do(_Call("DELETE", f"/sandboxes/{sid}/files", params={"path": path}))
-
-    def make_dir(self, sid: str, path: str) -> None:
-        return self._do(_Call("POST", f"/sandboxes/{sid}/dirs", params={"path": path}))
-
-    def exists(self, sid: str, path: str) -> bool:
-        return self._do(_Call("HEAD", f"/sandboxes/{sid}/files", params={"path": path}, raw=True, parse=_exists))
-
-    def watch_dir(self, sid: str, path: str, recursive: bool = False) -> NoReturn:
-        raise InvalidArgumentError("files.watch_dir is not served over HTTP yet: it needs an embedded Runtime")
+        limit = {KILL_HEADER: "1"}  # the service's cap applies when no timeout is asked
+        if timeout is not None:
+            limit["connect-timeout-ms"] = str(max(1, round(timeout * 1000)))
+        return self._envd(sid, method, msg, parse, stream=True, headers=limit, timeout=_command_timeout(timeout))
 
     # --- life cycle -----------------------------------------------------------------------------
 
@@ -291,16 +252,16 @@ class HTTPBackend(_Routes):
         return self._answer(call, r)
 
     def stream_command(self, cid: str) -> Iterator[tuple[str, str]]:
-        """`("stdout" | "stderr", text)` as the command writes it, until it ends (server-sent events)."""
-        events = EventReader(self.api_url, cid)
-        with self._reaching(), self._http.stream(*events.request, timeout=_STREAM_TIMEOUT) as r:
+        """`("stdout" | "stderr", text)` as the command writes it, until it ends (envd's Connect stream)."""
+        (method, url, kw), stream, pieces = self._connect_stream(cid), ProcessStream(), OutputPieces()
+        with self._reaching(), self._http.stream(method, url, **kw) as r:
             if r.status_code >= 400:
-                raise error_of(r.status_code, r.read(), r.headers)
-            for line in r.iter_lines():
-                yield from events.feed(line)
-                if events.ended:
+                raise http_error_of(r.status_code, r.read(), r.headers)
+            for chunk in r.iter_bytes():
+                yield from texts(pieces, stream.feed(chunk), stream.done)
+                if stream.done:
                     return
-        raise events.broke_off()
+        raise UnavailableError(f"sandbox service at {self.api_url}: the output stream of {cid} broke off")
 
     def close(self) -> None:
         self._http.close()
@@ -328,17 +289,17 @@ class AsyncHTTPBackend(_Routes, AsyncBackend):
 
     async def stream_command(self, cid: str) -> AsyncIterator[tuple[str, str]]:
         """See `HTTPBackend.stream_command`."""
-        events = EventReader(self.api_url, cid)
+        (method, url, kw), stream, pieces = self._connect_stream(cid), ProcessStream(), OutputPieces()
         with self._reaching():
-            async with self._http.stream(*events.request, timeout=_STREAM_TIMEOUT) as r:
+            async with self._http.stream(method, url, **kw) as r:
                 if r.status_code >= 400:
-                    raise error_of(r.status_code, await r.aread(), r.headers)
-                async for line in r.aiter_lines():
-                    for piece in events.feed(line):  # no `yield from` in an async generator
+                    raise http_error_of(r.status_code, await r.aread(), r.headers)
+                async for chunk in r.aiter_bytes():
+                    for piece in texts(pieces, stream.feed(chunk), stream.done):  # no `yield from` here
                         yield piece
-                    if events.ended:
+                    if stream.done:
                         return
-        raise events.broke_off()
+        raise UnavailableError(f"sandbox service at {self.api_url}: the output stream of {cid} broke off")
 
     @property
     def sync(self) -> HTTPBackend:

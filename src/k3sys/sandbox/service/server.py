@@ -5,23 +5,15 @@ protocol, so the official `e2b` SDK works unchanged against it.
 
 Every route but /health needs the API key in `X-API-Key` (or `Authorization: Bearer`; see auth.py).
 The life cycle (E2B's REST routes and our extensions) is control.py; the table of routes is at the
-top of docs/sandbox_service.md. This module serves commands and files (to be replaced by envd's
-Connect RPC), /metrics (Prometheus text), /openapi.json and /health:
-
-    POST   /sandboxes/{id}/commands           run (or start, with "background": true)
-    GET    /sandboxes/{id}/processes          processes the agent holds
-    POST   /sandboxes/{id}/processes/{pid}/connect   a handle on one of them -> 201 {"id"}
-    GET    /commands/{cid}                    running?, output so far
-    GET    /commands/{cid}/events             output as server-sent events (stdout, stderr, end)
-    POST   /commands/{cid}/wait               exit code and output     -> CommandResult
-    DELETE /commands/{cid}                    kill the command         -> 204
-    GET|PUT|DELETE|HEAD /sandboxes/{id}/files?path=   raw bytes, streamed both ways; HEAD: exists
-    GET|POST /sandboxes/{id}/dirs?path=       list / make a directory
+top of docs/sandbox_service.md. Commands and files are envd's, E2B's in-sandbox API, on the same
+port: a request that carries `E2b-Sandbox-Id` goes there (envd/app.py: Connect RPC process.Process
+and filesystem.Filesystem, /files, the sandbox's /health). This module serves /metrics (Prometheus
+text), /openapi.json and /health.
 
 Errors: E2B's body shape plus our type, in `_wire.py` (statuses: errors.py), answered by errors.py's
-handlers. Request and answer bodies: models.py, e2b_models.py. Every runtime call that can block runs in a
-worker thread (two pools: life-cycle operations, and commands/files, so long commands never starve a
-pause or kill); the runtime serialises operations per sandbox, so one slow checkpoint holds up only
+handlers. Request and answer bodies: models.py, e2b_models.py. Every runtime call that can block
+runs in a worker thread (two pools: life-cycle operations, and commands/files, so long commands
+never starve a pause or kill); the runtime serialises operations per sandbox, so one slow checkpoint holds up only
 its own sandbox. Reads of the runtime's tables (list, info, command output) answer on the event loop:
 they never wait for a sandbox's lock. Limits (`ServiceConfig`): sandboxes and memory (429),
 body size (413), command timeouts (422 above the cap), shutting down (503). A sandbox past its
@@ -31,22 +23,14 @@ sandboxes that hold memory (`on_shutdown`); the next start finds them and every 
 
 from __future__ import annotations
 
-import base64
-import binascii
 import contextlib
-import dataclasses
-import json
-import tempfile
 from collections.abc import AsyncIterator
-from typing import Annotated, Any
 
 import anyio
 import anyio.to_thread
-from fastapi import APIRouter, Depends, FastAPI, Query, Request, Response
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi import APIRouter, Depends, FastAPI, Request, Response
+from fastapi.responses import JSONResponse
 
-from k3sys.sandbox._wire import ERROR_HEADER, error_body
-from k3sys.sandbox.errors import InvalidArgumentError, SandboxError
 from k3sys.sandbox.runtime.runtime import Runtime
 from k3sys.sandbox.service import control
 from k3sys.sandbox.service import metrics as _metrics
@@ -58,15 +42,8 @@ from k3sys.sandbox.service.errors import install_error_handlers
 from k3sys.sandbox.service.limits import BodyLimit
 from k3sys.sandbox.service.metrics import CountRequests
 from k3sys.sandbox.service.models import (
-    CommandStarted,
-    CommandStatus,
     Health,
-    RunCommand,
-    Wait,
-    Written,
 )
-from k3sys.sandbox.spec import CommandResult, OutputPieces
-from k3sys.sandbox.types import EntryInfo, ProcessInfo
 
 __all__ = ["ServiceConfig", "create_app", "serve"]
 KEEP_ALIVE_S = 75  # seconds an idle connection stays open (clients must drop theirs sooner)
@@ -75,146 +52,7 @@ KEEP_ALIVE_S = 75  # seconds an idle connection stays open (clients must drop th
 # --- routes ------------------------------------------------------------------------------------------
 
 
-PathQ = Annotated[str, Query(description="a path inside the sandbox")]
 router = APIRouter(dependencies=[Depends(authorize)])
-
-
-@router.post("/sandboxes/{sid}/commands", tags=["commands"], status_code=200,
-             responses={200: {"model": CommandResult}, 201: {"model": CommandStarted}})
-async def run_command(svc: Svc, sid: str, body: RunCommand) -> Any:
-    try:
-        stdin = base64.b64decode(body.stdin_base64, validate=True) if body.stdin_base64 is not None else None
-    except binascii.Error:
-        raise InvalidArgumentError(f"stdin_base64: not base64: {body.stdin_base64[:40]!r}") from None
-    rt = svc.rt
-    env = {**svc.attrs.get(sid).envs, **(body.env or {})} or None  # the sandbox's envVars, then the call's
-    if body.background:
-        cid = await svc.call("exec", rt.start_command, sid, body.cmd, body.cwd, env, stdin, io=True)
-        return JSONResponse({"id": cid}, status_code=201)
-    timeout = svc.cap_timeout(body.timeout)
-    return dataclasses.asdict(await svc.call("exec", rt.run, sid, body.cmd, timeout, body.cwd, env, stdin,
-                                             io=True))
-
-
-@router.get("/sandboxes/{sid}/processes", response_model=list[ProcessInfo], tags=["commands"])
-async def processes(svc: Svc, sid: str) -> Any:
-    return await svc.call("processes", svc.rt.processes, sid, io=True)
-
-
-@router.post("/sandboxes/{sid}/processes/{pid}/connect", status_code=201, response_model=CommandStarted,
-             tags=["commands"])
-async def connect_command(svc: Svc, sid: str, pid: int) -> Any:
-    return {"id": await svc.call("connect_command", svc.rt.connect_command, sid, pid, io=True)}
-
-
-@router.get("/commands/{cid}", response_model=CommandStatus, tags=["commands"])
-async def command_status(svc: Svc, cid: str) -> Any:
-    # Off the loop: output is fetched from the sandbox's agent (a checkpoint in progress holds it).
-    running = await anyio.to_thread.run_sync(svc.rt.command_running, cid, limiter=svc.io)
-    out, err = await anyio.to_thread.run_sync(svc.rt.command_output, cid, limiter=svc.io)
-    return {"id": cid, "running": running, "stdout": out, "stderr": err, "pid": svc.rt.command_pid(cid)}
-
-
-@router.get("/commands/{cid}/events", tags=["commands"],
-            responses={200: {"content": {"text/event-stream": {}},
-                             "description": "events `stdout` and `stderr` (data: a JSON string), then `end`; "
-                                            "`error` (data: an error body) if the command vanishes"}})
-async def command_events(svc: Svc, cid: str, poll: Annotated[float, Query(gt=0, le=1)] = 0.02) -> StreamingResponse:
-    rt = svc.rt
-    # Unknown id -> 404 now, not inside the stream.
-    await anyio.to_thread.run_sync(rt.read_command_output, cid, (1 << 62, 1 << 62), limiter=svc.io)
-
-    async def events() -> AsyncIterator[str]:
-        pieces = OutputPieces()
-        try:
-            while True:
-                # Off the loop: each look asks the sandbox's agent (~1 ms; a checkpoint in progress
-                # holds it, so the stream pauses, then goes on from where it was).
-                out, err, done = await anyio.to_thread.run_sync(rt.read_command_output, cid, pieces.offsets,
-                                                                limiter=svc.io)
-                for name, text in pieces.feed(out, err, final=done):
-                    yield f"event: {name}\ndata: {json.dumps(text)}\n\n"
-                if done:
-                    yield "event: end\ndata: {}\n\n"
-                    return
-                await anyio.sleep(poll)
-        except SandboxError as e:
-            yield f"event: error\ndata: {json.dumps(error_body(e))}\n\n"
-
-    return StreamingResponse(events(), media_type="text/event-stream", headers={"cache-control": "no-cache"})
-
-
-@router.post("/commands/{cid}/wait", response_model=CommandResult, tags=["commands"])
-async def wait_command(svc: Svc, cid: str, body: Wait | None = None) -> Any:
-    return await svc.call("wait", svc.rt.wait_command, cid, svc.cap_timeout((body or Wait()).timeout), io=True)
-
-
-@router.delete("/commands/{cid}", status_code=204, tags=["commands"])
-async def kill_command(svc: Svc, cid: str) -> Response:
-    await svc.call("kill_command", svc.rt.kill_command, cid, io=True)
-    return Response(status_code=204)
-
-
-@router.get("/sandboxes/{sid}/files", tags=["files"], response_class=StreamingResponse,
-            responses={200: {"content": {"application/octet-stream": {}}}})
-async def read_file(svc: Svc, sid: str, path: PathQ) -> StreamingResponse:
-    f = await svc.call("read_file", svc.rt.open_file, sid, path, io=True)
-    size = f.size  # what the agent's stream delivers: the file's size when opened
-
-    async def chunks() -> AsyncIterator[bytes]:
-        # The file as long as it was when opened: a file that grows meanwhile (a log being written)
-        # must not send more than the declared content-length.
-        left = size
-        try:
-            while left and (chunk := await anyio.to_thread.run_sync(f.read, min(left, 1 << 20), limiter=svc.io)):
-                left -= len(chunk)
-                yield chunk
-        finally:
-            f.close()
-
-    return StreamingResponse(chunks(), media_type="application/octet-stream",
-                             headers={"content-length": str(size)})
-
-
-@router.put("/sandboxes/{sid}/files", response_model=Written, tags=["files"],
-            openapi_extra={"requestBody": {"content": {"application/octet-stream": {}}, "required": True}})
-async def write_file(svc: Svc, sid: str, path: PathQ, request: Request) -> Any:
-    # Spooled to the host first (memory up to 1 MiB, then disk; the body limit applies as it arrives),
-    # so the sandbox's lock is held for a local copy, never for a slow client's upload.
-    in_memory, written = 1 << 20, 0
-    with tempfile.SpooledTemporaryFile(max_size=in_memory) as spool:
-        async for chunk in request.stream():
-            written += len(chunk)
-            if written <= in_memory:
-                spool.write(chunk)
-            else:  # the spool is (or is about to be) a disk file: off the event loop
-                await anyio.to_thread.run_sync(spool.write, chunk, limiter=svc.io)
-        spool.seek(0)
-        n = await svc.call("write_file", svc.rt.write_file, sid, path, spool, io=True)
-    return {"path": path, "bytes": n}
-
-
-@router.delete("/sandboxes/{sid}/files", status_code=204, tags=["files"])
-async def remove_file(svc: Svc, sid: str, path: PathQ) -> Response:
-    await svc.call("remove", svc.rt.remove, sid, path, io=True)
-    return Response(status_code=204)
-
-
-@router.head("/sandboxes/{sid}/files", tags=["files"], responses={404: {"description": "no such entry"}})
-async def file_exists(svc: Svc, sid: str, path: PathQ) -> Response:
-    found = await svc.call("exists", svc.rt.exists, sid, path, io=True)
-    return Response(status_code=200 if found else 404, headers={} if found else {ERROR_HEADER: "file_not_found"})
-
-
-@router.get("/sandboxes/{sid}/dirs", response_model=list[EntryInfo], tags=["files"])
-async def list_dir(svc: Svc, sid: str, path: PathQ = "/") -> Any:
-    return await svc.call("list_dir", svc.rt.list_dir, sid, path, io=True)
-
-
-@router.post("/sandboxes/{sid}/dirs", status_code=201, tags=["files"])
-async def make_dir(svc: Svc, sid: str, path: PathQ) -> Response:
-    await svc.call("make_dir", svc.rt.make_dir, sid, path, io=True)
-    return Response(status_code=201)
 
 
 @router.get("/metrics", tags=["service"], response_class=Response,

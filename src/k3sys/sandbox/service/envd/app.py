@@ -23,8 +23,9 @@ from urllib.parse import parse_qsl
 
 from starlette.routing import Route, Router
 
+from k3sys.sandbox._connect import ERROR_TYPE
 from k3sys.sandbox._envd import API_KEY_HEADER, SANDBOX_HEADER, TOKEN_HEADER
-from k3sys.sandbox.errors import NotFoundError, UnavailableError
+from k3sys.sandbox.errors import AuthError, InvalidStateError, NotFoundError, UnavailableError
 from k3sys.sandbox.service.envd import files, process
 from k3sys.sandbox.service.envd import filesystem as fs
 from k3sys.sandbox.service.envd.rpc import EnvdState, client_stream, server_stream, unary
@@ -79,26 +80,30 @@ def _signed(query: dict[str, str], method: str, token: str) -> bool:
     return hmac.compare_digest(sig.encode(), want.encode())
 
 
-def _refusal(svc: Any, sid: str, scope: dict[str, Any]) -> tuple[int, str] | None:
-    """(status, message) when the request may not reach the sandbox's envd, else None."""
+def _refusal(svc: Any, sid: str, scope: dict[str, Any]) -> tuple[int, str, str] | None:
+    """(status, message, our error type) when the request may not reach the sandbox's envd, else None."""
     token = access_token(svc.config.api_key, sid)
     path = scope["path"]
     if token is not None and path != "/health":
         headers = dict(scope["headers"])
         given, key = headers.get(TOKEN_HEADER.encode(), b""), headers.get(API_KEY_HEADER.encode())
+        scheme, _, bearer = headers.get(b"authorization", b"").partition(b" ")
+        key = key if key is not None else bearer.strip() if scheme.lower() == b"bearer" else None
         query = dict(parse_qsl(scope.get("query_string", b"").decode()))
         if not (hmac.compare_digest(given, token.encode())
                 or (key is not None and hmac.compare_digest(key, svc.config.api_key.encode()))
                 or (path == "/files" and _signed(query, scope["method"], token))):
-            return 401, f"sandbox {sid}: {'wrong' if given else 'missing'} envd access token (X-Access-Token)"
+            return 401, f"sandbox {sid}: {'wrong' if given else 'missing'} envd access token (X-Access-Token)", \
+                AuthError.code
     try:
         state = svc.rt.info(sid).state
     except NotFoundError:
-        return 502, f"The sandbox {sid} was not found"
+        return 502, f"The sandbox {sid} was not found", NotFoundError.code
     except UnavailableError as e:  # the service is shutting down
-        return 503, str(e)
+        return 503, str(e), e.code
     if state not in _SERVING:
-        return 502, f"The sandbox {sid} was not found running: it is {state} (connect resumes it)"
+        return 502, f"The sandbox {sid} was not found running: it is {state} (connect resumes it)", \
+            InvalidStateError.code
     return None
 
 
@@ -121,7 +126,8 @@ class EnvdRouter:
         refused = _refusal(svc, sid.decode("latin-1"), scope)
         if refused is not None:
             body = json.dumps({"code": refused[0], "message": refused[1]}).encode()
-            headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+            headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                       (ERROR_TYPE.encode(), refused[2].encode())]
             await send({"type": "http.response.start", "status": refused[0], "headers": headers})
             return await send({"type": "http.response.body", "body": body})
         await self.envd(scope, receive, send)

@@ -20,6 +20,7 @@ import anyio
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from k3sys.sandbox._connect import ERROR_TYPE
 from k3sys.sandbox.errors import (
     InvalidArgumentError,
     SandboxError,
@@ -44,7 +45,7 @@ def http_error(exc: BaseException) -> JSONResponse:
         status = 502
     message = str(exc) if isinstance(exc, SandboxError) else f"{type(exc).__name__}: {exc}"
     kind = exc.code if isinstance(exc, SandboxError) else "internal"
-    return JSONResponse({"code": status, "message": message}, status_code=status, headers={"k3sys-error-type": kind})
+    return JSONResponse({"code": status, "message": message}, status_code=status, headers={ERROR_TYPE: kind})
 
 
 def _user(request: Request) -> str | None:

@@ -19,9 +19,9 @@ from typing import Any
 
 import anyio
 
-from k3sys.sandbox._envd import ALL_HEADER, FOLLOW_HEADER, KEEP_HEADER, SIGNALS, end_event, process_json
+from k3sys.sandbox._envd import ALL_HEADER, FOLLOW_HEADER, KEEP_HEADER, KILL_HEADER, SIGNALS, end_event, process_json
 from k3sys.sandbox.errors import InvalidArgumentError
-from k3sys.sandbox.service.envd.rpc import Rpc, past_deadline, selector_pid
+from k3sys.sandbox.service.envd.rpc import Rpc, cap_deadline, past_deadline, selector_pid
 
 _POLL_S = (0.005, 0.1)  # seconds between looks at a process's output: when busy, when quiet
 _PIECE = 1 << 20  # bytes of output per message at most
@@ -70,6 +70,8 @@ async def _output(rpc: Rpc, cid: str, pid: int, pty: bool) -> AsyncIterator[dict
             if rpc.headers.get(FOLLOW_HEADER) == "0":
                 return
             if (late := past_deadline(rpc)) is not None:
+                if rpc.headers.get(KILL_HEADER) == "1":
+                    await rpc.svc.call("envd.signal", rt.signal_process, rpc.sid, pid, 9, io=True)
                 raise late
             now = time.monotonic()
             if out or err:
@@ -94,17 +96,23 @@ async def start(rpc: Rpc) -> AsyncIterator[dict[str, Any]]:
     proc = rpc.msg.get("process") or {}
     if not isinstance(proc, dict) or not isinstance(proc.get("cmd"), str) or not proc["cmd"]:
         raise InvalidArgumentError(f"process.cmd: expected a program to run, got {proc!r}")
-    argv = [proc["cmd"], *proc.get("args", [])]
+    # Our extension: a shell string (run by `/bin/sh -c`, as the embedded runtime runs commands).
+    shell = rpc.msg.get("k3sysShell")
+    argv = shell if isinstance(shell, str) else [proc["cmd"], *proc.get("args", [])]
+    cap_deadline(rpc)
     pty = _pty_size(rpc.msg)
+    # Our extension: stdin's whole content in the request (written, then closed), for one-call runs.
+    stdin = _b64("k3sysStdin", rpc.msg["k3sysStdin"]) if "k3sysStdin" in rpc.msg else bool(rpc.msg.get("stdin"))
     envs = {**rpc.svc.attrs.get(rpc.sid).envs, **(proc.get("envs") or {})}  # the sandbox's envVars, then the call's
     cid = await rpc.svc.call("envd.start", rpc.svc.rt.start_process, rpc.sid, argv, proc.get("cwd") or None,
-                             envs, rpc.user, bool(rpc.msg.get("stdin")), pty, io=True)
+                             envs, rpc.user, stdin, pty, io=True)
     async for event in _output(rpc, cid, rpc.svc.rt.command_pid(cid), pty is not None):
         yield event
 
 
 async def connect(rpc: Rpc) -> AsyncIterator[dict[str, Any]]:
     pid = selector_pid(rpc.msg)
+    cap_deadline(rpc)
     cid = await rpc.svc.call("envd.connect", rpc.svc.rt.connect_command, rpc.sid, pid, io=True)
     procs = await rpc.svc.call("envd.list", rpc.svc.rt.processes, rpc.sid, io=True)
     pty = any(p.pid == pid and p.pty for p in procs)

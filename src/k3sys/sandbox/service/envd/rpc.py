@@ -51,13 +51,14 @@ class EnvdState:
 
 @dataclass
 class Rpc:
-    """One call: the service, its sandbox, the user it runs as, the message, and when it must end
-    (`deadline`, monotonic seconds; None: never), asked by `Connect-Timeout-Ms`."""
+    """One call: the service, its sandbox, the user it runs as, the message, the `timeout_s` asked
+    by `Connect-Timeout-Ms` and when it must end (`deadline`, monotonic seconds; None: never)."""
 
     svc: Service
     sid: str
     user: str | None
     msg: dict[str, Any]
+    timeout_s: float | None
     deadline: float | None
     keepalive_s: float | None
     state: EnvdState
@@ -113,7 +114,7 @@ async def _rpc(request: Request, streamed: bool, read: bool = True) -> Rpc:
     return Rpc(svc=request.app.state.service, sid=request.headers["e2b-sandbox-id"],
                user=user_of(request.headers.get("authorization")),
                msg=await _read_body(request, streamed) if read else {},
-               deadline=None if timeout is None else time.monotonic() + timeout,
+               timeout_s=timeout, deadline=None if timeout is None else time.monotonic() + timeout,
                keepalive_s=_number_header(request, "keepalive-ping-interval", 1.0), state=request.app.state.envd,
                headers=request.headers)
 
@@ -185,6 +186,12 @@ async def _frames(messages: AsyncIterator[dict[str, Any]]) -> AsyncIterator[byte
         yield end_frame(e)
         return
     yield end_frame()
+
+
+def cap_deadline(rpc: Rpc) -> None:
+    """Bound a command's stream by the service's command timeout cap (InvalidArgumentError when
+    the call asks for longer; the cap when it asks for no limit)."""
+    rpc.deadline = time.monotonic() + rpc.svc.cap_timeout(rpc.timeout_s)
 
 
 def past_deadline(rpc: Rpc) -> ConnectError | None:
