@@ -221,40 +221,39 @@ def e2b_latencies(backends: dict[str, Backend], repeats: int) -> dict[str, dict[
     return {name: {op: 1e3 * statistics.median(r[op] for r in rs) for op in E2B_OPS} for name, rs in runs.items()}
 
 
-def sized_pause_resume(rt: Backend | None, mib: int) -> dict[str, float]:
-    """Seconds to pause (hibernate) and resume a `base` sandbox holding `mib` MiB resident: through
-    our SDK on `rt`, or through the `e2b` SDK when rt is None."""
+def sized_pause_resume(rt: Backend, mib: int, via_e2b: bool) -> dict[str, float]:
+    """Seconds to pause (hibernate) and resume a `base` sandbox holding `mib` MiB resident, made
+    through our SDK on `rt` (the `e2b` SDK cannot ask for the memory limit) and paused and resumed
+    through our SDK or, `via_e2b`, through the `e2b` SDK (`pause`, then `Sandbox.connect`)."""
     import e2b
 
     t: dict[str, float] = {}
     timed = timer(t)
-    if rt is None:
-        s = e2b.Sandbox.create("base")
-        s.commands.run(BALLAST.format(mib=mib), timeout=300)
-        timed("pause", s.pause)
-        s = timed("resume", lambda: e2b.Sandbox.connect(s.sandbox_id))
-        assert s.commands.run("test -e /tmp/ready").exit_code == 0
+    s = Sandbox.create("base", runtime=rt, memory_mb=mib + 512)
+    assert s.commands.run(BALLAST.format(mib=mib), timeout=300).exit_code == 0
+    t["memory_mib"] = s.memory_bytes() / (1 << 20)
+    if via_e2b:
+        e = e2b.Sandbox.connect(s.id)
+        timed("pause", e.pause)
+        timed("resume", lambda: e2b.Sandbox.connect(s.id))
     else:
-        s = Sandbox.create("base", runtime=rt, memory_mb=mib + 512)
-        assert s.commands.run(BALLAST.format(mib=mib), timeout=300).exit_code == 0
-        t["memory_mib"] = s.memory_bytes() / (1 << 20)
         timed("pause", s.hibernate)
         timed("resume", s.resume)
+    assert s.commands.run("test -e /tmp/ready").exit_code == 0
     s.kill()
-    if rt is not None:
-        for c in Checkpoint.list(runtime=rt):
-            c.delete()
+    for c in Checkpoint.list(runtime=rt):
+        c.delete()
     return t
 
 
 def sizes(backends: dict[str, Backend], mibs: list[int], repeats: int) -> dict[str, dict[int, dict[str, float]]]:
     """Median seconds of pause and resume per client and resident size (taking turns)."""
-    clients: dict[str, Backend | None] = {"e2b SDK": None, **{f"k3sys {n}": rt for n, rt in backends.items()}}
+    clients = {"e2b SDK": (backends["http"], True), **{f"k3sys {n}": (rt, False) for n, rt in backends.items()}}
     runs: dict[str, dict[int, list[dict[str, float]]]] = {c: {m: [] for m in mibs} for c in clients}
     for mib in mibs:
         for _ in range(repeats):
-            for name, rt in clients.items():
-                runs[name][mib].append(sized_pause_resume(rt, mib))
+            for name, (rt, via_e2b) in clients.items():
+                runs[name][mib].append(sized_pause_resume(rt, mib, via_e2b))
     return {c: {m: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for m, rs in per.items()}
             for c, per in runs.items()}
 
