@@ -22,6 +22,7 @@ from e2b import (
     NotFoundException,
     PtySize,
     SandboxException,
+    SandboxNotRunningException,
 )
 from e2b import Sandbox as E2B
 from packaging.version import Version
@@ -295,7 +296,32 @@ def test_async_background_connect_and_start_refusals(envd_service, box):
          "content-type": STREAM_CONTENT_TYPE}
     for process, field in (({"cmd": "/bin/true", "envs": ["A=1"]}, "process.envs"),
                            ({"cmd": "/bin/true", "args": "-c"}, "process.args"), ({"cmd": ""}, "process.cmd"),
-                           ({"cmd": "/bin/true", "cwd": "relative"}, "cwd")):
+                           ({"cmd": "/bin/true", "cwd": 5}, "process.cwd")):
         r = httpx.post(f"{envd_service.url}/process.Process/Start", content=frame({"process": process}), headers=h)
         end = [m for _, m in FrameReader().feed(r.content)][-1]
         assert end["error"]["code"] == "invalid_argument" and field in end["error"]["message"], end
+
+
+def test_relative_paths_start_at_the_users_home_and_remove_is_idempotent(box):
+    box.files.write("rel.txt", "in home")  # E2B's tests name files relative to the user's home
+    home = box.commands.run("cd && pwd").stdout.strip()
+    assert box.commands.run(f"cat {home}/rel.txt").stdout == "in home"
+    assert box.files.read("rel.txt") == "in home" and box.files.exists("rel.txt")
+    assert box.files.get_info("rel.txt").path == f"{home}/rel.txt"
+    other = "user" if box.commands.run("id -un").stdout.strip() == "root" else "root"
+    with pytest.raises(NotFoundException):
+        box.files.read("rel.txt", user=other)  # another user's home is another directory
+    box.files.remove("rel.txt")
+    box.files.remove("rel.txt")  # envd removes what is there: a missing path is no error
+    assert not box.files.exists("rel.txt")
+
+
+def test_a_command_outlived_by_its_sandbox_ends_as_e2b_says(envd_service):
+    with envd_service.client() as c:
+        sid = c.create(SandboxSpec(template="base", memory_mb=256)).id
+    box = _handle(envd_service, sid)
+    h = box.commands.run("sleep 60", background=True)
+    with envd_service.client() as c:
+        c.kill(sid)
+    with pytest.raises(SandboxNotRunningException, match="killed or reached its end of life"):
+        h.wait()
