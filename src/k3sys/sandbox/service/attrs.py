@@ -20,11 +20,15 @@ from k3sys.sandbox.spec import check_id
 @dataclass(frozen=True)
 class SandboxAttrs:
     """`template_id`: what the create call named (a template or a snapshot id; "" for the spec's
-    template); `envs`: environment variables of every command started in the sandbox."""
+    template); `envs`: environment variables of every command started in the sandbox;
+    `auto_pause_memory`: whether a pause by its timeout keeps the memory (E2B's `autoPauseMemory`);
+    `pause_memory`: whether its next resume restores the memory (False: it boots cold)."""
 
     template_id: str = ""
     metadata: dict[str, str] = field(default_factory=dict)
     envs: dict[str, str] = field(default_factory=dict)
+    auto_pause_memory: bool = True
+    pause_memory: bool = True
 
 
 class AttrsTable:
@@ -46,7 +50,8 @@ class AttrsTable:
                 return a
             try:
                 d = json.loads(self._path(sid).read_text())
-                a = SandboxAttrs(str(d["template_id"]), dict(d["metadata"]), dict(d["envs"]))
+                a = SandboxAttrs(str(d["template_id"]), dict(d["metadata"]), dict(d["envs"]),
+                                 d.get("auto_pause_memory") is not False, d.get("pause_memory") is not False)
             except (OSError, ValueError, KeyError, TypeError):
                 return SandboxAttrs()
             self._cache[sid] = a

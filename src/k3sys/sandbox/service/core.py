@@ -137,20 +137,26 @@ class Service:
         with self.admission.admit(1, spec.memory_mb):
             return self.rt.create(spec, id)
 
-    def restore(self, ck: str, id: str | None, timeout_s: float | None) -> SandboxInfo:
+    def restore(self, ck: str, id: str | None, timeout_s: float | None, on_timeout: str | None = None) -> SandboxInfo:
         spec = self.rt.store.get(ck).meta.get("spec", {})
         with self.admission.admit(1, int(spec.get("memory_mb", 0))):
-            return self.rt.restore(ck, id, timeout_s)
+            if on_timeout is None:
+                return self.rt.restore(ck, id, timeout_s)
+            return self.rt.restore(ck, id, timeout_s, on_timeout=on_timeout)
 
     def fork(self, sid: str, n: int) -> list[SandboxInfo]:
         with self.admission.admit(n, self.rt.info(sid).spec.memory_mb):
             return self.rt.fork(sid, n)
 
-    def resume(self, sid: str) -> SandboxInfo:
+    def resume(self, sid: str, memory: bool = True) -> SandboxInfo:
+        """Resume (see `Runtime.resume`; `memory=False`: a hibernated sandbox boots cold)."""
         info = self.rt.info(sid)
         room = self.admission.admit(1, info.spec.memory_mb) if info.state == "hibernated" else contextlib.nullcontext()
         with room:
-            self.rt.resume(sid)
+            if memory:
+                self.rt.resume(sid)
+            else:
+                self.rt.resume(sid, memory=False)
         return self.rt.info(sid)
 
     def pause(self, sid: str) -> SandboxInfo:
