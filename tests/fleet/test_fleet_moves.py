@@ -74,6 +74,7 @@ def test_migration_of_a_hibernated_sandbox_keeps_id_and_process(fleet):
         runs_on(fleet, sid, at)
         with pytest.raises(InvalidArgumentError, match="already"):
             fleet.migrate(sid, node="n1")
+        assert fleet.info(sid).state == "running"  # refused before anything was done
     finally:
         fleet.kill(sid)
     with pytest.raises(NotFoundError):

@@ -29,6 +29,7 @@ def test_rollout_over_three_nodes(fleet):
         time.sleep(0.05)
         return f"echo {ctx.episode}:{ctx.turn} >> /work/log"
 
+    before = {m.name: m.view.reserved_mb for m in fleet.members.live() if m.name in ("n0", "n1", "n2")}
     task = Task("log", "busybox", "append to /work/log", setup, (), ":", reward)
     engine = RolloutEngine(policy, default_factory(fleet, memory_mb=64), "pause")
     report = engine.run([task], episodes=EPISODES, turns=TURNS)
@@ -36,7 +37,9 @@ def test_rollout_over_three_nodes(fleet):
     assert len(report.episodes) == EPISODES and all(len(e.turns) == TURNS for e in report.episodes)
     for e in report.episodes:
         assert logs[e.sandbox_id].split() == [f"{e.id}:{t}" for t in range(TURNS)], e.id
-    # Episodes start at once: placement sees creates in flight only approximately, so every node
-    # gets some, not necessarily exactly two each.
-    assert set(nodes.values()) == {"n0", "n1", "n2"}, nodes
+    # Spread evens out reserved memory (what other tests left running counts too); episodes start
+    # at once, so allow one sandbox's worth of slack for creates the nodes' stats do not show yet.
+    after = {n: mb + 64 * list(nodes.values()).count(n) for n, mb in before.items()}
+    assert max(after.values()) - min(after.values()) <= 2 * 64, (nodes, before)
+    assert len(set(nodes.values())) >= 2, nodes
     assert not {i.id for i in fleet.list()} & set(nodes)  # every episode's sandbox is gone

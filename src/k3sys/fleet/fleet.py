@@ -30,6 +30,7 @@ from typing import Any, BinaryIO
 
 import ray
 
+from k3sys.fleet.commands import Commands
 from k3sys.fleet.config import FleetConfig
 from k3sys.fleet.members import Member, Members, NodeDiedError, unwrap
 from k3sys.fleet.moves import Moves, Transfer
@@ -45,8 +46,6 @@ from k3sys.sandbox.errors import (
 from k3sys.sandbox.runtime.store import Manifest
 from k3sys.sandbox.spec import CommandResult, SandboxSpec
 from k3sys.sandbox.types import CheckpointInfo, SandboxInfo
-
-_SEP = "~"  # in a gateway command id: <the node's command id>~<node name>
 
 
 class _Remote:
@@ -87,7 +86,7 @@ class _FleetStore:
         return out
 
 
-class Fleet(Moves):
+class Fleet(Commands, Moves):
     """Sandboxes of every node of a Ray cluster; see the module docstring."""
 
     def __init__(self, address: str | None = None, config: FleetConfig | None = None) -> None:
@@ -104,6 +103,7 @@ class Fleet(Moves):
         self._holders: dict[str, set[str]] = {}  # checkpoint id -> live nodes whose store has it
         self.transfers: deque[Transfer] = deque(maxlen=1000)
         self.store = _FleetStore(self)
+        self._commands_init()
         self.members = Members(self.config.heartbeat_s, self.config.lost_after_s, self._joined, self._lost)
 
     # --- tables ------------------------------------------------------------------------------------
@@ -197,23 +197,13 @@ class Fleet(Moves):
         if method in BY_SANDBOX:
             return lambda sid, *args: self.members.call(self.node_of(sid), method, sid, *args)
         if method in NEW_COMMAND:
-            def new_command(sid: str, *args: Any) -> str:
-                node = self.node_of(sid)
-                return f"{self.members.call(node, method, sid, *args)}{_SEP}{node}"
-            return new_command
+            return lambda sid, *args: self._new_command(method, sid, *args)
         if method in BY_COMMAND:
             def by_command(cid: str, *args: Any) -> Any:
                 own, node = self._split(cid)
                 return self.members.call(node, method, own, *args)
             return by_command
         raise AttributeError(method)
-
-    def _split(self, cid: str) -> tuple[str, str]:
-        """(the node's command id, the node) of a gateway command id; NotFoundError if it names no node."""
-        own, sep, node = cid.rpartition(_SEP)
-        if not sep or not own or not (node in self.members.lost or any(m.name == node for m in self.members.live())):
-            raise NotFoundError(f"no command {cid!r}")
-        return own, node
 
     def run(self, sid: str, cmd: str, timeout: float | None = 60, cwd: str | None = None,
             env: dict[str, str] | None = None, stdin: bytes | None = None) -> CommandResult:

@@ -96,9 +96,13 @@ class Members:
 
     def call(self, name: str, method: str, *args: Any) -> Any:
         """`Runtime.<method>(*args)` on node `name`; a dead node is marked lost at once."""
+        return self.invoke(name, "call", method, *args)
+
+    def invoke(self, name: str, actor_method: str, *args: Any) -> Any:
+        """The node actor's own `actor_method(*args)` on node `name` (lost at once if dead)."""
         m = self.get(name)
         try:
-            return unwrap(lambda: ray.get(m.handle.call.remote(method, *args)), name)
+            return unwrap(lambda: ray.get(getattr(m.handle, actor_method).remote(*args)), name)
         except NodeDiedError as e:
             self.lose(name, str(e))
             raise

@@ -112,6 +112,8 @@ class Moves:
         """Move the sandbox to `node` (placement picks one other than its own if None): hibernated on its
         node if live, restored on the target with the same id and processes, then forgotten at the source."""
         src = self.node_of(sid)
+        if node == src:
+            raise InvalidArgumentError(f"node: sandbox {sid} is on {src} already")
         info = self.members.call(src, "info", sid)  # its node's word: the move needs its latest head
         if info.state in ("running", "paused"):
             ck = self.members.call(src, "hibernate", sid)
@@ -119,8 +121,6 @@ class Moves:
             info = dataclasses.replace(info, state="hibernated", head=ck.id)
         elif info.state != "hibernated":
             raise InvalidStateError(f"cannot migrate sandbox {sid}: it is {info.state}")
-        if node == src:
-            raise InvalidArgumentError(f"node: sandbox {sid} is on {src} already")
         return self._move(sid, info.spec, info.head or "", src, node)
 
     def _move(self, sid: str, spec: SandboxSpec, ck: str, src: str | None, node: str | None) -> SandboxInfo:

@@ -137,6 +137,24 @@ class SandboxNode:
         """The command's output as it comes (a Ray streaming generator on the caller's side)."""
         yield from self.runtime.stream_command(cid)
 
+    def new_command(self, method: str, sid: str, *args: Any) -> tuple[str, int]:
+        """`Runtime.<method>` for a method of `NEW_COMMAND`: (the command id, its pid), in one call."""
+        if method not in NEW_COMMAND:
+            raise InvalidArgumentError(f"method: not one that starts a command: {method!r}")
+        cid = self.call(method, sid, *args)
+        return cid, self.runtime.command_pid(cid)
+
+    def look(self, cid: str, since: tuple[int, int], wait_s: float) -> tuple[bytes, bytes, bool, Any]:
+        """`Runtime.read_command_output`, waiting up to `wait_s` (at most 50 ms) for something new, plus
+        how the command ended (`command_exit`) once it has: the gateway's output loop then needs one
+        Ray call per look and none for the exit, and a short command ends within its first look."""
+        deadline = time.monotonic() + min(max(wait_s, 0.0), 0.05)
+        while True:
+            out, err, done = self.runtime.read_command_output(cid, since)
+            if out or err or done or time.monotonic() >= deadline:
+                return out, err, done, self.runtime.command_exit(cid) if done else None
+            time.sleep(0.001)
+
     def _hold(self, obj: Any) -> int:
         with self._mu:
             h = next(self._handles)
