@@ -150,14 +150,19 @@ def test_filesystem_calls(box):
 
 def test_watch_dir(box):
     box.files.make_dir("/tmp/w")
-    watch = box.files.watch_dir("/tmp/w")
+    box.files.write("/tmp/w/old.txt", "x")
+    watch = box.files.watch_dir("/tmp/w", include_entry=True)
     try:
         box.files.write("/tmp/w/new.txt", "x")
+        box.files.write("/tmp/w/old.txt", "y")  # the agent's atomic replace shows as a write of the name
         deadline, events = time.monotonic() + 20, []
-        while not any(e.name == "new.txt" for e in events) and time.monotonic() < deadline:
+        while not any(e.name == "old.txt" for e in events) and time.monotonic() < deadline:
             time.sleep(0.1)
             events += watch.get_new_events()
-        assert any(e.name == "new.txt" and e.type == FilesystemEventType.CREATE for e in events), events
+        assert not [e for e in events if "k3sys-" in e.name], events  # no temporary file shows
+        created = [e for e in events if e.name == "new.txt" and e.type == FilesystemEventType.CREATE]
+        assert created and created[0].entry.path == "/tmp/w/new.txt" and created[0].entry.type == FileType.FILE
+        assert any(e.name == "old.txt" and e.type == FilesystemEventType.WRITE for e in events), events
     finally:
         watch.stop()
 

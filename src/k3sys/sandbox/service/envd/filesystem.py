@@ -18,7 +18,13 @@ import anyio
 
 from k3sys.sandbox._connect import ConnectError
 from k3sys.sandbox._envd import STRICT_HEADER, entry_json, event_json
-from k3sys.sandbox.errors import CapacityError, InvalidArgumentError, NotFoundError, SandboxFileNotFoundError
+from k3sys.sandbox.errors import (
+    CapacityError,
+    InvalidArgumentError,
+    NotFoundError,
+    SandboxError,
+    SandboxFileNotFoundError,
+)
 from k3sys.sandbox.runtime.watch import WatchHandle
 from k3sys.sandbox.service.envd.rpc import Rpc, absolute, names, past_deadline
 from k3sys.sandbox.types import EntryInfo, FilesystemEvent
@@ -28,6 +34,7 @@ MAX_WATCHERS_PER_SANDBOX = 64
 # Events a watch queues unread (about 200 bytes each; later ones are dropped and counted), so that
 # every watcher a service keeps, flooded by its sandbox, holds at most ~2 MB of host memory.
 WATCH_EVENTS = 10_000
+ENTRIES_PER_DRAIN = 256  # events of one drain given their entry (a stat each), at most
 _WATCH_POLL_S = 0.05  # seconds between drains of a streamed watch
 
 
@@ -91,6 +98,7 @@ class Watch:
 
     sid: str
     handle: WatchHandle
+    include_entry: bool = False
     moved: set[str] = field(default_factory=set)
 
     def drain(self) -> list[FilesystemEvent]:
@@ -108,20 +116,35 @@ class Watch:
         return out
 
 
+async def _events_json(rpc: Rpc, watch: Watch, events: list[FilesystemEvent]) -> list[dict[str, Any]]:
+    """Event messages; with `include_entry`, each with the entry its path names now (best effort, as
+    envd: none once it is gone, and for at most `ENTRIES_PER_DRAIN` events of one drain)."""
+    out = [event_json(e, watch.handle.path) for e in events]
+    if watch.include_entry:
+        for msg, e in list(zip(out, events, strict=True))[:ENTRIES_PER_DRAIN]:
+            if e.type not in ("remove", "rename"):
+                try:
+                    found = await rpc.svc.call("envd.stat", rpc.svc.rt.stat, rpc.sid, e.path, rpc.user, io=True)
+                except SandboxError:
+                    continue
+                msg["entry"] = (await _entries(rpc, [found]))[0]
+    return out
+
+
 async def _watch(rpc: Rpc) -> WatchHandle:
     return await rpc.svc.call("envd.watch", rpc.svc.rt.watch_dir, rpc.sid, await _path(rpc),
                               bool(rpc.msg.get("recursive")), WATCH_EVENTS, io=True)
 
 
 async def watch_dir(rpc: Rpc) -> AsyncIterator[dict[str, Any]]:
-    watch = Watch(rpc.sid, await _watch(rpc))
+    watch = Watch(rpc.sid, await _watch(rpc), bool(rpc.msg.get("includeEntry")))
     try:
         yield {"start": {}}
         quiet = 0.0
         while (late := past_deadline(rpc)) is None:
             events = watch.drain()
-            for e in events:
-                yield {"filesystem": event_json(e, watch.handle.path)}
+            for msg in await _events_json(rpc, watch, events):
+                yield {"filesystem": msg}
             quiet = 0.0 if events else quiet + _WATCH_POLL_S
             if rpc.keepalive_s is not None and quiet >= rpc.keepalive_s:
                 quiet = 0.0
@@ -143,7 +166,7 @@ async def create_watcher(rpc: Rpc) -> dict[str, Any]:
     if sum(w.sid == rpc.sid for w in watchers.values()) >= MAX_WATCHERS_PER_SANDBOX:
         raise CapacityError(f"sandbox {rpc.sid} has {MAX_WATCHERS_PER_SANDBOX} watchers already: remove some")
     wid = "w-" + secrets.token_hex(8)
-    watchers[wid] = Watch(rpc.sid, await _watch(rpc))
+    watchers[wid] = Watch(rpc.sid, await _watch(rpc), bool(rpc.msg.get("includeEntry")))
     return {"watcherId": wid}
 
 
@@ -163,7 +186,7 @@ async def get_watcher_events(rpc: Rpc) -> dict[str, Any]:
         rpc.state.watchers.pop(wid, None)
         await anyio.to_thread.run_sync(watch.handle.stop)
         raise
-    return {"events": [event_json(e, watch.handle.path) for e in events]}
+    return {"events": await _events_json(rpc, watch, events)}
 
 
 async def remove_watcher(rpc: Rpc) -> dict[str, Any]:
