@@ -34,6 +34,7 @@ MAX_WATCHERS_PER_SANDBOX = 64
 # Events a watch queues unread (about 200 bytes each; later ones are dropped and counted), so that
 # every watcher a service keeps, flooded by its sandbox, holds at most ~2 MB of host memory.
 WATCH_EVENTS = 10_000
+SETTLE_S = 0.03  # seconds GetWatcherEvents waits for events in flight
 ENTRIES_PER_DRAIN = 256  # events of one drain given their entry (a stat each), at most
 _WATCH_POLL_S = 0.05  # seconds between drains of a streamed watch
 
@@ -180,6 +181,9 @@ def _watcher(rpc: Rpc) -> tuple[str, Watch]:
 
 async def get_watcher_events(rpc: Rpc) -> dict[str, Any]:
     wid, watch = _watcher(rpc)
+    # The agent's events travel a socket and a reader thread: a change made just before this call
+    # (the SDK's own write, say) is waited for a moment, as envd, which watches in-process, needs not.
+    await anyio.sleep(SETTLE_S)
     try:
         events = watch.drain()
     except Exception:  # the watch ended (its sandbox killed, its directory gone): so does the watcher
