@@ -67,6 +67,12 @@ class _Remote:
 
     stop = close
 
+    def __enter__(self) -> _Remote:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
 
 class _FleetStore:
     """What the service reads of `Runtime.store`: a checkpoint's manifest, the sizes summed over nodes."""
