@@ -24,8 +24,9 @@ struct proc {
 	struct proc *next;
 	pid_t pid;
 	char *cmd, *tag; /* tag: the client's name for this start ("" if none) */
-	int out_fd, err_fd, in_fd; /* -1 when closed; with a PTY, out_fd = in_fd's master */
-	int pty, exited, status, release;
+	int out_fd, err_fd, in_fd; /* -1 when closed; with a PTY, pipes from and to its relay (pty.c) */
+	int pty, reaped, exited, status, release; /* a PTY one has exited once reaped and its relay ended */
+	char tty[32]; /* a PTY's slave, opened briefly to resize it */
 	time_t exit_time;
 	struct ring ring;
 	struct watch out_w, err_w;
@@ -83,6 +84,9 @@ int become(const char *user, char *home, size_t home_len);
 void child_reset(const int *keep, int n);
 void op_start(struct conn *c);
 void reaped(pid_t pid, int status);
+
+/* pty.c: fork the relay holding `master`; the agent's ends of its output and input pipes */
+pid_t pty_relay(int master, int *out_fd, int *in_fd);
 
 /* requests.c */
 void conn_read(struct conn *c);

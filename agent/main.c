@@ -340,8 +340,9 @@ int main(int argc, char **argv)
 					continue;
 				int *fd = w->kind == K_OUT ? &p->out_fd : &p->err_fd;
 				if (*fd >= 0) {
+					pid_t pid = p->pid; /* drain may end and free a released PTY process */
 					drain(p, fd, w->kind == K_OUT ? F_STDOUT : F_STDERR, 4 * CHUNK);
-					pump_followers(p->pid);
+					pump_followers(pid);
 				}
 			}
 		}

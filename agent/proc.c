@@ -50,6 +50,16 @@ void proc_free(struct proc *p)
 	free(p);
 }
 
+/* The process and its output have ended: tell its followers; free it if it was released. */
+static void proc_ended(struct proc *p)
+{
+	pid_t pid = p->pid;
+	p->exited = 1;
+	pump_followers(pid);
+	if ((p = find_proc(pid)) && p->release && !followed(pid))
+		proc_free(p);
+}
+
 /* Read what a process's pipe or PTY holds into its ring; returns 0 at end of file. At most `budget`
  * bytes, so one busy writer cannot starve the loop. */
 int drain(struct proc *p, int *fd, char stream, size_t budget)
@@ -60,8 +70,10 @@ int drain(struct proc *p, int *fd, char stream, size_t budget)
 			continue;
 		if (n < 0 && errno == EAGAIN)
 			return 1;
-		if (n <= 0) { /* EOF, or EIO from a PTY whose other side is all closed */
+		if (n <= 0) { /* EOF (a PTY's relay ended) */
 			proc_close_fd(p, fd);
+			if (p->pty && p->reaped && !p->exited)
+				proc_ended(p);
 			return 0;
 		}
 		ring_append(&p->ring, stream, readbuf, (size_t)n);
@@ -188,8 +200,9 @@ void op_start(struct conn *c)
 	char msg[256], slave_name[64] = "";
 
 	if (pty) {
-		/* Only the master here: the child opens the slave itself, after setsid, so the terminal is
-		 * its session's own (CRIU refuses to dump a controlling terminal its session inherited). */
+		/* The child opens the slave itself, after setsid, so the terminal is its session's own
+		 * (CRIU refuses to dump a controlling terminal its session inherited); the master goes
+		 * to the relay (pty.c), forked after the child, and the agent keeps none of it. */
 		sscanf(pty, "%hux%hu", &ws.ws_row, &ws.ws_col);
 		master = posix_openpt(O_RDWR | O_NOCTTY | O_CLOEXEC);
 		if (master < 0 || grantpt(master) < 0 || unlockpt(master) < 0 ||
@@ -260,6 +273,16 @@ void op_start(struct conn *c)
 		reply_error(c, e, msg);
 		return;
 	}
+	if (pty) {
+		int e = pty_relay(master, &out[0], &in[1]) < 0 ? errno : 0;
+		close(master);
+		if (e) {
+			kill(-pid, SIGKILL); /* reaped by the loop, as an orphan would be */
+			snprintf(msg, sizeof(msg), "cannot start the terminal's relay: %s", strerror(e));
+			reply_error(c, e, msg);
+			return;
+		}
+	}
 	struct proc *p = calloc(1, sizeof(*p));
 	p->pid = pid;
 	const char *cmd = field_get(&c->f, "cmd", NULL);
@@ -267,9 +290,10 @@ void op_start(struct conn *c)
 	const char *tag = field_get(&c->f, "tag", NULL);
 	p->tag = strdup(tag ? tag : "");
 	p->pty = pty != NULL;
-	p->out_fd = pty ? master : out[0];
-	p->err_fd = pty ? -1 : errp[0];
-	p->in_fd = pty ? fcntl(master, F_DUPFD_CLOEXEC, 0) : in[1];
+	snprintf(p->tty, sizeof(p->tty), "%s", slave_name);
+	p->out_fd = out[0];
+	p->err_fd = errp[0];
+	p->in_fd = in[1];
 	p->release = field_num(&c->f, "release", 0) != 0;
 	long long cap = field_num(&c->f, "ring", (long long)ring_default);
 	p->ring.cap = cap > 0 ? (size_t)cap : ring_default;
@@ -310,15 +334,19 @@ void reaped(pid_t pid, int status)
 	struct proc *p = find_proc(pid);
 	if (!p)
 		return; /* an orphan re-parented to us: reaping it was the point */
+	p->status = status;
+	p->exit_time = time(NULL);
+	p->reaped = 1;
+	if (p->pty && p->out_fd >= 0) {
+		/* What it wrote may still be in the terminal: the relay hands it over, then ends (the
+		 * output's end of file, in drain, ends the process here). */
+		proc_close_fd(p, &p->in_fd);
+		return;
+	}
 	/* What it wrote before exiting is in the pipe already: take it before announcing the end. */
 	if (p->out_fd >= 0)
 		drain(p, &p->out_fd, F_STDOUT, 1u << 20);
 	if (p->err_fd >= 0)
 		drain(p, &p->err_fd, F_STDERR, 1u << 20);
-	p->exited = 1;
-	p->status = status;
-	p->exit_time = time(NULL);
-	pump_followers(pid);
-	if ((p = find_proc(pid)) && p->release && !followed(pid))
-		proc_free(p);
+	proc_ended(p);
 }

@@ -205,10 +205,16 @@ static void dispatch(struct conn *c)
 			return;
 		struct winsize ws = {.ws_row = (unsigned short)field_num(&c->f, "rows", 24),
 				     .ws_col = (unsigned short)field_num(&c->f, "cols", 80)};
-		if (!p->pty || ioctl(p->out_fd, TIOCSWINSZ, &ws) < 0) {
-			reply_error(c, p->pty ? errno : EINVAL, "resize needs a running process with a pty");
+		/* The slave for a moment (the relay holds the master), never as the agent's terminal. */
+		int tty = p->pty && !p->exited ? open(p->tty, O_RDWR | O_NOCTTY | O_NONBLOCK | O_CLOEXEC) : -1;
+		if (tty < 0 || ioctl(tty, TIOCSWINSZ, &ws) < 0) {
+			int e = p->pty && !p->exited ? errno : EINVAL;
+			if (tty >= 0)
+				close(tty);
+			reply_error(c, e, "resize needs a running process with a pty");
 			return;
 		}
+		close(tty);
 		ok(c);
 	} else if (!strcmp(op, "release")) {
 		if (!(p = need_proc(c)))

@@ -1,8 +1,9 @@
 """Sandbox life-cycle latencies (runc + CRIU + our store) beside the Kimi K3 report and AgentENV.
 
-Medians over `--repeats` runs of: create, exec round trip (through the sandbox's agent, and through
-`runc exec` for comparison), start of a background command, file write / read of 64 KiB and 64 MiB,
-the first output read after a resume, pause, resume, checkpoint of a sandbox holding 64 MiB of
+Medians over `--repeats` runs of: create, exec round trip (through the sandbox's agent embedded and
+over HTTP, and through `runc exec` for comparison, in the same run), start of a background command,
+file write / read of 64 KiB and 64 MiB, reconnecting to a running process after a resume from
+hibernation (a new command id for its pid, then its output), pause, resume, checkpoint of a sandbox holding 64 MiB of
 dirtied memory, a second checkpoint after dirtying 1 MiB (time and bytes_new / bytes_total), fork
 of 1 and of 8 (wall), hibernate, resume from hibernation (plain, and after a `prefetch` hint staged
 the images), restore; the memory of 20 paused vs 20 hibernated sandboxes; where the time goes (runc
@@ -32,8 +33,9 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from k3sys.sandbox import Runtime, Sandbox
+from k3sys.sandbox import HTTPBackend, Runtime, Sandbox
 from k3sys.sandbox.runtime.templates import template_rootfs
+from sandbox_service import start_service  # bench/: the service in a process of its own
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MIB = 1 << 20
@@ -189,6 +191,8 @@ def run(repeats: int, root: Path, console: Console) -> Recorder:
                 console.log("hibernate / resume / restore done")
             memory(rt, rec)
             console.log("memory done")
+            http_rows(root.with_name(root.name + "-service"), repeats, rec)
+            console.log("HTTP rows done")
         finally:
             rt.kill_all()
             for ck in rt.checkpoints():
@@ -218,11 +222,31 @@ def agent_rows(rt: Runtime, s: Sandbox, repeats: int, rec: Recorder) -> None:
             rec.add(f"read_{tag}", ms)
     s.files.write("/root/blob", b"")
     h = s.commands.run("while :; do echo tick; sleep 0.1; done", background=True)
+    pid = rt.command_pid(h.id)
     for _ in range(max(3, repeats // 2)):
         s.hibernate()
         s.resume()
-        rec.add("reconnect_after_resume", timed(lambda: rt.read_command_output(h.id))[0])
+        ms, (out, _, _) = timed(lambda: rt.read_command_output(rt.connect_command(s.id, pid)))
+        assert out.startswith(b"tick\n")  # from its start: the ring came back with the process
+        rec.add("reconnect_after_resume", ms)
     h.kill()
+
+
+def http_rows(data_dir: Path, repeats: int, rec: Recorder) -> None:
+    """The exec round trip through the service (`k3sys sandbox serve` on 127.0.0.1, another process),
+    beside the embedded rows of the same run."""
+    key = "bench-key"
+    proc, url = start_service(data_dir, key)
+    remote = HTTPBackend(url, key)
+    try:
+        with Sandbox.create(runtime=remote) as s:
+            s.commands.run("true")  # warm: the connection pool, the service's first call
+            for _ in range(repeats):
+                rec.add("exec_http", timed(lambda: s.commands.run("true"))[0])
+    finally:
+        remote.close()
+        proc.terminate()
+        proc.wait(120)
 
 
 def hibernate_resume(rt: Runtime, s: Sandbox, rec: Recorder, tag: str) -> object:
@@ -292,13 +316,14 @@ def report(rec: Recorder, console: Console) -> dict:
     rows = [
         ("create (busybox)", "create", None, "", "", ""),
         ("exec round trip (agent)", "exec", 2, "", "", ""),
+        ("exec round trip (agent, over HTTP)", "exec_http", None, "", "", ""),
         ("exec round trip (runc exec, the fallback)", "exec_runc", None, "", "", ""),
         ("start a background command", "start_background", None, "", "", ""),
         ("file write 64 KiB", "write_64k", None, "", "", ""),
         ("    64 MiB", "write_64m", None, "", "", ""),
         ("file read 64 KiB", "read_64k", None, "", "", ""),
         ("    64 MiB", "read_64m", None, "", "", ""),
-        ("first output read after a resume", "reconnect_after_resume", None, "", "", ""),
+        ("reconnect to a process after a resume", "reconnect_after_resume", None, "", "", ""),
         ("pause", "pause", TARGETS["pause"], "", AGENTENV["pause"], E2B["pause"]),
         ("resume from pause", "resume", TARGETS["resume"], "", AGENTENV["resume_hibernated"], ""),
         ("checkpoint, 64 MiB dirty: durable", "checkpoint_64mib", TARGETS["checkpoint_64mib"],
@@ -394,6 +419,7 @@ def main() -> None:
         rec = run(args.repeats, root, console)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(root.with_name(root.name + "-service"), ignore_errors=True)
     load["after"] = os.getloadavg()
     summary = report(rec, console)
     console.print("load average (1, 5, 15 min) before: {:.2f} {:.2f} {:.2f}, after: {:.2f} {:.2f} {:.2f} "

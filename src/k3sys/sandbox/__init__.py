@@ -4,17 +4,20 @@ incremental checkpoint, fork, hibernate, restore. Imports no torch. Three rooms:
 - `sdk/`: `Sandbox`, `Checkpoint` (api.py), `AsyncSandbox`, `AsyncCheckpoint` (aio.py), the HTTP
   backends `HTTPBackend` and `AsyncHTTPBackend` (client.py) and `ConnectionConfig` (connection.py).
 - `service/`: the HTTP service (`k3sys sandbox serve`): server.py (routes), core.py (the runtime's
-  worker threads, limits, metrics), auth.py, limits.py, metrics.py.
+  worker threads, limits, metrics), auth.py, tenants.py (API keys, owners, quotas), limits.py,
+  guard.py (connection and header-time limits), metrics.py.
 - `runtime/`: `Runtime`, the embedded runtime (runtime.py and its parts: commands, files,
-  checkpoints, recovery), over a driver (drivers/: runc + CRIU + overlayfs, cgroups) and the
+  checkpoints, recovery), over a driver (drivers/: runc + CRIU + overlayfs, cgroups, network) and the
   content-addressed checkpoint store (store/).
 
 Shared by all three: errors.py (the exception tree, each class with its HTTP status and CLI exit
-code), spec.py (`SandboxSpec`, `CommandResult`), types.py (`SandboxInfo`, `CheckpointInfo`,
-`EntryInfo`), _wire.py (the service's JSON and error bodies). `Runtime` is imported on first use,
-so `import k3sys.sandbox` for a remote client loads neither the runtime nor the store.
+code), spec.py (`SandboxSpec`, `CommandResult`), egress.py (`EgressPolicy`), types.py
+(`SandboxInfo`, `CheckpointInfo`, `EntryInfo`), _wire.py (the service's JSON and error bodies).
+`Runtime` is imported on first use, so `import k3sys.sandbox` for a remote client loads neither the
+runtime nor the store.
 """
 
+from k3sys.sandbox.egress import EgressPolicy
 from k3sys.sandbox.errors import (
     AuthError,
     CapacityError,
@@ -27,6 +30,7 @@ from k3sys.sandbox.errors import (
     InvalidStateError,
     NotFoundError,
     PathEscapeError,
+    QuotaError,
     RuntimeLockedError,
     SandboxError,
     SandboxFileNotFoundError,
@@ -62,6 +66,7 @@ __all__ = [
     "ConnectionConfig",
     "CorruptStoreError",
     "DriverError",
+    "EgressPolicy",
     "EntryInfo",
     "FilesystemEvent",
     "HTTPBackend",
@@ -70,6 +75,7 @@ __all__ = [
     "NotFoundError",
     "PathEscapeError",
     "ProcessInfo",
+    "QuotaError",
     "Runtime",
     "RuntimeLockedError",
     "Sandbox",

@@ -9,6 +9,7 @@ import re
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from k3sys.sandbox.egress import EgressPolicy
 from k3sys.sandbox.errors import InvalidArgumentError
 
 ON_TIMEOUT = ("hibernate", "kill")  # what the runtime does with a sandbox past its `timeout_s`
@@ -39,9 +40,11 @@ class SandboxSpec:
     """Resources and shape of a sandbox.
 
     `cpu` in cores (a CFS quota), `memory_mb` in MiB (a hard cgroup limit, no swap), `pids` the most
-    tasks at once, `network` False for a private network namespace with loopback only, True to share
-    the host's; `timeout_s` the sandbox's lifetime in seconds (None: until killed); `on_timeout` what
-    happens then: "kill", or "hibernate" (its time starts again on `resume`); None: the runtime's default.
+    tasks at once, `network` False for a private network namespace with loopback only, True for one
+    with a NAT route to the outside (docs/sandbox-network.md), `egress` what that route may reach
+    (None: everything but the host and the metadata range); `timeout_s` the sandbox's lifetime in
+    seconds (None: until killed); `on_timeout` what happens then: "kill", or "hibernate" (its time
+    starts again on `resume`); None: the runtime's default.
     """
 
     template: str = "busybox"
@@ -51,6 +54,7 @@ class SandboxSpec:
     network: bool = False
     timeout_s: float | None = None
     on_timeout: str | None = None
+    egress: EgressPolicy | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.template, str) or not self.template:
@@ -64,6 +68,10 @@ class SandboxSpec:
             check_number("timeout_s", self.timeout_s, 1e-3, 1e9, "seconds (or None)")
         if self.on_timeout not in ON_TIMEOUT + (None,):
             raise InvalidArgumentError(f"on_timeout: expected one of {ON_TIMEOUT} or None, got {self.on_timeout!r}")
+        if self.egress is not None:  # a dict from JSON (from_json, the service's create body)
+            object.__setattr__(self, "egress", EgressPolicy.from_json(self.egress))
+            if not self.network:
+                raise InvalidArgumentError("egress: a policy needs network=True (network=False has loopback only)")
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -182,6 +182,40 @@ def test_pty_size_resize_and_input(agent):
         agent.resize(agent.start(["true"]), 1, 1)
 
 
+def test_pty_output_is_whole_at_its_end_and_the_master_is_the_relays(agent):
+    # The relay (agent/pty.c) holds the master; the end comes only after it handed over the last
+    # bytes the terminal held, so a process that writes and exits at once loses nothing.
+    pid = agent.start(["sh", "-c", "head -c 200000 /dev/zero | tr '\\0' x; exit 7"], pty=(24, 80))
+    end = agent.wait(pid, timeout=10)
+    text = b"".join(p[1] for p in agent.output(pid) if isinstance(p, tuple))
+    assert (end.exit, text) == (7, b"x" * 200_000)
+    assert end.end == 200_000
+    # A long-lived one: the master is open in its relay only, never in the agent (CRIU's rule).
+    pid = agent.start(["cat"], pty=(24, 80), stdin=True)
+    agent_pid = agent._pid()
+    deadline = time.monotonic() + 5
+    while True:  # the relay names itself once it runs, maybe after the start's answer
+        relay = [int(c) for c in Path(f"/proc/{agent_pid}/task/{agent_pid}/children").read_text().split()
+                 if Path(f"/proc/{c}/comm").read_text().strip() == "k3sys-pty"]
+        if relay or time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
+    assert len(relay) == 1
+
+    def ptmx(p: int) -> int:
+        return sum(os.readlink(f"/proc/{p}/fd/{fd}").endswith("ptmx") for fd in os.listdir(f"/proc/{p}/fd"))
+
+    assert (ptmx(agent_pid), ptmx(relay[0])) == (0, 1)
+    agent.close_stdin(pid)  # ^D: cat ends, and so does the relay
+    assert agent.wait(pid, timeout=10).exit == 0
+    deadline = time.monotonic() + 5
+    while Path(f"/proc/{relay[0]}").exists():  # ended and reaped by the agent
+        assert time.monotonic() < deadline, "the relay outlived its process"
+        time.sleep(0.01)
+    with pytest.raises(InvalidArgumentError):
+        agent.resize(pid, 1, 1)  # ended
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="switching users needs root")
 def test_commands_and_files_as_another_user(agent, tmp_path):
     out, _ = agent.run("id -u; echo $HOME", user="nobody")

@@ -4,6 +4,7 @@ watch that carries on across a checkpoint and a hibernation."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -107,16 +108,26 @@ def test_a_flood_is_bounded_and_counted(rt, sbx):
         w.stop()
 
 
+def wait_gaps(w, n: int) -> None:
+    """Until the watch is whole again after its `n`th cut (changes before that may be missed)."""
+    deadline = time.monotonic() + 20
+    while w.gaps < n:
+        assert time.monotonic() < deadline, f"the watch was not set up again ({w.gaps} gaps, want {n})"
+        time.sleep(0.01)
+
+
 @pytest.mark.embedded
 def test_watch_goes_on_across_checkpoint_and_hibernation_and_ends_with_the_sandbox(rt):
     s = Sandbox.create(runtime=rt, memory_mb=256)
     try:
         w = s.files.watch_dir("/tmp")
         s.checkpoint()
+        wait_gaps(w, 1)
         s.files.write("/tmp/after-checkpoint", "1")
         collect(w, FilesystemEvent("create", "/tmp/after-checkpoint"))
         s.hibernate()
         s.resume()
+        wait_gaps(w, 2)
         s.files.write("/tmp/after-resume", "1")
         collect(w, FilesystemEvent("create", "/tmp/after-resume"))
     finally:
@@ -126,6 +137,29 @@ def test_watch_goes_on_across_checkpoint_and_hibernation_and_ends_with_the_sandb
         while time.monotonic() < deadline:
             w.get_new_events()
             time.sleep(0.05)
+
+
+@pytest.mark.embedded
+def test_an_open_watch_does_not_delay_a_checkpoint(rt):
+    # The agent's part of a checkpoint (closing the host's connections) used to wait out the grace
+    # for calls in flight (0.5 s) on the watch, which never ends: it is cut at once now, and so
+    # are output followers.
+    with Sandbox.create(runtime=rt) as s:
+        h = s.commands.run("sleep 60", background=True)
+        follower = threading.Thread(target=lambda: list(h.stream()), daemon=True)
+        follower.start()
+        with s.files.watch_dir("/tmp") as w:
+            s.files.write("/tmp/before", "1")
+            collect(w, FilesystemEvent("create", "/tmp/before"))
+            s.checkpoint()
+            assert rt.timings(s.id)["agent"] < 0.25, rt.timings(s.id)
+            wait_gaps(w, 1)
+            s.files.write("/tmp/after", "1")
+            assert "/tmp/before" not in {e.path for e in collect(w, FilesystemEvent("create", "/tmp/after"))}
+            assert w.dropped == w.overflows == 0
+        h.kill()
+        follower.join(10)
+        assert not follower.is_alive()
 
 
 @pytest.mark.embedded

@@ -52,6 +52,9 @@ class Agent:
         # Who a start or file call that names no user runs as: its template's default user
         # (templates.template_user, set by the runtime); None leaves it to the agent (root).
         self.user: str | None = None
+        # Of those, the calls that wait on the sandbox (an output follower, a wait, a watch): they
+        # may never end by themselves, so a checkpoint cuts them at once (they reconnect).
+        self._streams: set[socket.socket] = set()
 
     # --- connections and the gate -------------------------------------------------------------
 
@@ -94,9 +97,9 @@ class Agent:
         return s
 
     @contextlib.contextmanager
-    def _call(self, timeout: float | None = None) -> Iterator[Stream]:
+    def _call(self, timeout: float | None = None, stream: bool = False) -> Iterator[Stream]:
         """A connection for one request, registered so `close_gate` can cut it; waits while the gate
-        is closed (a checkpoint in progress)."""
+        is closed (a checkpoint in progress). `stream`: it waits on the sandbox (see `_streams`)."""
         with self._cv:
             if not self._cv.wait_for(lambda: self._open or self._dead, timeout=60):
                 raise AgentInterruptedError("sandbox agent: the sandbox stayed closed to calls for 60 s")
@@ -106,6 +109,8 @@ class Agent:
         s.settimeout(timeout)
         with self._cv:
             self._live.add(s)
+            if stream:
+                self._streams.add(s)
         try:
             yield Stream(s, None if timeout is None else time.monotonic() + timeout)
         except SandboxError:
@@ -124,8 +129,20 @@ class Agent:
         finally:
             with self._cv:
                 self._live.discard(s)
+                self._streams.discard(s)
                 self._cv.notify_all()
             s.close()
+
+    def _streaming(self, s: socket.socket) -> None:
+        """Call `s` now waits on the sandbox (a `run` whose start went through): cut it at once if a
+        checkpoint is waiting for calls to end."""
+        with self._cv:
+            if s in self._live:
+                self._streams.add(s)
+                if not self._open:
+                    with contextlib.suppress(OSError):
+                        s.shutdown(socket.SHUT_RDWR)
+                self._cv.notify_all()
 
     def _request(self, op: str, fields: Iterable[tuple[str, object]] = (),
                  timeout: float | None = None) -> dict[str, str]:
@@ -138,11 +155,11 @@ class Agent:
         AgentInterruptedError). Returns whether any was cut: then `quiesce` must run before a dump."""
         with self._cv:
             self._open = False
-            self._cv.wait_for(lambda: not self._live, timeout=grace)
-            cut = bool(self._live)
-            for s in self._live:
-                with contextlib.suppress(OSError):
-                    s.shutdown(socket.SHUT_RDWR)
+            cut = bool(self._streams)
+            _shutdown(self._streams)  # they would only use up the grace: they reconnect
+            self._cv.wait_for(lambda: self._live <= self._streams, timeout=grace)
+            cut = cut or bool(self._live)
+            _shutdown(self._live)
             self._cv.wait_for(lambda: not self._live, timeout=5)
         return cut
 
@@ -175,9 +192,7 @@ class Agent:
         with self._cv:
             self._dead = reason
             self._open = False
-            for s in self._live:
-                with contextlib.suppress(OSError):
-                    s.shutdown(socket.SHUT_RDWR)
+            _shutdown(self._live)
             self._cv.notify_all()
 
     # --- processes ----------------------------------------------------------------------------
@@ -215,7 +230,9 @@ class Agent:
                 for t, payload in st.frames():
                     if t == "I":
                         f = parse_fields(payload)
-                        pid = int(f.get("pid", pid))
+                        if not pid and "pid" in f:
+                            pid = int(f["pid"])
+                            self._streaming(st.sock)  # started: from here on it follows the output
                         out.dropped += int(f.get("dropped", 0))
                     elif t in "OE":
                         out.add("stdout" if t == "O" else "stderr", payload)
@@ -273,7 +290,7 @@ class Agent:
         """`pid`'s output from byte offset `pos` as ("stdout" | "stderr", bytes) pieces, a Gap where
         the ring dropped bytes, then its Exit once ended. Without `follow`: what is there now (no
         Exit while it runs). Pieces and gaps advance the offset by their length."""
-        with self._call(timeout) as st:
+        with self._call(timeout, stream=follow) as st:
             st.send(encode("connect", [("pid", pid), ("from", pos), ("follow", follow)]))
             for t, payload in st.frames():
                 if t in "OE":
@@ -287,7 +304,7 @@ class Agent:
 
     def wait(self, pid: int, timeout: float | None = None) -> Exit:
         ms = None if timeout is None else max(1, int(timeout * 1000))
-        with self._call(None if timeout is None else timeout + 5) as st:
+        with self._call(None if timeout is None else timeout + 5, stream=True) as st:
             st.send(encode("wait", [("pid", pid), ("timeout", ms)]))
             f = st.result()
         return Exit(int(f["exit"]), int(f.get("signal", 0)), int(f["dropped"]), int(f["end"]))
@@ -372,3 +389,10 @@ class Agent:
 
     def remove(self, path: str, *, user: str | None = None, timeout: float | None = None) -> None:
         self._request("remove", self._file_fields(path, user, timeout), timeout=(timeout or self.timeout) + 5)
+
+
+def _shutdown(socks: set[socket.socket]) -> None:
+    """Cut calls: their threads see the end of the stream and leave (`_call` closes the sockets)."""
+    for s in socks:
+        with contextlib.suppress(OSError):
+            s.shutdown(socket.SHUT_RDWR)

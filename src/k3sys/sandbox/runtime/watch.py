@@ -3,9 +3,12 @@ streamed by a reader thread into a bounded queue that `get_new_events` drains.
 
 A sandbox that floods events cannot grow host memory without bound: past `max_events` queued, new
 events are dropped and counted (`dropped`); the agent's own inotify queue overflowing is counted in
-`overflows`. A checkpoint cuts the watch's connection like any call's: the reader watches again once
-the sandbox reopens (after the thaw, a resume from hibernation), so changes made meanwhile (none,
-while it is frozen or hibernated) are not reported. Killing the sandbox ends the watch.
+`overflows`. A checkpoint cuts the watch's connection at once (it never ends by itself, so waiting
+for it would only delay the dump; a connection to the host cannot be inside at a dump): the reader
+watches again once the sandbox reopens (after the thaw, a resume from hibernation). Changes made
+between the cut and the new watch being in place (the few milliseconds before the freeze and after
+the thaw; none while frozen or hibernated) are not reported: each such gap is counted in `gaps`,
+incremented when the watch is whole again. Killing the sandbox ends the watch.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ class WatchHandle:
         self.path, self.recursive = path, recursive
         self.dropped = 0  # events lost because the queue was full
         self.overflows = 0  # times the sandbox's inotify queue overflowed (events lost inside)
+        self.gaps = 0  # times the watch was set up again after a checkpoint cut it (see above)
         self._agent, self._max = agent, max_events
         self._events: deque[FilesystemEvent] = deque()
         self._mu = threading.Lock()
@@ -49,7 +53,7 @@ class WatchHandle:
     def _run(self) -> None:
         while not self._stopped.is_set():
             try:
-                with self._agent._call(None) as st:
+                with self._agent._call(None, stream=True) as st:
                     with self._mu:
                         self._sock = st.sock
                     if self._stopped.is_set():
@@ -71,6 +75,8 @@ class WatchHandle:
 
     def _take(self, f: dict[str, str]) -> None:
         if "ready" in f:
+            with self._mu:
+                self.gaps += self._ready.is_set()  # ready again: a checkpoint's gap ends here
             self._ready.set()
             return
         with self._mu:

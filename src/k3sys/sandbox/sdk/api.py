@@ -27,6 +27,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO, ClassVar, TypeVar, Unpack
 
+from k3sys.sandbox.egress import EgressPolicy
 from k3sys.sandbox.errors import NotFoundError
 from k3sys.sandbox.sdk.backend import Backend
 from k3sys.sandbox.sdk.connection import ConnectionConfig, ConnectionOpts, default_runtime
@@ -229,13 +230,13 @@ class _Facade:
     @classmethod
     def create(cls, template: str = "busybox", cpu: float = 1.0, memory_mb: int = 512, pids: int = 256,
                network: bool = False, timeout_s: float | None = None, on_timeout: str | None = None, *,
-               id: str | None = None, **conn: Unpack[ConnectionOpts]) -> Any:
+               id: str | None = None, egress: EgressPolicy | None = None, **conn: Unpack[ConnectionOpts]) -> Any:
         """Start a sandbox (see `SandboxSpec` for the arguments; `id` optional, chosen by the caller).
 
         `conn`: where (`runtime=`, or `api_url=`/`api_key=`; see `ConnectionConfig`).
         """
         rt = cls._connect(conn)
-        spec = SandboxSpec(template, cpu, memory_mb, pids, network, timeout_s, on_timeout)
+        spec = SandboxSpec(template, cpu, memory_mb, pids, network, timeout_s, on_timeout, egress=egress)
         return cls._then(rt.create(spec, id), lambda info: cls(rt, info.id))
 
     @classmethod

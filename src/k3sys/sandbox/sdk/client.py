@@ -130,6 +130,10 @@ class _Routes(EnvdCalls):
     def create(self, spec: SandboxSpec, id: str | None = None) -> SandboxInfo:
         body = {"templateID": spec.template, "timeout": spec.timeout_s, "sandboxID": id, "cpu": spec.cpu,
                 "memoryMB": spec.memory_mb, "pids": spec.pids, "allow_internet_access": spec.network}
+        if spec.egress is not None:
+            e = spec.egress
+            body["network"] = {"allowOut": list(e.allow_out), "denyOut": list(e.deny_out)} | (
+                {} if e.dns_servers is None else {"dnsServers": list(e.dns_servers)})
         if spec.on_timeout is not None:  # omitted: the service's default
             body["autoPause"] = spec.on_timeout == "hibernate"
         return self._do(_Call("POST", "/v2/sandboxes", json=body, parse=lambda r: sandbox_info(r.json())))

@@ -78,7 +78,7 @@ class NewSandbox(BaseModel):
         """Refuse what E2B offers and this service does not serve (rather than ignore it)."""
         if self.autoResume and self.autoResume.get("enabled"):
             raise unsupported("autoResume", "resume with connect")
-        for name in ("network", "mcp", "iam", "volumeMounts"):
+        for name in ("mcp", "iam", "volumeMounts"):
             if getattr(self, name):
                 raise unsupported(name, "an E2B cloud feature")
 

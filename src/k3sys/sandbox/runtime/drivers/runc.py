@@ -1,8 +1,8 @@
 """The runc driver: each sandbox is an OCI container run by runc and checkpointed by CRIU through runc.
 
 Shape of a sandbox: root = overlay (sealed layer, template; own upper); own mount, pid, ipc, uts and
-(by default) network namespaces, the last with loopback only; cgroup limits on memory (no swap),
-pids and CPU; Docker's default capability set minus NET_RAW; no new privileges.
+network namespaces (loopback only; with network=True one that network.py made, joined by path);
+cgroup limits on memory (no swap), pids and CPU; Docker's default capability set minus NET_RAW; no new privileges.
 
 Choices that keep checkpoints small and fast, measured on this host (see docs/sandbox.md):
 - as few tmpfs mounts as possible (`/dev` lives in the overlay, /sys/firmware is masked by a bind):
@@ -29,6 +29,7 @@ from k3sys.sandbox.runtime import layers
 from k3sys.sandbox.runtime.agent import Agent
 from k3sys.sandbox.runtime.drivers.base import SandboxDirs
 from k3sys.sandbox.runtime.drivers.cgroups import Cgroups
+from k3sys.sandbox.runtime.drivers.network import Network
 from k3sys.sandbox.runtime.system import SystemPaths, system_paths
 from k3sys.sandbox.spec import SandboxSpec
 
@@ -97,6 +98,7 @@ class RuncDriver:
         self.empty = self.state_dir / "empty"
         self.empty.mkdir(mode=0o555, exist_ok=True)
         self.cgroups = Cgroups()
+        self.network = Network()  # network=True: own namespace, veth, NAT, egress policy (network.py)
         self._agents: dict[str, Agent] = {}
         self._agents_mu = threading.Lock()
         _ensure_kdat_dir()
@@ -123,10 +125,8 @@ class RuncDriver:
             raise DriverError(f"runc {args[0]} failed ({p.returncode}): {detail}")
         return p
 
-    def _config(self, sid: str, spec: SandboxSpec) -> dict:
-        namespaces = [{"type": t} for t in ("pid", "ipc", "uts", "mount")]
-        if not spec.network:
-            namespaces.append({"type": "network"})
+    def _config(self, sid: str, spec: SandboxSpec, net: tuple[dict, dict] | None) -> dict:
+        namespaces = [{"type": t} for t in ("pid", "ipc", "uts", "mount")] + [net[0] if net else {"type": "network"}]
         mounts = [
             {"destination": "/proc", "type": "proc", "source": "proc", "options": ["nosuid", "noexec", "nodev"]},
             {"destination": "/sys", "type": "sysfs", "source": "sysfs", "options": ["nosuid", "noexec", "nodev", "ro"]},
@@ -137,9 +137,7 @@ class RuncDriver:
             {"destination": d, "type": "bind", "source": str(self.empty), "options": ["rbind", "ro", "nosuid", "nodev"]}
             for d in _MASKED_BY_BIND if os.path.isdir(d)
         ] + [{"destination": _AGENT, "type": "bind", "source": str(self.system.agent), "options": ["bind", "ro"]}]
-        if spec.network:  # the host's resolver configuration, read-only
-            mounts.append({"destination": "/etc/resolv.conf", "type": "bind", "source": "/etc/resolv.conf",
-                           "options": ["rbind", "ro"]})
+        mounts += [net[1]] if net else []
         memory = spec.memory_mb << 20
         return {
             "ociVersion": "1.0.2",
@@ -178,7 +176,8 @@ class RuncDriver:
     def _prepare(self, sid: str, dirs: SandboxDirs, spec: SandboxSpec, lowers: list[Path]) -> None:
         for d in (dirs.upper, dirs.work, dirs.rootfs, dirs.logs):
             d.mkdir(parents=True, exist_ok=True)
-        (dirs.bundle / "config.json").write_text(json.dumps(self._config(sid, spec)))
+        net = self.network.setup(dirs.root, spec.egress) if spec.network else None
+        (dirs.bundle / "config.json").write_text(json.dumps(self._config(sid, spec, net)))
         layers.mount_overlay(lowers, dirs.upper, dirs.work, dirs.rootfs)
 
     # --- life cycle ---------------------------------------------------------------------------
@@ -316,6 +315,7 @@ class RuncDriver:
         if (self.runc_root / sid).exists():
             self._run(["delete", "--force", sid], timeout=60)
         self.cgroups.remove(sid)
+        self.network.teardown(dirs.root)
         layers.unmount(dirs.rootfs)
 
     def status(self, sid: str) -> str:

@@ -35,6 +35,7 @@ from k3sys.sandbox.errors import AuthError, InvalidStateError, NotFoundError, Un
 from k3sys.sandbox.service.envd import files, process
 from k3sys.sandbox.service.envd import filesystem as fs
 from k3sys.sandbox.service.envd.rpc import EnvdState, client_stream, server_stream, unary
+from k3sys.sandbox.service.scope import Scope, authenticate
 
 _HOST = re.compile(rb"%d-([A-Za-z0-9_-]+)\." % ENVD_PORT)
 _SERVING = ("running", "checkpointing")  # states in which envd answers (a checkpoint only holds a call)
@@ -94,6 +95,26 @@ def _signature_refusal(query: dict[str, str], method: str, token: str) -> str | 
     return "signature is already expired" if exp is not None and int(exp) < time.time() else None
 
 
+def _key_opens(svc: Any, key: bytes | None, sid: str) -> bool | None:
+    """Whether an API key opens the sandbox's envd: the admin's opens every one, a tenant's its own
+    (True); None for a tenant's key and a sandbox not its own, answered as a sandbox that does not
+    exist, so ids do not leak; False for no key of this service."""
+    try:
+        who = authenticate(svc.config.api_key, svc.tenants, key.decode("latin-1")) if key else None
+    except AuthError:
+        return False
+    return who is not None and (Scope(svc.runtime, svc.tenants, who).owns(sid) or None)
+
+
+def _shown(sid: str) -> str:
+    # An id past 63 characters names no sandbox: it is not echoed whole (the header may be 64 KiB).
+    return sid if len(sid) <= 63 else sid[:63] + "..."
+
+
+def _not_found(sid: str) -> tuple[int, str, str]:
+    return 502, f"The sandbox {_shown(sid)} was not found", NotFoundError.code
+
+
 def _refusal(svc: Any, sid: str, scope: dict[str, Any]) -> tuple[int, str, str] | None:
     """(status, message, our error type) when the request may not reach the sandbox's envd, else None."""
     token = access_token(svc.config.api_key, sid)
@@ -104,22 +125,23 @@ def _refusal(svc: Any, sid: str, scope: dict[str, Any]) -> tuple[int, str, str] 
         scheme, _, bearer = headers.get(b"authorization", b"").partition(b" ")
         key = key if key is not None else bearer.strip() if scheme.lower() == b"bearer" else None
         query = dict(parse_qsl(scope.get("query_string", b"").decode()))
-        if not (hmac.compare_digest(given, token.encode())
-                or (key is not None and hmac.compare_digest(key, svc.config.api_key.encode()))):
-            if path == "/files" and "signature" in query:
-                if (why := _signature_refusal(query, scope["method"], token)) is not None:
-                    return 401, why, AuthError.code
-            else:
-                return 401, f"sandbox {sid}: {'wrong' if given else 'missing'} envd access token (X-Access-Token)", \
-                    AuthError.code
+        opens = True if hmac.compare_digest(given, token.encode()) else _key_opens(svc, key, sid)
+        if opens is None:
+            return _not_found(sid)
+        if not opens:
+            if path != "/files" or "signature" not in query:
+                return (401, f"sandbox {_shown(sid)}: {'wrong' if given else 'missing'} envd access token "
+                             "(X-Access-Token)", AuthError.code)
+            if (why := _signature_refusal(query, scope["method"], token)) is not None:
+                return 401, why, AuthError.code
     try:
         state = svc.rt.info(sid).state
     except NotFoundError:
-        return 502, f"The sandbox {sid} was not found", NotFoundError.code
+        return _not_found(sid)
     except UnavailableError as e:  # the service is shutting down
         return 503, str(e), e.code
     if state not in _SERVING:
-        return 502, f"The sandbox {sid} was not found running: it is {state} (connect resumes it)", \
+        return 502, f"The sandbox {_shown(sid)} was not found running: it is {state} (connect resumes it)", \
             InvalidStateError.code
     return None
 
