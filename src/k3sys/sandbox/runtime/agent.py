@@ -49,12 +49,12 @@ class Agent:
         self._dead = ""  # why calls fail for good (the sandbox was killed)
         self._peer: int | None = None  # the PID 1 checked last (cached until the gate reopens)
         self._live: set[socket.socket] = set()
-        # Of those, the calls that wait on the sandbox (an output follower, a wait, a watch): they
-        # may never end by themselves, so a checkpoint cuts them at once (they reconnect).
-        self._streams: set[socket.socket] = set()
         # Who a start or file call that names no user runs as: its template's default user
         # (templates.template_user, set by the runtime); None leaves it to the agent (root).
         self.user: str | None = None
+        # Of those, the calls that wait on the sandbox (an output follower, a wait, a watch): they
+        # may never end by themselves, so a checkpoint cuts them at once (they reconnect).
+        self._streams: set[socket.socket] = set()
 
     # --- connections and the gate -------------------------------------------------------------
 

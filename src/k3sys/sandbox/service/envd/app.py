@@ -87,6 +87,14 @@ def _signed(query: dict[str, str], method: str, token: str) -> bool:
     return hmac.compare_digest(sig.encode(), want.encode())
 
 
+def _signature_refusal(query: dict[str, str], method: str, token: str) -> str | None:
+    """Why a signed URL is refused (envd's messages), or None when it is good."""
+    if not _signed(query, method, token):
+        return "invalid signature"
+    exp = query.get("signature_expiration")
+    return "signature is already expired" if exp is not None and int(exp) < time.time() else None
+
+
 def _key_opens(svc: Any, key: bytes | None, sid: str) -> bool | None:
     """Whether an API key opens the sandbox's envd: the admin's opens every one, a tenant's its own
     (True); None for a tenant's key and a sandbox not its own, answered as a sandbox that does not
@@ -107,14 +115,6 @@ def _not_found(sid: str) -> tuple[int, str, str]:
     return 502, f"The sandbox {_shown(sid)} was not found", NotFoundError.code
 
 
-def _signature_refusal(query: dict[str, str], method: str, token: str) -> str | None:
-    """Why a signed URL is refused (envd's messages), or None when it is good."""
-    if not _signed(query, method, token):
-        return "invalid signature"
-    exp = query.get("signature_expiration")
-    return "signature is already expired" if exp is not None and int(exp) < time.time() else None
-
-
 def _refusal(svc: Any, sid: str, scope: dict[str, Any]) -> tuple[int, str, str] | None:
     """(status, message, our error type) when the request may not reach the sandbox's envd, else None."""
     token = access_token(svc.config.api_key, sid)
@@ -125,19 +125,15 @@ def _refusal(svc: Any, sid: str, scope: dict[str, Any]) -> tuple[int, str, str] 
         scheme, _, bearer = headers.get(b"authorization", b"").partition(b" ")
         key = key if key is not None else bearer.strip() if scheme.lower() == b"bearer" else None
         query = dict(parse_qsl(scope.get("query_string", b"").decode()))
-        if hmac.compare_digest(given, token.encode()):
-            opens: bool | None = True
-        elif path == "/files" and "signature" in query:
-            if (why := _signature_refusal(query, scope["method"], token)) is not None:
-                return 401, why, AuthError.code
-            opens = True
-        else:
-            opens = _key_opens(svc, key, sid)
+        opens = True if hmac.compare_digest(given, token.encode()) else _key_opens(svc, key, sid)
         if opens is None:
             return _not_found(sid)
         if not opens:
-            return (401, f"sandbox {_shown(sid)}: {'wrong' if given else 'missing'} envd access token "
-                         "(X-Access-Token)", AuthError.code)
+            if path != "/files" or "signature" not in query:
+                return (401, f"sandbox {_shown(sid)}: {'wrong' if given else 'missing'} envd access token "
+                             "(X-Access-Token)", AuthError.code)
+            if (why := _signature_refusal(query, scope["method"], token)) is not None:
+                return 401, why, AuthError.code
     try:
         state = svc.rt.info(sid).state
     except NotFoundError:
@@ -145,7 +141,7 @@ def _refusal(svc: Any, sid: str, scope: dict[str, Any]) -> tuple[int, str, str] 
     except UnavailableError as e:  # the service is shutting down
         return 503, str(e), e.code
     if state not in _SERVING:
-        return 502, f"The sandbox {sid} was not found running: it is {state} (connect resumes it)", \
+        return 502, f"The sandbox {_shown(sid)} was not found running: it is {state} (connect resumes it)", \
             InvalidStateError.code
     return None
 
