@@ -8,7 +8,8 @@ as the embedded runtime starts it) and `k3sysStdin` (base64: the whole stdin, wr
 Extension headers, sent only by the k3sys client: `k3sys-follow: 0` (Start, Connect: send what the
 process wrote so far, then end without its end event), `k3sys-keep: 1` (Connect: keep the ended
 process's record, for a later wait), `k3sys-all: 1` (List: ended processes too),
-`k3sys-kill-on-timeout: 1` (Start, Connect: past `Connect-Timeout-Ms`, kill the process).
+`k3sys-kill-on-timeout: 1` (Start, Connect: past `Connect-Timeout-Ms`, kill the process),
+`k3sys-strict: 1` (Remove: a missing path is `not_found`, as embedded, not envd's success).
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ PORT_HEADER = "e2b-sandbox-port"
 TOKEN_HEADER = "x-access-token"
 API_KEY_HEADER = "x-api-key"  # the service's API key, accepted by envd instead of the sandbox's token
 ENVD_PORT = 49983
-FOLLOW_HEADER, KEEP_HEADER, ALL_HEADER, KILL_HEADER = "k3sys-follow", "k3sys-keep", "k3sys-all", "k3sys-kill-on-timeout"
+FOLLOW_HEADER, KEEP_HEADER, ALL_HEADER = "k3sys-follow", "k3sys-keep", "k3sys-all"
+KILL_HEADER, STRICT_HEADER = "k3sys-kill-on-timeout", "k3sys-strict"
 SIGNALS = {"SIGNAL_SIGTERM": 15, "SIGNAL_SIGKILL": 9}
 
 _TYPES = {"file": "FILE_TYPE_FILE", "dir": "FILE_TYPE_DIRECTORY", "symlink": "FILE_TYPE_SYMLINK"}

@@ -113,9 +113,9 @@ def sandbox_info(d: Mapping[str, Any]) -> SandboxInfo:
                        k["reason"], k["deadline"])
 
 
-def checkpoint_json(ck: CheckpointInfo) -> dict[str, Any]:
-    """A checkpoint as E2B's SnapshotInfo (`snapshotID`, `names`) with our fields beside."""
-    return {"snapshotID": ck.id, "names": [], **camel(dataclasses.asdict(ck))}
+def checkpoint_json(ck: CheckpointInfo, names: list[str] | None = None) -> dict[str, Any]:
+    """A checkpoint as E2B's SnapshotInfo (`snapshotID`, the `names` given to it) with our fields beside."""
+    return {"snapshotID": ck.id, "names": names or [], **camel(dataclasses.asdict(ck))}
 
 
 def checkpoint_info(d: Mapping[str, Any]) -> CheckpointInfo:

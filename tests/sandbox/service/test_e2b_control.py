@@ -25,6 +25,12 @@ TEMPLATE = "busybox"
 KEY = "e2b-control-test-" + uuid.uuid4().hex
 
 
+def _point_sdk(mp: pytest.MonkeyPatch, url: str) -> None:
+    """E2B's environment variables, as a user sets them, for a service at `url` with key KEY."""
+    for k, v in {"E2B_API_URL": url, "E2B_SANDBOX_URL": url, "E2B_API_KEY": KEY}.items():
+        mp.setenv(k, v)
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """A service whose key is E2B_API_KEY, the SDK pointed at it by E2B's environment variables."""
@@ -35,8 +41,7 @@ def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("e2bsvc")
     mp = pytest.MonkeyPatch()
     with ServiceProcess(root, env={"K3SYS_API_KEY": KEY}) as svc:
-        for k, v in {"E2B_API_URL": svc.url, "E2B_SANDBOX_URL": svc.url, "E2B_API_KEY": KEY}.items():
-            mp.setenv(k, v)
+        _point_sdk(mp, svc.url)
         try:
             yield svc
         finally:
@@ -54,9 +59,8 @@ def ours(server):
 
 @pytest.fixture
 def sbx(server):
-    s = Sandbox.create(TEMPLATE, timeout=120)
-    yield s
-    s.kill()
+    with Sandbox.create(TEMPLATE, timeout=120) as s:  # killed on the way out
+        yield s
 
 
 def _tag() -> str:
@@ -108,6 +112,8 @@ def test_bad_input_is_refused_by_name(server):
     assert r.status_code == 422 and "nextToken" in r.json()["message"]
     r = httpx.get(f"{server.url}/v2/sandboxes", params={"state": "sleeping"}, headers=h, timeout=30)
     assert r.status_code == 422 and "sleeping" in r.json()["message"]
+    with Sandbox.create(TEMPLATE, timeout=30) as s, pytest.raises(SandboxException, match="network: not supported"):
+        s.update_network({"deny_out": ["0.0.0.0/0"]})
 
 
 def test_list_filters_and_pages(server):
@@ -119,11 +125,16 @@ def test_list_filters_and_pages(server):
         while paginator.has_next:
             pages.append([i.sandbox_id for i in paginator.next_items()])
         assert [len(p) for p in pages] == [2, 1]
-        assert [x for p in pages for x in p] == [b.sandbox_id for b in boxes]  # oldest first, no repeats
-        desc = Sandbox.list(query=mine, order="desc").next_items()
-        assert [i.sandbox_id for i in desc] == [b.sandbox_id for b in reversed(boxes)]
+        assert [x for p in pages for x in p] == [b.sandbox_id for b in reversed(boxes)]  # newest first, no repeats
+        pages, paginator = [], Sandbox.list(query=mine, limit=1, order="asc")
+        while paginator.has_next:
+            pages.append([i.sandbox_id for i in paginator.next_items()])
+        assert pages == [[b.sandbox_id] for b in boxes]
         one = Sandbox.list(query=SandboxQuery(metadata={"group": tag, "i": "1"})).next_items()
         assert [i.sandbox_id for i in one] == [boxes[1].sandbox_id]
+        since = boxes[1].get_info().started_at  # exactly as sent: that sandbox is "started after" it
+        later = Sandbox.list(query=SandboxQuery(metadata={"group": tag}, started_after=since)).next_items()
+        assert {i.sandbox_id for i in later} == {boxes[1].sandbox_id, boxes[2].sandbox_id}
         assert boxes[2].pause() is True
         paused = Sandbox.list(query=SandboxQuery(metadata={"group": tag}, state=[SandboxState.PAUSED])).next_items()
         running = Sandbox.list(query=SandboxQuery(metadata={"group": tag}, state=[SandboxState.RUNNING])).next_items()
@@ -201,16 +212,22 @@ def test_pause_connect_keeps_processes(sbx, ours):
     assert again.get_info().state == SandboxState.RUNNING
 
 
-def test_snapshot_then_create_from_it(sbx, ours):
+def test_snapshot_then_create_from_it(server, sbx, ours):
     sid = sbx.sandbox_id
     ours.write_file(sid, "/tmp/mark", b"before")
     snap = sbx.create_snapshot()
     ours.write_file(sid, "/tmp/mark", b"after")
     assert snap.snapshot_id in [s.snapshot_id for s in Sandbox.list_snapshots(sandbox_id=sid).next_items()]
     assert [s.snapshot_id for s in sbx.list_snapshots(name=snap.snapshot_id).next_items()] == [snap.snapshot_id]
-    copy = Sandbox.create(snap.snapshot_id, timeout=60, metadata={"from": "snapshot"})
+    copy = Sandbox.create(snap.snapshot_id, timeout=60, metadata={"from": "snapshot"},
+                          lifecycle={"on_timeout": "pause"})
     try:
-        assert copy.sandbox_id != sid and copy.get_info().template_id == snap.snapshot_id
+        info = copy.get_info()
+        assert copy.sandbox_id != sid and info.template_id == snap.snapshot_id
+        assert info.lifecycle["on_timeout"] == "pause" and info.metadata == {"from": "snapshot"}
+        r = httpx.post(f"{server.url}/v2/sandboxes", json={"templateID": snap.snapshot_id, "memoryMB": 4096},
+                       headers={"x-api-key": KEY}, timeout=30)
+        assert r.status_code == 422 and "memoryMB" in r.json()["message"]
         assert ours.read_file(copy.sandbox_id, "/tmp/mark") == b"before"
         assert ours.read_file(sid, "/tmp/mark") == b"after"  # the source ran on
     finally:
@@ -219,6 +236,23 @@ def test_snapshot_then_create_from_it(sbx, ours):
     assert Sandbox.delete_snapshot(snap.snapshot_id) is False
     with pytest.raises(SandboxException, match="not supported"):
         sbx.create_snapshot(mode="filesystem")
+
+
+def test_named_snapshots(sbx, ours):
+    name = f"snap-{_tag()}"
+    first = sbx.create_snapshot(name=name)
+    assert first.names == [name] and first.snapshot_id != name
+    ours.write_file(sbx.sandbox_id, "/tmp/mark", b"second")
+    second = sbx.create_snapshot(name=name)  # the name moves to the newer snapshot
+    assert [s.snapshot_id for s in Sandbox.list_snapshots(name=name).next_items()] == [second.snapshot_id]
+    assert Sandbox.list_snapshots(name=name + "-nothing").next_items() == []
+    with Sandbox.create(name, timeout=60) as copy:
+        assert ours.read_file(copy.sandbox_id, "/tmp/mark") == b"second"
+    assert Sandbox.delete_snapshot(name) is True  # by name: the snapshot it names
+    assert Sandbox.list_snapshots(name=name).next_items() == []
+    assert Sandbox.delete_snapshot(first.snapshot_id) is True
+    with pytest.raises(SandboxException, match="name"):
+        sbx.create_snapshot(name="../bad name")
 
 
 def test_fork_two(sbx, ours):
@@ -272,7 +306,7 @@ def _count(s: Sandbox) -> int:
 def _counting(s: Sandbox) -> None:
     """The counter of `COUNTER` moves on in `s` (its process alive after whatever happened)."""
     n = _count(s)
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 30  # generous: the machine is shared and loaded
     while _count(s) <= n:
         assert time.monotonic() < deadline, "the counter stopped"
         time.sleep(0.1)
@@ -290,9 +324,8 @@ def _reattach(s: Sandbox, pid: int) -> None:
 
 @pytest.fixture
 def dsbx(server):
-    s = Sandbox.create(SHELL, timeout=120)
-    yield s
-    s.kill()
+    with Sandbox.create(SHELL, timeout=120) as s:  # killed on the way out
+        yield s
 
 
 def test_background_command_through_pause_and_connect(dsbx):
@@ -327,3 +360,73 @@ def test_background_command_through_snapshot_and_fork(dsbx):
         for s in (copy, *kids):
             s.kill()
         Sandbox.delete_snapshot(snap.snapshot_id)
+
+
+def _stopped(s: Sandbox) -> None:
+    """No counter runs in `s` (its processes did not survive a cold boot), but its files did."""
+    n = _count(s)
+    assert n > 0
+    time.sleep(0.5)
+    assert _count(s) == n
+
+
+def test_filesystem_only_pause_and_reboot_resume(dsbx, server):
+    sbx = dsbx
+    h = sbx.commands.run(COUNTER, background=True)
+    _counting(sbx)
+    assert sbx.pause(mode="filesystem") is True
+    r = httpx.get(f"{server.url}/sandboxes/{sbx.sandbox_id}", headers={"x-api-key": KEY}, timeout=30)
+    assert r.json()["pauseMode"] == "filesystem"
+    back = Sandbox.connect(sbx.sandbox_id)  # boots cold: files kept, processes not
+    _stopped(back)
+    assert h.pid not in [p.pid for p in back.commands.list()]
+    assert back.commands.run("echo fresh").stdout == "fresh\n"
+    h = back.commands.run(COUNTER, background=True)  # a full pause keeps them again
+    assert back.pause() is True
+    _counting(Sandbox.connect(sbx.sandbox_id))
+    assert back.pause() is True
+    _stopped(Sandbox.connect(sbx.sandbox_id, on_resume="reboot"))  # memory ignored when asked
+
+
+def test_auto_pause_filesystem_only_boots_cold(server, ours):
+    s = Sandbox.create(TEMPLATE, timeout=2, lifecycle={"on_timeout": {"action": "pause", "keep_memory": False}})
+    try:
+        loop = "while :; do date +%s%N > /tmp/t.new && mv /tmp/t.new /tmp/t; sleep 0.1; done"
+        ours.start_command(s.sandbox_id, f"sh -c '{loop}'")
+        deadline = time.monotonic() + 30
+        while ours.info(s.sandbox_id).state != "hibernated":
+            assert time.monotonic() < deadline, "not paused by its timeout"
+            time.sleep(0.3)
+        Sandbox.connect(s.sandbox_id, timeout=60)
+        t = ours.read_file(s.sandbox_id, "/tmp/t")
+        time.sleep(0.5)
+        assert t and ours.read_file(s.sandbox_id, "/tmp/t") == t  # the loop did not come back
+        assert [p for p in ours.processes(s.sandbox_id) if p.running] == []
+    finally:
+        s.kill()
+
+
+def test_attributes_and_names_survive_a_restart(tmp_path, monkeypatch):
+    from sandbox_fixtures import leftovers
+
+    root = tmp_path / "svc"
+    svc = ServiceProcess(root, env={"K3SYS_API_KEY": KEY}).start()
+    try:
+        _point_sdk(monkeypatch, svc.url)
+        s = Sandbox.create(TEMPLATE, timeout=120, metadata={"keep": "me"}, envs={"V": "1"})
+        snap = s.create_snapshot(name="survivor")
+        token = s._envd_access_token
+        svc.stop()  # hibernates the sandbox (on_shutdown)
+        svc.start()  # on another port
+        _point_sdk(monkeypatch, svc.url)
+        info = Sandbox.get_info(s.sandbox_id)
+        assert info.metadata == {"keep": "me"} and info.state == SandboxState.PAUSED
+        back = Sandbox.connect(s.sandbox_id)
+        assert back._envd_access_token == token
+        with svc.client() as ours:
+            assert ours.run(s.sandbox_id, "echo $V").stdout == "1\n"
+        assert [x.snapshot_id for x in Sandbox.list_snapshots(name="survivor").next_items()] == [snap.snapshot_id]
+    finally:
+        ids = svc.kill_all() if svc.proc and svc.proc.poll() is None else set()
+        svc.stop()
+    assert leftovers(root, ids) == []

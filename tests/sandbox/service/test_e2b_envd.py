@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import asyncio
+import functools
+import gzip
 import hashlib
 import os
 import time
@@ -20,12 +22,14 @@ from e2b import (
     NotFoundException,
     PtySize,
     SandboxException,
+    SandboxNotRunningException,
 )
 from e2b import Sandbox as E2B
 from packaging.version import Version
 from service_process import ServiceProcess
 
-from k3sys.sandbox.service.envd.app import access_token
+from k3sys.sandbox._connect import STREAM_CONTENT_TYPE, FrameReader, frame
+from k3sys.sandbox.service.envd.app import access_token, url_signature
 from k3sys.sandbox.spec import SandboxSpec
 
 pytestmark = pytest.mark.timeout(180)
@@ -192,3 +196,132 @@ def test_async_sdk(envd_service, box):
         assert bytes(await abox.files.read("/tmp/async.bin", format="bytes")) == data
         assert [e.name for e in await abox.files.list("/tmp") if e.name == "async.bin"] == ["async.bin"]
     asyncio.run(main())
+
+
+def test_a_stream_goes_on_through_a_checkpoint(envd_service, box):
+    h = box.commands.run("for i in $(seq 1 20); do echo line$i; sleep 0.1; done", background=True)
+    time.sleep(0.5)
+    with envd_service.client() as c:
+        c.checkpoint(box.sandbox_id)  # the agent's connections are cut for the dump: the stream pauses
+    r = h.wait()
+    assert r.exit_code == 0 and r.stdout == "".join(f"line{i}\n" for i in range(1, 21))
+
+
+def test_uploads_multipart_gzip_and_signed_urls(envd_service, box):
+    sid, token = box.sandbox_id, access_token(envd_service.key, box.sandbox_id)
+    url, auth = f"{envd_service.url}/files", {"E2b-Sandbox-Id": sid, "X-Access-Token": token}
+    # Several files in one multipart body, each part named by its path.
+    parts = [("file", ("/tmp/m/a.txt", b"A" * 70000)), ("file", ("/tmp/m/b", b"\r\n--"))]
+    r = httpx.post(url, headers=auth, files=parts)
+    assert r.status_code == 200 and [e["path"] for e in r.json()] == ["/tmp/m/a.txt", "/tmp/m/b"]
+    assert box.files.read("/tmp/m/a.txt") == "A" * 70000 and box.files.read("/tmp/m/b", format="bytes") == b"\r\n--"
+    # A gzip body, and metadata echoed back.
+    blob = os.urandom(300_000)
+    r = httpx.post(url, params={"path": "/tmp/m/z"}, content=gzip.compress(blob), headers={
+        **auth, "content-type": "application/octet-stream", "content-encoding": "gzip", "x-metadata-k": "v"})
+    assert r.status_code == 200 and r.json()[0]["metadata"] == {"k": "v"}
+    assert bytes(box.files.read("/tmp/m/z", format="bytes")) == blob
+    r = httpx.post(url, params={"path": "/tmp/m/bad"}, content=b"not gzip", headers={
+        **auth, "content-type": "application/octet-stream", "content-encoding": "gzip"})
+    assert r.status_code == 400 and "gzip" in r.json()["message"] and not box.files.exists("/tmp/m/bad")
+    # A signed URL, as the SDK makes it, reaches the sandbox by host name without the token header.
+    signed = box.download_url("/tmp/m/a.txt", use_signature_expiration=60)
+    host = {"host": f"49983-{sid}.k3sys.test"}
+    assert httpx.get(f"{url}?{signed.split('?', 1)[1]}", headers=host).content == b"A" * 70000
+    tampered = signed.replace("a.txt", "b")
+    assert httpx.get(f"{url}?{tampered.split('?', 1)[1]}", headers=host).status_code == 401
+    expired = url_signature("/tmp/m/a.txt", "read", None, token, int(time.time()) - 1)
+    r = httpx.get(url, params={"path": "/tmp/m/a.txt", "signature": expired,
+                               "signature_expiration": int(time.time()) - 1}, headers=host)
+    assert r.status_code == 401
+
+
+def test_bad_requests_get_clear_errors(envd_service, box):
+    h = {"E2b-Sandbox-Id": box.sandbox_id, "X-Access-Token": access_token(envd_service.key, box.sandbox_id)}
+    post = functools.partial(httpx.post, headers=h)
+    r = post(f"{envd_service.url}/process.Process/SendInput", content=b"{not json",
+             headers={**h, "content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["code"] == "invalid_argument" and "not JSON" in r.json()["message"]
+    r = post(f"{envd_service.url}/process.Process/SendInput", json={"process": {"pid": 1}, "input": {"stdin": "%%"}})
+    assert r.status_code == 400 and "base64" in r.json()["message"]
+    r = post(f"{envd_service.url}/process.Process/SendSignal", json={"process": {"pid": 1}, "signal": "SIGNAL_NOPE"})
+    assert r.status_code == 400 and "SIGNAL_NOPE" in r.json()["message"]
+    r = post(f"{envd_service.url}/process.Process/SendSignal",
+             json={"process": {"tag": "t"}, "signal": "SIGNAL_SIGKILL"})
+    assert r.json()["code"] == "unimplemented"
+    r = post(f"{envd_service.url}/filesystem.Filesystem/Stat", json={"path": "/../etc"})
+    assert r.status_code == 400 and r.headers["k3sys-error-type"] == "path_escape"
+    # A stream frame claiming more than the limit is refused before it is read.
+    r = post(f"{envd_service.url}/process.Process/Start", content=bytes([0]) + (1 << 30).to_bytes(4, "big"),
+             headers={**h, "content-type": STREAM_CONTENT_TYPE})
+    end = [m for _, m in FrameReader().feed(r.content)][-1]
+    assert end["error"]["code"] == "resource_exhausted"
+    r = post(f"{envd_service.url}/filesystem.Filesystem/NoSuchMethod", json={})
+    assert r.status_code == 404
+
+
+def test_k3sys_client_watch_and_processes(envd_service, box):
+    """The k3sys remote client speaks envd too: a watch through CreateWatcher, a process list with ended ones."""
+    from k3sys.sandbox import Sandbox
+
+    with envd_service.client() as rt:
+        s = Sandbox.get(box.sandbox_id, runtime=rt)
+        s.files.make_dir("/tmp/kw")
+        with s.files.watch_dir("/tmp/kw") as w:
+            s.files.write("/tmp/kw/f", b"x")
+            deadline, events = time.monotonic() + 20, []
+            while not events and time.monotonic() < deadline:
+                events = [e for e in w.get_new_events() if e.path == "/tmp/kw/f"]
+                time.sleep(0.1)
+        assert events and events[0].type == "create" and not events[0].is_dir
+        h = s.commands.run("exit 5", background=True)
+        deadline = time.monotonic() + 20
+        while h.running and time.monotonic() < deadline:
+            time.sleep(0.05)
+        ended = [p for p in s.commands.list() if p.pid == h.pid]
+        assert ended and not ended[0].running and ended[0].exit_code == 5
+        assert h.wait(10).exit_code == 5
+
+
+def test_async_background_connect_and_start_refusals(envd_service, box):
+    async def main():
+        abox = _handle(envd_service, box.sandbox_id, cls=E2BAsync)
+        h = await abox.commands.run("read x; echo got:$x", background=True, stdin=True)
+        again = await abox.commands.connect(h.pid)
+        await abox.commands.send_stdin(h.pid, "y\n")
+        assert (await again.wait()).stdout == "got:y\n"
+        assert (await h.wait()).stdout == "got:y\n"
+    asyncio.run(main())
+    h = {"E2b-Sandbox-Id": box.sandbox_id, "X-Access-Token": access_token(envd_service.key, box.sandbox_id),
+         "content-type": STREAM_CONTENT_TYPE}
+    for process, field in (({"cmd": "/bin/true", "envs": ["A=1"]}, "process.envs"),
+                           ({"cmd": "/bin/true", "args": "-c"}, "process.args"), ({"cmd": ""}, "process.cmd"),
+                           ({"cmd": "/bin/true", "cwd": 5}, "process.cwd")):
+        r = httpx.post(f"{envd_service.url}/process.Process/Start", content=frame({"process": process}), headers=h)
+        end = [m for _, m in FrameReader().feed(r.content)][-1]
+        assert end["error"]["code"] == "invalid_argument" and field in end["error"]["message"], end
+
+
+def test_relative_paths_start_at_the_users_home_and_remove_is_idempotent(box):
+    box.files.write("rel.txt", "in home")  # E2B's tests name files relative to the user's home
+    home = box.commands.run("cd && pwd").stdout.strip()
+    assert box.commands.run(f"cat {home}/rel.txt").stdout == "in home"
+    assert box.files.read("rel.txt") == "in home" and box.files.exists("rel.txt")
+    assert box.files.get_info("rel.txt").path == f"{home}/rel.txt"
+    other = "user" if box.commands.run("id -un").stdout.strip() == "root" else "root"
+    with pytest.raises(NotFoundException):
+        box.files.read("rel.txt", user=other)  # another user's home is another directory
+    box.files.remove("rel.txt")
+    box.files.remove("rel.txt")  # envd removes what is there: a missing path is no error
+    assert not box.files.exists("rel.txt")
+
+
+def test_a_command_outlived_by_its_sandbox_ends_as_e2b_says(envd_service):
+    with envd_service.client() as c:
+        sid = c.create(SandboxSpec(template="base", memory_mb=256)).id
+    box = _handle(envd_service, sid)
+    h = box.commands.run("sleep 60", background=True)
+    with envd_service.client() as c:
+        c.kill(sid)
+    with pytest.raises(SandboxNotRunningException, match="killed or reached its end of life"):
+        h.wait()

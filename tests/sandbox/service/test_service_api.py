@@ -359,6 +359,7 @@ ROUTES = {
     ("/sandboxes/{sid}/pause", "post"), ("/sandboxes/{sid}/connect", "post"), ("/v2/sandboxes/{sid}/connect", "post"),
     ("/sandboxes/{sid}/resume", "post"), ("/sandboxes/{sid}/metrics", "get"), ("/sandboxes/{sid}/snapshots", "post"),
     ("/snapshots", "get"), ("/templates/{tid}", "delete"), ("/sandboxes/{sid}/fork", "post"),
+    ("/sandboxes/{sid}/network", "put"),
     # ours
     ("/sandboxes/{sid}/freeze", "post"), ("/sandboxes/{sid}/thaw", "post"), ("/sandboxes/{sid}/hibernate", "post"),
     ("/sandboxes/{sid}/prefetch", "post"), ("/sandboxes/{sid}/memory", "get"), ("/sandboxes/{sid}/cpu", "get"),

@@ -189,12 +189,15 @@ class Checkpoints(Table):
         self._timings[rec.id] = t
         return t
 
-    def restore(self, ck: str, id: str | None = None, timeout_s: float | None = None) -> SandboxInfo:
-        """A new running sandbox from checkpoint `ck` (its processes, memory and files)."""
+    def restore(self, ck: str, id: str | None = None, timeout_s: float | None = None,
+                on_timeout: str | None = None) -> SandboxInfo:
+        """A new running sandbox from checkpoint `ck` (its processes, memory and files); `timeout_s`
+        and `on_timeout`, when given, replace those of the checkpoint's spec."""
         m = self.store.get(ck)
         spec = SandboxSpec.from_json(m.meta.get("spec", {}))
-        if timeout_s is not None:
-            spec = SandboxSpec(**{**spec.to_json(), "timeout_s": timeout_s})
+        changes = {k: v for k, v in (("timeout_s", timeout_s), ("on_timeout", on_timeout)) if v is not None}
+        if changes:
+            spec = SandboxSpec(**{**spec.to_json(), **changes})
         return self._spawn(spec, ck, ck, id)
 
     def _spawn(self, spec: SandboxSpec, ck: str, head: str | None, id: str | None = None,

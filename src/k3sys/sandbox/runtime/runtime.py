@@ -175,8 +175,10 @@ class Runtime(Recovery, Checkpoints, Files, Commands, Table):
             self.driver.pause(sid)
             self._set(rec, State.PAUSED)
 
-    def resume(self, sid: str) -> None:
-        """Thaw a paused sandbox, or restore a hibernated one (same id, same processes)."""
+    def resume(self, sid: str, memory: bool = True) -> None:
+        """Thaw a paused sandbox, or restore a hibernated one (same id, same processes). `memory=False`
+        boots a hibernated one cold instead: its files as they were, none of its processes (E2B's
+        filesystem-only resume)."""
         with self._locked(sid) as rec:
             self._require(rec, "resume", State.PAUSED, State.HIBERNATED)
             if rec.state is State.PAUSED:
@@ -185,7 +187,12 @@ class Runtime(Recovery, Checkpoints, Files, Commands, Table):
                 return
             self._set(rec, State.RESUMING, prev=State.HIBERNATED)
             try:
-                self._restore_into(rec, rec.head)
+                if memory:
+                    self._restore_into(rec, rec.head)
+                else:  # the sealed fs of its last checkpoint under a fresh upper, the template's PID 1
+                    self._ensure_layer(rec.head)
+                    self.driver.create(sid, self._dirs(sid), rec.spec,
+                                       [self._layer_dir(rec.head), template_rootfs(rec.spec.template)])
             except BaseException:
                 with contextlib.suppress(SandboxError):
                     self.driver.destroy(sid, self._dirs(sid))

@@ -207,7 +207,8 @@ class Files:
     def watch_dir(self, path: str, recursive: bool = False) -> Any:
         """Watch a directory (with `recursive`, its whole tree) for changes, as E2B's SDK does: the
         handle's `get_new_events()` gives the `FilesystemEvent`s since the last call, `stop()` ends
-        it. Embedded runtimes only for now (the HTTP service does not stream watches yet)."""
+        it. Over HTTP the service keeps the watch (envd's CreateWatcher) and `get_new_events()` asks
+        it; `dropped` and `overflows` are embedded only."""
         return self._sbx._rt.watch_dir(self._sbx.id, path, recursive)
 
 

@@ -138,8 +138,9 @@ class _Routes(EnvdCalls):
         return self._do(_Call("GET", f"/sandboxes/{sid}", parse=lambda r: sandbox_info(r.json())))
 
     def list(self) -> list[SandboxInfo]:
-        """Every sandbox, every state (no `limit`: one page)."""
-        return self._do(_Call("GET", "/v2/sandboxes", parse=lambda r: [sandbox_info(d) for d in r.json()]))
+        """Every sandbox, every state, oldest first (no `limit`: one page)."""
+        return self._do(_Call("GET", "/v2/sandboxes", params={"order": "asc"},
+                              parse=lambda r: [sandbox_info(d) for d in r.json()]))
 
     def kill(self, sid: str) -> None:
         return self._do(_Call("DELETE", f"/sandboxes/{sid}"))

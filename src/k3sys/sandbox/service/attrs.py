@@ -1,7 +1,8 @@
 """What E2B's protocol keeps per sandbox beyond our runtime's record: the template id the caller
 named, metadata and environment variables (the envd access token is derived, not kept: see
-envd/app.py). One small JSON file per sandbox under `<data dir>/e2b/`, written atomically, so they
-survive a restart of the service as the sandboxes do; a sandbox without one has the defaults.
+envd/app.py), one small JSON file per sandbox under `<data dir>/e2b/sandboxes/`; and the names given
+to snapshots, `<data dir>/e2b/snapshot-names.json`. Written atomically, so they survive a restart of
+the service as the sandboxes and checkpoints do; a sandbox without a file has the defaults.
 """
 
 from __future__ import annotations
@@ -19,11 +20,15 @@ from k3sys.sandbox.spec import check_id
 @dataclass(frozen=True)
 class SandboxAttrs:
     """`template_id`: what the create call named (a template or a snapshot id; "" for the spec's
-    template); `envs`: environment variables of every command started in the sandbox."""
+    template); `envs`: environment variables of every command started in the sandbox;
+    `auto_pause_memory`: whether a pause by its timeout keeps the memory (E2B's `autoPauseMemory`);
+    `pause_memory`: whether its next resume restores the memory (False: it boots cold)."""
 
     template_id: str = ""
     metadata: dict[str, str] = field(default_factory=dict)
     envs: dict[str, str] = field(default_factory=dict)
+    auto_pause_memory: bool = True
+    pause_memory: bool = True
 
 
 class AttrsTable:
@@ -45,7 +50,8 @@ class AttrsTable:
                 return a
             try:
                 d = json.loads(self._path(sid).read_text())
-                a = SandboxAttrs(str(d["template_id"]), dict(d["metadata"]), dict(d["envs"]))
+                a = SandboxAttrs(str(d["template_id"]), dict(d["metadata"]), dict(d["envs"]),
+                                 d.get("auto_pause_memory") is not False, d.get("pause_memory") is not False)
             except (OSError, ValueError, KeyError, TypeError):
                 return SandboxAttrs()
             self._cache[sid] = a
@@ -78,3 +84,42 @@ class AttrsTable:
         with os.fdopen(fd, "w") as f:
             json.dump(asdict(attrs), f)
         os.replace(tmp, path)
+
+
+class SnapshotNames:
+    """E2B's snapshot names: name -> the checkpoint it names (a name given again moves to the newer
+    checkpoint, as E2B assigns a new build to an existing name). One JSON file, written atomically."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._mu = threading.Lock()
+        try:
+            self._names: dict[str, str] = {str(k): str(v) for k, v in json.loads(path.read_text()).items()}
+        except (OSError, ValueError, AttributeError):  # none yet, or damaged: no names
+            self._names = {}
+
+    def resolve(self, name: str) -> str | None:
+        """The checkpoint `name` names, or None."""
+        with self._mu:
+            return self._names.get(name)
+
+    def names_of(self, ck: str) -> list[str]:
+        with self._mu:
+            return sorted(n for n, c in self._names.items() if c == ck)
+
+    def set(self, name: str, ck: str) -> None:
+        with self._mu:
+            self._names[name] = ck
+            self._save()
+
+    def forget(self, ck: str) -> None:
+        """Drop every name of a deleted checkpoint."""
+        with self._mu:
+            if ck in self._names.values():
+                self._names = {n: c for n, c in self._names.items() if c != ck}
+                self._save()
+
+    def _save(self) -> None:
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(json.dumps(self._names))
+        os.replace(tmp, self.path)

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import base64
 import binascii
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Annotated, Any, TypeVar
 from urllib.parse import parse_qsl, unquote
 
@@ -32,6 +33,7 @@ from k3sys.sandbox.service.e2b_models import (
     Restore,
     Snapshot,
     Timeout,
+    cpu_count,
     e2b_states,
     no_memory,
     sandbox_body,
@@ -40,7 +42,7 @@ from k3sys.sandbox.service.e2b_models import (
 from k3sys.sandbox.service.envd.app import access_token
 from k3sys.sandbox.service.models import Cpu, Memory, Prefetched
 from k3sys.sandbox.spec import SandboxSpec
-from k3sys.sandbox.types import SandboxInfo
+from k3sys.sandbox.types import CheckpointInfo, SandboxInfo
 
 T = TypeVar("T")
 router = APIRouter(dependencies=[Depends(authorize)])
@@ -76,12 +78,18 @@ def _metadata_filter(metadata: str | None) -> dict[str, str]:
     return {unquote(k): unquote(v) for k, v in parse_qsl(metadata or "", keep_blank_values=True)}
 
 
-def _is_checkpoint(svc: Service, tid: str) -> bool:
+def _snapshot_of(svc: Service, tid: str) -> str | None:
+    """The checkpoint a template id names (a snapshot's name or id), or None for a template name."""
+    ck = svc.names.resolve(tid) or tid
     try:
-        svc.rt.get_checkpoint(tid)
-    except StoreError:  # no such checkpoint, or not even a checkpoint id: a template name
-        return False
-    return True
+        svc.rt.get_checkpoint(ck)
+    except StoreError:  # no such checkpoint, or not even a checkpoint id
+        return None
+    return ck
+
+
+def _snapshot(svc: Service, ck: CheckpointInfo) -> dict[str, Any]:
+    return checkpoint_json(ck, svc.names.names_of(ck.id))
 
 
 # --- E2B's routes ------------------------------------------------------------------------------------
@@ -92,9 +100,13 @@ def _is_checkpoint(svc: Service, tid: str) -> bool:
 async def create_sandbox(svc: Svc, body: NewSandbox) -> dict[str, Any]:
     """A sandbox from a template, or restored from a snapshot (`templateID` = its id)."""
     body.check_supported()
-    attrs = SandboxAttrs(body.templateID, body.metadata or {}, body.envVars or {})
-    if await svc.call("lookup", _is_checkpoint, svc, body.templateID, io=True):
-        info = await svc.call("restore", svc.restore, body.templateID, body.sandboxID, body.timeout)
+    keep = body.autoPauseMemory is not False
+    attrs = SandboxAttrs(body.templateID, body.metadata or {}, body.envVars or {}, keep, keep)
+    if (ck := await svc.call("lookup", _snapshot_of, svc, body.templateID, io=True)) is not None:
+        if given := [n for n in ("cpu", "memoryMB", "pids", "allow_internet_access") if getattr(body, n) is not None]:
+            raise InvalidArgumentError(f"{', '.join(given)}: {body.templateID!r} is a snapshot: a sandbox made "
+                                       f"from it has the size and network of the one it was taken of")
+        info = await svc.call("restore", svc.restore, ck, body.sandboxID, body.timeout, _ON_TIMEOUT[body.autoPause])
     else:
         sized = {k: v for k, v in (("cpu", body.cpu), ("memory_mb", body.memoryMB), ("pids", body.pids))
                  if v is not None}
@@ -109,18 +121,24 @@ async def create_sandbox(svc: Svc, body: NewSandbox) -> dict[str, Any]:
 @router.get("/v2/sandboxes", tags=["sandboxes"])
 async def list_sandboxes(svc: Svc, response: Response, metadata: str | None = None, state: str | None = None,
                          template: str | None = None, startedAfter: datetime | None = None,  # noqa: N803
-                         order: Order = "asc", limit: Limit = None,
+                         order: Order = "desc", limit: Limit = None,
                          nextToken: str | None = None) -> list[dict[str, Any]]:  # noqa: N803
-    """Sandboxes (every state unless `state` says), oldest first unless `order=desc`."""
+    """Sandboxes (every state unless `state` says), newest first (E2B's order) unless `order=asc`."""
     states, wanted = e2b_states(state), _metadata_filter(metadata)
-    after = startedAfter.timestamp() if startedAfter else None
-    t0 = time.time()
-    infos = svc.rt.list()
-    svc.attrs.prune({i.id for i in infos}, before=t0)
-    bodies = [b for b in (_body(svc, i) for i in infos)
+    since = startedAfter.replace(tzinfo=startedAfter.tzinfo or UTC) if startedAfter else None
+
+    def every() -> list[dict[str, Any]]:  # in a worker thread: attributes are files
+        t0 = time.time()
+        infos = svc.rt.list()
+        svc.attrs.prune({i.id for i in infos}, before=t0)
+        return [_body(svc, i) for i in infos]
+
+    bodies = [b for b in await svc.call("list", every, io=True)
               if (states is None or b["state"] in states) and wanted.items() <= b["metadata"].items()
               and (template is None or template in (b["templateID"], b["alias"]))
-              and (after is None or b["k3sys"]["created"] >= after)]
+              # compared as the `startedAt` we send (whole microseconds), so that value finds its sandbox
+              and (since is None or datetime.fromtimestamp(b["k3sys"]["created"], UTC) >= since)]
+
     def key(b: dict[str, Any]) -> tuple[float, str]:
         return b["k3sys"]["created"], b["sandboxID"]
 
@@ -147,14 +165,35 @@ async def set_timeout(svc: Svc, sid: str, body: Timeout) -> Response:
     return Response(status_code=204)
 
 
+@router.put("/sandboxes/{sid}/network", status_code=204, tags=["sandboxes"])
+async def update_network(svc: Svc, sid: str) -> Response:
+    """E2B's egress rules: not served (a sandbox's network is its namespace, chosen at create)."""
+    svc.rt.info(sid)  # an unknown sandbox is a 404, as E2B's
+    raise unsupported("network", "egress rules are an E2B cloud feature; choose allow_internet_access at create")
+
+
 @router.post("/sandboxes/{sid}/pause", status_code=204, tags=["life cycle"])
 async def pause(svc: Svc, sid: str, body: Pause | None = None) -> Response:
-    """Hibernate a running sandbox (409 if it is not running)."""
-    no_memory((body or Pause()).memory, "pause")
+    """Hibernate a running sandbox (409 if it is not running); `memory: false`: its next resume boots
+    it cold (files kept, processes not)."""
     if (state := svc.rt.info(sid).state) != "running":
         raise InvalidStateError(f"sandbox {sid} is {state}: only a running sandbox can be paused")
     await svc.call("hibernate", svc.rt.hibernate, sid)
+    _set_attrs(svc, sid, pause_memory=(body or Pause()).memory is not False)
     return Response(status_code=204)
+
+
+def _set_attrs(svc: Service, sid: str, **changes: Any) -> None:
+    svc.attrs.put(sid, dataclasses.replace(svc.attrs.get(sid), **changes))
+
+
+async def _resume(svc: Service, sid: str, memory: bool | None) -> None:
+    """Resume as the sandbox's last pause asked (or cold when `memory` is False); later pauses by its
+    timeout keep the memory as its create asked."""
+    attrs = svc.attrs.get(sid)
+    await svc.call("resume", svc.resume, sid, memory is not False and attrs.pause_memory)
+    if attrs.pause_memory != attrs.auto_pause_memory:
+        _set_attrs(svc, sid, pause_memory=attrs.auto_pause_memory)
 
 
 async def _extend(svc: Service, sid: str, timeout: float | None) -> None:
@@ -171,10 +210,9 @@ async def _extend(svc: Service, sid: str, timeout: float | None) -> None:
 async def connect(svc: Svc, sid: str, body: Connect | None = None) -> JSONResponse:
     """200 with a running sandbox; a paused one is resumed first (201)."""
     body = body or Connect()
-    no_memory(body.memory, "resume")
     status = 200
     if svc.rt.info(sid).state != "running":
-        await svc.call("resume", svc.resume, sid)
+        await _resume(svc, sid, body.memory)
         status = 201
     await _extend(svc, sid, body.timeout)
     return JSONResponse(_body(svc, svc.rt.info(sid)), status_code=status)
@@ -184,8 +222,7 @@ async def connect(svc: Svc, sid: str, body: Connect | None = None) -> JSONRespon
 async def resume(svc: Svc, sid: str, body: Connect | None = None) -> dict[str, Any]:
     """Resume a paused, frozen or hibernated sandbox (409 if it runs)."""
     body = body or Connect()
-    no_memory(body.memory, "resume")
-    await svc.call("resume", svc.resume, sid)
+    await _resume(svc, sid, body.memory)
     await _extend(svc, sid, body.timeout)
     return _body(svc, svc.rt.info(sid))
 
@@ -199,38 +236,42 @@ async def metrics(svc: Svc, sid: str, start: int | None = None, end: int | None 
     now = time.time()
     if (start is not None and now < start) or (end is not None and now > end + 1):
         return []
-    cores = max(1, -(-info.spec.cpu // 1))
     pct = 100.0 * cpu_s / max(now - info.created, 1e-3) / info.spec.cpu
     return [{"timestamp": datetime.fromtimestamp(now).astimezone().isoformat(), "timestampUnix": int(now),
-             "cpuCount": int(cores), "cpuUsedPct": round(min(pct, 100.0), 2), "memUsed": mem,
+             "cpuCount": cpu_count(info.spec), "cpuUsedPct": round(min(pct, 100.0), 2), "memUsed": mem,
              "memTotal": info.spec.memory_mb << 20, "memCache": 0, "diskUsed": 0, "diskTotal": 0}]
 
 
 @router.post("/sandboxes/{sid}/snapshots", status_code=201, tags=["snapshots"])
 async def create_snapshot(svc: Svc, sid: str, body: Snapshot | None = None) -> dict[str, Any]:
-    """Checkpoint the sandbox (it runs on); create from the returned `snapshotID` to restore it."""
+    """Checkpoint the sandbox (it runs on); create from the returned `snapshotID` (or the `name`, which
+    moves to the newest snapshot given it) to restore it."""
     body = body or Snapshot()
-    no_memory(body.memory, "snapshot")
+    no_memory(body.memory)
+    ck = await svc.call("checkpoint", svc.rt.checkpoint, sid)
     if body.name:
-        raise unsupported("name", "snapshots are named by their snapshotID")
-    return checkpoint_json(await svc.call("checkpoint", svc.rt.checkpoint, sid))
+        svc.names.set(body.name, ck.id)
+    return _snapshot(svc, ck)
 
 
 @router.get("/snapshots", tags=["snapshots"])
 async def list_snapshots(svc: Svc, response: Response, sandboxID: str | None = None,  # noqa: N803
                          name: str | None = None, limit: Limit = None,
                          nextToken: str | None = None) -> list[dict[str, Any]]:  # noqa: N803
-    """Checkpoints, oldest first; `name` matches a snapshot's id (snapshots are not named here)."""
+    """Checkpoints, oldest first; `name` matches a snapshot's id or a name given to it."""
     cks = await svc.call("list_checkpoints", svc.rt.checkpoints, io=True)
-    cks = sorted((c for c in cks if sandboxID in (None, c.sandbox_id) and name in (None, c.id)),
+    cks = sorted((c for c in cks if sandboxID in (None, c.sandbox_id)
+                  and (name is None or name == c.id or name in svc.names.names_of(c.id))),
                  key=lambda c: (c.created, c.id))
-    return [checkpoint_json(c) for c in _page(cks, lambda c: (c.created, c.id), limit, nextToken, response)]
+    return [_snapshot(svc, c) for c in _page(cks, lambda c: (c.created, c.id), limit, nextToken, response)]
 
 
 @router.delete("/templates/{tid}", status_code=204, tags=["snapshots"])
 async def delete_snapshot(svc: Svc, tid: str) -> Response:
-    """Delete a snapshot (templates are built by scripts, not deleted here: 404)."""
-    await svc.call("delete_checkpoint", svc.rt.delete_checkpoint, tid)
+    """Delete a snapshot, by id or name (templates are built by scripts, not deleted here: 404)."""
+    ck = svc.names.resolve(tid) or tid
+    await svc.call("delete_checkpoint", svc.rt.delete_checkpoint, ck)
+    svc.names.forget(ck)
     return Response(status_code=204)
 
 
@@ -271,7 +312,7 @@ async def thaw(svc: Svc, sid: str) -> Response:
 @router.post("/sandboxes/{sid}/hibernate", tags=["k3sys"])
 async def hibernate(svc: Svc, sid: str) -> dict[str, Any]:
     """E2B's pause, answering with the checkpoint it took (from running or frozen)."""
-    return checkpoint_json(await svc.call("hibernate", svc.rt.hibernate, sid))
+    return _snapshot(svc, await svc.call("hibernate", svc.rt.hibernate, sid))
 
 
 @router.post("/sandboxes/{sid}/prefetch", response_model=Prefetched, tags=["k3sys"])
@@ -296,7 +337,7 @@ async def sandbox_cpu(svc: Svc, sid: str) -> Any:
 
 @router.get("/snapshots/{ck}", tags=["k3sys"])
 async def get_snapshot(svc: Svc, ck: str) -> dict[str, Any]:
-    return checkpoint_json(await svc.call("get_checkpoint", svc.rt.get_checkpoint, ck, io=True))
+    return _snapshot(svc, await svc.call("get_checkpoint", svc.rt.get_checkpoint, ck, io=True))
 
 
 @router.post("/snapshots/{ck}/restore", status_code=201, tags=["k3sys"])

@@ -21,7 +21,7 @@ from k3sys.sandbox.errors import InvalidArgumentError, SandboxError, Unavailable
 from k3sys.sandbox.runtime.runtime import Runtime
 from k3sys.sandbox.runtime.state import State
 from k3sys.sandbox.service import metrics as _metrics
-from k3sys.sandbox.service.attrs import AttrsTable
+from k3sys.sandbox.service.attrs import AttrsTable, SnapshotNames
 from k3sys.sandbox.service.limits import Admission
 from k3sys.sandbox.spec import ON_TIMEOUT, SandboxSpec
 from k3sys.sandbox.types import SandboxInfo
@@ -77,7 +77,8 @@ class Service:
         self.config = config
         self.runtime: Runtime | None = None
         self.admission: Admission | None = None
-        self.attrs = AttrsTable(config.data_dir / "e2b")
+        self.attrs = AttrsTable(config.data_dir / "e2b" / "sandboxes")
+        self.names = SnapshotNames(config.data_dir / "e2b" / "snapshot-names.json")
         self.draining = False
         self.ops = anyio.CapacityLimiter(config.op_threads)
         self.io = anyio.CapacityLimiter(config.io_threads)
@@ -136,20 +137,26 @@ class Service:
         with self.admission.admit(1, spec.memory_mb):
             return self.rt.create(spec, id)
 
-    def restore(self, ck: str, id: str | None, timeout_s: float | None) -> SandboxInfo:
+    def restore(self, ck: str, id: str | None, timeout_s: float | None, on_timeout: str | None = None) -> SandboxInfo:
         spec = self.rt.store.get(ck).meta.get("spec", {})
         with self.admission.admit(1, int(spec.get("memory_mb", 0))):
-            return self.rt.restore(ck, id, timeout_s)
+            if on_timeout is None:
+                return self.rt.restore(ck, id, timeout_s)
+            return self.rt.restore(ck, id, timeout_s, on_timeout=on_timeout)
 
     def fork(self, sid: str, n: int) -> list[SandboxInfo]:
         with self.admission.admit(n, self.rt.info(sid).spec.memory_mb):
             return self.rt.fork(sid, n)
 
-    def resume(self, sid: str) -> SandboxInfo:
+    def resume(self, sid: str, memory: bool = True) -> SandboxInfo:
+        """Resume (see `Runtime.resume`; `memory=False`: a hibernated sandbox boots cold)."""
         info = self.rt.info(sid)
         room = self.admission.admit(1, info.spec.memory_mb) if info.state == "hibernated" else contextlib.nullcontext()
         with room:
-            self.rt.resume(sid)
+            if memory:
+                self.rt.resume(sid)
+            else:
+                self.rt.resume(sid, memory=False)
         return self.rt.info(sid)
 
     def pause(self, sid: str) -> SandboxInfo:

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from k3sys.sandbox._wire import sandbox_json
 from k3sys.sandbox.errors import InvalidArgumentError
 from k3sys.sandbox.service.attrs import SandboxAttrs
-from k3sys.sandbox.spec import MAX_FORK
+from k3sys.sandbox.spec import MAX_FORK, SandboxSpec
 from k3sys.sandbox.types import SandboxInfo
 
 # The envd features the SDK turns on by this version (e2b/envd/versions.py): commands' stdin, the
@@ -52,7 +52,7 @@ class NewSandbox(BaseModel):
 
     model_config = _STRICT
     templateID: str = Field(min_length=1, max_length=255)
-    timeout: float | None = Field(DEFAULT_TIMEOUT_S, ge=0, le=MAX_TIMEOUT_S, description="seconds")
+    timeout: float | None = Field(DEFAULT_TIMEOUT_S, gt=0, le=MAX_TIMEOUT_S, description="seconds")
     autoPause: bool | None = None
     autoPauseMemory: bool | None = None
     autoResume: dict[str, Any] | None = None
@@ -76,8 +76,6 @@ class NewSandbox(BaseModel):
 
     def check_supported(self) -> None:
         """Refuse what E2B offers and this service does not serve (rather than ignore it)."""
-        if self.autoPauseMemory is False:
-            raise unsupported("autoPauseMemory", "a pause always keeps the memory")
         if self.autoResume and self.autoResume.get("enabled"):
             raise unsupported("autoResume", "resume with connect")
         for name in ("network", "mcp", "iam", "volumeMounts"):
@@ -108,7 +106,7 @@ class Pause(BaseModel):
 
 class Snapshot(BaseModel):
     model_config = _STRICT
-    name: str | None = None
+    name: str | None = Field(None, min_length=1, max_length=255, pattern=r"^[A-Za-z0-9][A-Za-z0-9._/:-]*$")
     memory: bool | None = None
 
 
@@ -133,10 +131,16 @@ class Prefetch(BaseModel):
     ttlS: float = Field(60.0, description="seconds the staged images are kept unless used (the runtime checks it)")
 
 
-def no_memory(memory: bool | None, what: str) -> None:
-    """Refuse `memory: false`: a filesystem-only pause or snapshot (a cold boot) is not served yet."""
+def no_memory(memory: bool | None) -> None:
+    """Refuse `memory: false` for a snapshot: a filesystem-only one (creates from it boot cold) is not
+    served (a filesystem-only pause and a cold-boot resume are)."""
     if memory is False:
-        raise unsupported("memory", f"a {what} always keeps the memory (filesystem-only mode is not served)")
+        raise unsupported("memory", "a snapshot always keeps the memory (filesystem-only snapshots are not served)")
+
+
+def cpu_count(spec: SandboxSpec) -> int:
+    """E2B's whole cores for our CFS quota (at least 1)."""
+    return max(1, math.ceil(spec.cpu))
 
 
 def iso(t: float) -> str:
@@ -152,7 +156,7 @@ def sandbox_body(info: SandboxInfo, attrs: SandboxAttrs, token: str | None, defa
         "templateID": attrs.template_id or spec.template, "alias": spec.template, "sandboxID": info.id,
         "clientID": CLIENT_ID, "envdVersion": ENVD_VERSION, "domain": None,
         "startedAt": iso(info.created), "endAt": iso(info.deadline) if info.deadline is not None else NO_END,
-        "cpuCount": max(1, math.ceil(spec.cpu)), "memoryMB": spec.memory_mb, "diskSizeMB": 0,
+        "cpuCount": cpu_count(spec), "memoryMB": spec.memory_mb, "diskSizeMB": 0,
         "state": E2B_STATE.get(info.state, "paused"), "metadata": attrs.metadata,
         "allowInternetAccess": spec.network,
         "lifecycle": {"autoResume": False, "onTimeout": "pause" if on_timeout == "hibernate" else "kill"},
@@ -161,7 +165,7 @@ def sandbox_body(info: SandboxInfo, attrs: SandboxAttrs, token: str | None, defa
     if token is not None:
         body["envdAccessToken"] = token
     if body["state"] == "paused":
-        body["pauseMode"] = "full"
+        body["pauseMode"] = "full" if attrs.pause_memory else "filesystem"
     return body
 
 

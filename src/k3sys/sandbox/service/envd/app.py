@@ -1,9 +1,12 @@
 """envd, the in-sandbox API of E2B, served by the sandbox service on its own port: a request that
-carries `E2b-Sandbox-Id` goes to envd's routes for that sandbox (`EnvdRouter`), any other to the
-control plane. Before a route runs, the request must show the sandbox's envd access token
-(`X-Access-Token`, or a signed URL's `signature` for /files), and the sandbox must be running: an
-unknown, paused or hibernated one is answered 502 as E2B's proxy does ("... was not found"), which
-the e2b SDK reads as not running (`is_running()` is False; `connect` resumes it).
+carries `E2b-Sandbox-Id` (or is sent to host `49983-<id>.<domain>`, as E2B names a sandbox's envd)
+goes to envd's routes for that sandbox (`EnvdRouter`), any other to the control plane.
+
+Before a route runs, the request must show the sandbox's envd access token (`X-Access-Token`; or a
+signed URL's `signature` for /files; or the service's API key as `X-API-Key` or `Authorization:
+Bearer`, which is how the k3sys client calls envd), and the sandbox must be running: an unknown,
+paused or hibernated one is answered 502 as E2B's proxy does ("... was not found"), which the e2b
+SDK reads as not running (`is_running()` is False; `connect` resumes it). /health needs no token.
 
 The access token is derived, not stored: HMAC-SHA256 of the sandbox id under the service's API key
 (`access_token`), so every sandbox, fork and restore has its own, it survives restarts, and
@@ -16,20 +19,23 @@ import base64
 import hashlib
 import hmac
 import json
+import re
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 from urllib.parse import parse_qsl
 
+from starlette.responses import JSONResponse
 from starlette.routing import Route, Router
 
 from k3sys.sandbox._connect import ERROR_TYPE
-from k3sys.sandbox._envd import API_KEY_HEADER, SANDBOX_HEADER, TOKEN_HEADER
+from k3sys.sandbox._envd import API_KEY_HEADER, ENVD_PORT, SANDBOX_HEADER, TOKEN_HEADER
 from k3sys.sandbox.errors import AuthError, InvalidStateError, NotFoundError, UnavailableError
 from k3sys.sandbox.service.envd import files, process
 from k3sys.sandbox.service.envd import filesystem as fs
 from k3sys.sandbox.service.envd.rpc import EnvdState, client_stream, server_stream, unary
 
+_HOST = re.compile(rb"%d-([A-Za-z0-9_-]+)\." % ENVD_PORT)
 _SERVING = ("running", "checkpointing")  # states in which envd answers (a checkpoint only holds a call)
 
 _ROUTES = {
@@ -107,6 +113,22 @@ def _refusal(svc: Any, sid: str, scope: dict[str, Any]) -> tuple[int, str, str] 
     return None
 
 
+def _sandbox_of(scope: dict[str, Any]) -> bytes | None:
+    """The sandbox a request is for: its `E2b-Sandbox-Id`, else a host named as E2B names a
+    sandbox's port (`49983-<id>.<domain>`, what a signed /files URL carries); None: the control plane."""
+    headers = dict(scope.get("headers", ()))
+    if (sid := headers.get(SANDBOX_HEADER.encode())) is not None:
+        return sid
+    m = _HOST.match(headers.get(b"host", b""))
+    return m.group(1) if m else None
+
+
+async def _no_route(scope: dict[str, Any], receive: Callable, send: Callable) -> None:
+    # Our own answer: inside this middleware no framework turns the router's 404 exception into one.
+    await JSONResponse({"code": "unimplemented", "message": f"envd has no {scope['method']} {scope['path']}"},
+                       status_code=404)(scope, receive, send)
+
+
 class EnvdRouter:
     """ASGI middleware: requests with `E2b-Sandbox-Id` go to envd (after the token and state
     checks), the rest to the application it wraps."""
@@ -115,14 +137,15 @@ class EnvdRouter:
         self.app = app
         self.envd = Router(routes=[Route(p, h, methods=["POST"]) for p, h in _ROUTES.items()] + [
             Route("/files", files.download, methods=["GET"]), Route("/files", files.upload, methods=["POST"]),
-            Route("/health", files.health, methods=["GET"])])
+            Route("/health", files.health, methods=["GET"])], default=_no_route)
 
     async def __call__(self, scope: dict[str, Any], receive: Callable, send: Callable) -> None:
-        sid = next((v for k, v in scope.get("headers", ()) if k == SANDBOX_HEADER.encode()), None) \
-            if scope["type"] == "http" else None
+        sid = _sandbox_of(scope) if scope["type"] == "http" else None
         if sid is None:
             return await self.app(scope, receive, send)
         svc = scope["app"].state.service
+        if SANDBOX_HEADER.encode() not in dict(scope["headers"]):  # routed by host: the routes read the header
+            scope = {**scope, "headers": [*scope["headers"], (SANDBOX_HEADER.encode(), sid)]}
         refused = _refusal(svc, sid.decode("latin-1"), scope)
         if refused is not None:
             body = json.dumps({"code": refused[0], "message": refused[1]}).encode()

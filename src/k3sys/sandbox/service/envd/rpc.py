@@ -43,10 +43,39 @@ MAX_REQUEST = 4 << 20  # bytes of one request message (the SDK's own default rea
 @dataclass
 class EnvdState:
     """What envd keeps between calls (on `app.state.envd`): open output streams per (sandbox, pid),
-    and the watchers of CreateWatcher by id, with their sandbox."""
+    the watchers of CreateWatcher by id with their sandbox, and users' homes."""
 
     streams: dict[tuple[str, int], int] = field(default_factory=dict)
     watchers: dict[str, tuple[str, WatchHandle]] = field(default_factory=dict)
+    homes: dict[tuple[str, str | None], str] = field(default_factory=dict)  # (sandbox, user) -> home
+
+
+MAX_HOMES = 4096  # (sandbox, user) homes remembered, at most
+
+
+def _home(svc: Service, sid: str, user: str | None) -> str:
+    """`user`'s home in the sandbox ($HOME as the agent sets it for the user)."""
+    result = svc.rt.wait_command(svc.rt.start_process(sid, "cd && pwd", "/", {}, user), 10)
+    home = result.stdout.strip()[:4096] if result.exit_code == 0 else ""
+    return home if home.startswith("/") else "/"
+
+
+async def home(svc: Service, state: EnvdState, sid: str, user: str | None) -> str:
+    """`user`'s home in sandbox `sid`, asked once per sandbox and user (through the agent)."""
+    found = state.homes.get((sid, user))
+    if found is None:
+        found = await svc.call("envd.home", _home, svc, sid, user, io=True)
+        if len(state.homes) >= MAX_HOMES:
+            state.homes.clear()
+        state.homes[(sid, user)] = found
+    return found
+
+
+async def absolute(svc: Service, state: EnvdState, sid: str, user: str | None, path: str) -> str:
+    """`path` made absolute as envd does: a relative one starts at the user's home."""
+    if not isinstance(path, str) or path.startswith("/") or not path:
+        return path  # the runtime checks what is left
+    return f"{(await home(svc, state, sid, user)).rstrip('/')}/{path}"
 
 
 @dataclass
