@@ -130,10 +130,16 @@ def test_filesystem_calls(box):
     assert box.files.make_dir("/tmp/fs/a/b") is False  # already there
     box.files.write("/tmp/fs/a/f.txt", "12345")
     info = box.files.get_info("/tmp/fs/a/f.txt")
-    assert (info.name, info.type, info.size, info.permissions) == ("f.txt", FileType.FILE, 5, "rw-r--r--")
+    assert (info.name, info.type, info.size, info.permissions) == ("f.txt", FileType.FILE, 5, "-rw-r--r--")
+    me = box.commands.run("id -un").stdout.strip()
+    assert (info.owner, info.group) == (me, me)  # by name, from the sandbox's passwd and group
+    box.commands.run("ln -s a/f.txt /tmp/fs/link")
+    link = box.files.get_info("/tmp/fs/link")
+    assert (link.type, link.symlink_target, link.permissions[0]) == (FileType.SYMLINK, "/tmp/fs/a/f.txt", "l")
     assert box.files.exists("/tmp/fs/a/f.txt") and not box.files.exists("/tmp/fs/nope")
     assert [(e.name, e.type) for e in box.files.list("/tmp/fs/a")] == [("b", FileType.DIR), ("f.txt", FileType.FILE)]
-    assert {e.path for e in box.files.list("/tmp/fs", depth=2)} == {"/tmp/fs/a", "/tmp/fs/a/b", "/tmp/fs/a/f.txt"}
+    assert {e.path for e in box.files.list("/tmp/fs", depth=2)} == {"/tmp/fs/a", "/tmp/fs/a/b", "/tmp/fs/a/f.txt",
+                                                                    "/tmp/fs/link"}
     moved = box.files.rename("/tmp/fs/a/f.txt", "/tmp/fs/g.txt")
     assert moved.path == "/tmp/fs/g.txt" and box.files.read("/tmp/fs/g.txt") == "12345"
     box.files.remove("/tmp/fs")
@@ -144,14 +150,19 @@ def test_filesystem_calls(box):
 
 def test_watch_dir(box):
     box.files.make_dir("/tmp/w")
-    watch = box.files.watch_dir("/tmp/w")
+    box.files.write("/tmp/w/old.txt", "x")
+    watch = box.files.watch_dir("/tmp/w", include_entry=True)
     try:
         box.files.write("/tmp/w/new.txt", "x")
+        box.files.write("/tmp/w/old.txt", "y")  # the agent's atomic replace shows as a write of the name
         deadline, events = time.monotonic() + 20, []
-        while not any(e.name == "new.txt" for e in events) and time.monotonic() < deadline:
+        while not any(e.name == "old.txt" for e in events) and time.monotonic() < deadline:
             time.sleep(0.1)
             events += watch.get_new_events()
-        assert any(e.name == "new.txt" and e.type == FilesystemEventType.CREATE for e in events), events
+        assert not [e for e in events if "k3sys-" in e.name], events  # no temporary file shows
+        created = [e for e in events if e.name == "new.txt" and e.type == FilesystemEventType.CREATE]
+        assert created and created[0].entry.path == "/tmp/w/new.txt" and created[0].entry.type == FileType.FILE
+        assert any(e.name == "old.txt" and e.type == FilesystemEventType.WRITE for e in events), events
     finally:
         watch.stop()
 
@@ -233,7 +244,10 @@ def test_uploads_multipart_gzip_and_signed_urls(envd_service, box):
     expired = url_signature("/tmp/m/a.txt", "read", None, token, int(time.time()) - 1)
     r = httpx.get(url, params={"path": "/tmp/m/a.txt", "signature": expired,
                                "signature_expiration": int(time.time()) - 1}, headers=host)
-    assert r.status_code == 401
+    assert r.status_code == 401 and r.json() == {"code": 401, "message": "signature is already expired"}
+    # Without the host or the header (as the SDK builds it against E2B_SANDBOX_URL): found by its signer.
+    assert httpx.get(f"{url}?{signed.split('?', 1)[1]}").content == b"A" * 70000
+    assert httpx.get(f"{url}?{tampered.split('?', 1)[1]}").status_code == 404  # signed by no sandbox
 
 
 def test_bad_requests_get_clear_errors(envd_service, box):

@@ -1,9 +1,9 @@
 """envd's `process.Process` service over the runtime's agent-backed commands.
 
 A process's output is read from the sandbox's agent (its ring, inside the sandbox) by polling
-`read_command_output`: every look is one agent round trip (~1 ms), made more seldom while the
-process is quiet (5 ms growing to 100 ms). A checkpoint in progress holds a look, so a stream pauses
-and then goes on from its offsets; a paused (frozen) sandbox holds it until the thaw. Start and
+`read_command_output`: every look is one agent round trip (~1 ms), every 5 ms, made more seldom
+once the process has been quiet for 50 ms (up to 100 ms apart). A checkpoint in progress holds a
+look, so a stream pauses and then goes on from its offsets; a paused (frozen) sandbox holds it until the thaw. Start and
 Connect streams send the output from the process's start (what the agent's ring still holds).
 The process's record in the agent is freed when a stream delivered its end and no other stream of
 it is open; a client that goes away first leaves it for a later Connect.
@@ -24,6 +24,7 @@ from k3sys.sandbox.errors import InvalidArgumentError, NotFoundError, SandboxErr
 from k3sys.sandbox.service.envd.rpc import Rpc, absolute, cap_deadline, past_deadline, selector_pid
 
 _POLL_S = (0.005, 0.1)  # seconds between looks at a process's output: when busy, when quiet
+_BRISK_S = 0.05  # seconds of quiet before the looks become fewer
 _PIECE = 1 << 20  # bytes of output per message at most
 
 
@@ -98,7 +99,8 @@ async def _output(rpc: Rpc, cid: str, pid: int, pty: bool) -> AsyncIterator[dict
             if out or err:
                 delay, quiet_since = _POLL_S[0], now
             else:
-                delay = min(delay * 2, _POLL_S[1])
+                # Quick looks for a while after the last output (a short command ends within it), then fewer.
+                delay = _POLL_S[0] if now - quiet_since < _BRISK_S else min(delay * 2, _POLL_S[1])
                 if rpc.keepalive_s is not None and now - quiet_since >= rpc.keepalive_s:
                     quiet_since = now
                     yield {"event": {"keepalive": {}}}
