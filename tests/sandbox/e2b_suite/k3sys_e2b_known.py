@@ -13,6 +13,8 @@ _NETWORK = ("E2B's egress firewall (SandboxNetworkOpts: allow/deny lists, public
             "transforms) is an E2B cloud feature, 422 here; its checks also need the internet")
 _HOST = ("reaches a sandbox port at https://<port>-<sandbox id>.<domain>: E2B's per-sandbox host names "
          "behind its edge proxy (no such names or TLS here)")
+_REBOOT = ("proves the cold start by a new /proc/sys/kernel/random/boot_id; a container shares the host's "
+           "kernel, whose boot id never changes (E2B's VM boots its own)")
 _BUILD = "E2B's template build service (Template.build, build status and logs, tags): not served here"
 
 CANNOT_PASS: dict[str, str] = {
@@ -33,6 +35,8 @@ CANNOT_PASS: dict[str, str] = {
     "*/sandbox_*/commands/test_env_vars.py::test_bash_command_scoped_env_vars":
         "runs `sudo`: E2B's base gives `user` password-less sudo; our sandboxes run with no_new_privileges "
         "(no setuid elevation, by design), so root is asked for with user='root'",
+    "*/sandbox_*/test_snapshot_filesystem_only.py::test_pause_filesystem_only": _REBOOT,
+    "*/sandbox_*/test_create.py::test_auto_pause_filesystem_only_reboots": _REBOOT,
     "*/template_*/test_build.py": _BUILD,
     "*/template_*/test_background_build.py": _BUILD,
     "*/template_*/methods/test_make_symlink.py": _BUILD,

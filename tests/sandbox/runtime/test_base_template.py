@@ -46,6 +46,7 @@ def test_sandbox_runs_as_user_by_default_root_on_request(rt, base):
         # A checkpoint with a live process of `user` (CRIU reads its rlimits from /proc where the
         # host withholds CAP_SYS_RESOURCE: scripts/sandbox/patches/criu-4.1-4-*).
         bg = s.commands.run("sleep 600", background=True)
+        pid = bg.pid
         ck = s.checkpoint()
         s.hibernate()
         s.resume()
@@ -53,7 +54,7 @@ def test_sandbox_runs_as_user_by_default_root_on_request(rt, base):
     with Sandbox.restore(ck, runtime=rt) as r2:
         assert r2.commands.run("id -un").stdout == "user\n"
         assert r2.files.read_text("/home/user/notes.txt") == "hi"
-        assert [p.pid for p in r2.commands.list() if p.running] == [bg.pid]
+        assert [p.pid for p in r2.commands.list() if p.running] == [pid]
 
 
 @pytest.mark.embedded
