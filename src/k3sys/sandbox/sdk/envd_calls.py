@@ -27,7 +27,7 @@ from k3sys.sandbox._envd import (
     process_of,
 )
 from k3sys.sandbox.errors import NotFoundError, SandboxFileNotFoundError, UnavailableError
-from k3sys.sandbox.spec import CommandResult, OutputPieces, check_number
+from k3sys.sandbox.spec import CommandResult, OutputPieces, check_command, check_number
 from k3sys.sandbox.types import EntryInfo, FilesystemEvent, ProcessInfo
 
 _CHUNK = 1 << 20
@@ -110,7 +110,8 @@ class EnvdCalls:
 
     @staticmethod
     def _start_msg(cmd: str, cwd: str | None, env: dict[str, str] | None, stdin: bytes | None) -> dict[str, Any]:
-        msg: dict[str, Any] = {"process": {"cmd": "/bin/sh", "args": ["-c", cmd], "envs": env or {}, "cwd": cwd or "/"},
+        env = check_command(cmd, cwd, env)  # as embedded: envd itself would take a relative cwd from $HOME
+        msg: dict[str, Any] = {"process": {"cmd": "/bin/sh", "args": ["-c", cmd], "envs": env, "cwd": cwd or "/"},
                                "k3sysShell": cmd}
         if stdin is not None:
             msg["k3sysStdin"] = base64.b64encode(stdin).decode()
