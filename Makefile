@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.k3sys-installed
 
-.PHONY: setup system demo test lint bench
+.PHONY: setup system demo test lint bench e2b-tests
 
 # Python side: a venv with the local CPU torch wheel pinned first, so pip never pulls a CUDA build.
 $(STAMP): pyproject.toml
@@ -27,3 +27,9 @@ test: setup
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests bench
+
+# E2B's own Python SDK tests (github e2b-dev/E2B packages/python-sdk/tests; fetched, never vendored)
+# against a fresh `k3sys sandbox serve`: per-file table in .cache/e2b-report (docs/sandbox_e2b.md).
+E2B_TESTS ?= .cache/e2b-tests/packages/python-sdk/tests
+e2b-tests: $(STAMP)
+	$(PY) tests/sandbox/e2b_suite/runner.py $(E2B_TESTS) $(E2B_ARGS)

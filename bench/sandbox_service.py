@@ -10,7 +10,14 @@ life-cycle latencies, and keeps serving many concurrent clients on a 2-core mach
    own sandbox) for `info` (pure service overhead), an exec round trip, and a pause + resume pair,
    for `--seconds` each, embedded and over HTTP.
 
-    python bench/sandbox_service.py [--repeats 10] [--seconds 3]
+3. E2B's protocol: E2B's life cycle on the `base` template through the official `e2b` SDK against
+   the same service, through our remote SDK and embedded, taking turns: create, run, write and read
+   of 64 KiB, pause (= hibernate), connect (= resume), snapshot (= checkpoint), create from the
+   snapshot (= restore), fork(8); medians of `--repeats`. Then pause and resume with `--sizes` MiB
+   of random bytes resident in the sandbox (medians of `--size-repeats`), beside E2B's published
+   figures (E2B_FIGURES) and the ratio.
+
+    python bench/sandbox_service.py [--repeats 10] [--seconds 3] [--sections latency,throughput,e2b,sizes]
 
 Writes bench/results/sandbox_service.json. Needs root, runc and our CRIU (scripts/install-sandbox.sh).
 """
@@ -32,6 +39,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 from rich.console import Console
@@ -50,6 +58,17 @@ LOADS = {
 }
 CLIENTS = (1, 8, 32)
 PAYLOAD = os.urandom(64 << 10)
+E2B_OPS = ("create", "run", "write_64k", "read_64k", "pause", "connect", "snapshot", "create_from_snapshot",
+           "fork_8")
+# E2B's published figures, https://e2b.dev/docs/sandbox/persistence: "pausing a sandbox takes
+# approximately 4 seconds per 1 GiB of RAM", "resuming a sandbox takes approximately 1 second".
+E2B_FIGURES = {"pause_s_per_gib": 4.0, "resume_s": 1.0, "source": "https://e2b.dev/docs/sandbox/persistence"}
+# `mib` MiB of random bytes (nothing for the store to deduplicate) held by a process that outlives
+# the command; the command returns once they are resident.
+# (1 MiB pieces: one big randbytes builds a same-sized int first.)
+BALLAST = ("python3 -c 'import random, time; b = [random.randbytes(1 << 20) for _ in range({mib})]; "
+           "open(\"/tmp/ready\", \"w\").close(); time.sleep(1e6)' >/dev/null 2>&1 & "
+           "while [ ! -e /tmp/ready ]; do sleep 0.05; done")
 
 
 def start_service(data_dir: Path, key: str) -> tuple[subprocess.Popen, str]:
@@ -60,27 +79,37 @@ def start_service(data_dir: Path, key: str) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen([sys.executable, "-m", "k3sys.sandbox.cli", "serve", "--port", str(port), "--data-dir",
                              str(data_dir), "--max-sandboxes", "128"], env=env)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
+    wait_healthy(proc, url, 60)
+    return proc, url
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, seconds: float) -> None:
+    """Wait until the service `proc` answers GET /health at `url` at all (killed if not within `seconds`)."""
+    deadline = time.monotonic() + seconds
     while True:
         with contextlib.suppress(httpx.TransportError):
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return proc, url
+            httpx.get(f"{url}/health", timeout=1)  # any answer: it listens
+            return
         if time.monotonic() > deadline or proc.poll() is not None:
             proc.kill()
-            raise RuntimeError("the service did not start")
+            raise RuntimeError(f"the service at {url} did not start")
         time.sleep(0.05)
+
+
+def timer(t: dict[str, float]) -> Callable[[str, Callable[[], object]], Any]:
+    """`timed(name, fn)`: calls fn, records its seconds in t[name], returns its result."""
+    def timed(name: str, fn: Callable[[], object]) -> Any:
+        t0 = time.perf_counter()
+        out = fn()
+        t[name] = time.perf_counter() - t0
+        return out
+    return timed
 
 
 def one_life(rt: Backend) -> dict[str, float]:
     """Every call once on a fresh sandbox; seconds per call."""
     t: dict[str, float] = {}
-
-    def timed(name: str, fn: Callable[[], object]) -> object:
-        t0 = time.perf_counter()
-        out = fn()
-        t[name] = time.perf_counter() - t0
-        return out
-
+    timed = timer(t)
     s = timed("create", lambda: Sandbox.create(runtime=rt, memory_mb=64))
     timed("exec", lambda: s.commands.run("true"))
     timed("write_64k", lambda: s.files.write("/root/blob", PAYLOAD))
@@ -140,27 +169,165 @@ def throughput(rt: Backend, load: Callable[[Sandbox], object], clients: int, sec
     return rate
 
 
+def k3sys_e2b_life(rt: Backend) -> dict[str, float]:
+    """E2B's life cycle through our SDK (embedded or remote) on `base`; seconds per call."""
+    t: dict[str, float] = {}
+    timed = timer(t)
+    s = timed("create", lambda: Sandbox.create("base", runtime=rt, memory_mb=512))
+    timed("run", lambda: s.commands.run("true"))
+    timed("write_64k", lambda: s.files.write("/tmp/blob", PAYLOAD))
+    assert timed("read_64k", lambda: s.files.read("/tmp/blob")) == PAYLOAD
+    timed("pause", s.hibernate)
+    timed("connect", s.resume)
+    ck = timed("snapshot", s.checkpoint)
+    r = timed("create_from_snapshot", lambda: Sandbox.restore(ck, runtime=rt))
+    kids = timed("fork_8", lambda: s.fork(8))
+    for x in (r, *kids, s):
+        x.kill()
+    for c in Checkpoint.list(runtime=rt):
+        c.delete()
+    return t
+
+
+def e2b_life() -> dict[str, float]:
+    """The same through the official `e2b` SDK (pointed at our service by E2B_* variables)."""
+    import e2b
+
+    t: dict[str, float] = {}
+    timed = timer(t)
+    s = timed("create", lambda: e2b.Sandbox.create("base"))
+    timed("run", lambda: s.commands.run("true"))
+    timed("write_64k", lambda: s.files.write("/tmp/blob", PAYLOAD))
+    assert timed("read_64k", lambda: s.files.read("/tmp/blob", format="bytes")) == PAYLOAD
+    timed("pause", s.pause)
+    s = timed("connect", lambda: e2b.Sandbox.connect(s.sandbox_id))
+    snap = timed("snapshot", s.create_snapshot)
+    r = timed("create_from_snapshot", lambda: e2b.Sandbox.create(snap.snapshot_id))
+    kids = timed("fork_8", lambda: s.fork(count=8))
+    bad = [k for k in kids if isinstance(k, Exception)]
+    if bad:
+        raise bad[0]
+    for x in (r, *kids, s):
+        x.kill()
+    e2b.Sandbox.delete_snapshot(snap.snapshot_id)
+    return t
+
+
+def e2b_latencies(backends: dict[str, Backend], repeats: int) -> dict[str, dict[str, float]]:
+    """Median milliseconds per call of E2B's life cycle: the `e2b` SDK, then each of our backends,
+    taking turns (one warm-up life each first)."""
+    lives: dict[str, Callable[[], dict[str, float]]] = {"e2b SDK": e2b_life}
+    lives |= {f"k3sys {name}": (lambda rt=rt: k3sys_e2b_life(rt)) for name, rt in backends.items()}
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in lives}
+    for i in range(repeats + 1):
+        for name, life in lives.items():
+            t = life()
+            if i:
+                runs[name].append(t)
+    return {name: {op: 1e3 * statistics.median(r[op] for r in rs) for op in E2B_OPS} for name, rs in runs.items()}
+
+
+def sized_pause_resume(rt: Backend, mib: int, via_e2b: bool) -> dict[str, float]:
+    """Seconds to pause (hibernate) and resume a `base` sandbox holding `mib` MiB resident, made
+    through our SDK on `rt` (the `e2b` SDK cannot ask for the memory limit) and paused and resumed
+    through our SDK or, `via_e2b`, through the `e2b` SDK (`pause`, then `Sandbox.connect`)."""
+    import e2b
+
+    t: dict[str, float] = {}
+    timed = timer(t)
+    s = Sandbox.create("base", runtime=rt, memory_mb=mib + 512)
+    assert s.commands.run(BALLAST.format(mib=mib), timeout=300).exit_code == 0
+    t["memory_mib"] = s.memory_bytes() / (1 << 20)
+    if via_e2b:
+        e = e2b.Sandbox.connect(s.id)
+        timed("pause", e.pause)
+        timed("resume", lambda: e2b.Sandbox.connect(s.id))
+    else:
+        timed("pause", s.hibernate)
+        timed("resume", s.resume)
+    assert s.commands.run("test -e /tmp/ready").exit_code == 0
+    s.kill()
+    for c in Checkpoint.list(runtime=rt):
+        c.delete()
+    return t
+
+
+def sizes(backends: dict[str, Backend], mibs: list[int], repeats: int) -> dict[str, dict[int, dict[str, float]]]:
+    """Median seconds of pause and resume per client and resident size (taking turns)."""
+    clients = {"e2b SDK": (backends["http"], True), **{f"k3sys {n}": (rt, False) for n, rt in backends.items()}}
+    runs: dict[str, dict[int, list[dict[str, float]]]] = {c: {m: [] for m in mibs} for c in clients}
+    for mib in mibs:
+        for _ in range(repeats):
+            for name, (rt, via_e2b) in clients.items():
+                runs[name][mib].append(sized_pause_resume(rt, mib, via_e2b))
+    return {c: {m: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for m, rs in per.items()}
+            for c, per in runs.items()}
+
+
+def print_e2b(console: Console, e2b_lat: dict[str, dict[str, float]] | None,
+              sized: dict[str, dict[int, dict[str, float]]] | None, repeats: int) -> None:
+    if e2b_lat:
+        names = list(e2b_lat)
+        table = Table(title=f"E2B's life cycle on `base`, median of {repeats} (ms)")
+        for col in ("call", *names, *(f"e2b SDK / {n}" for n in names[1:])):
+            table.add_column(col, justify="right")
+        for op in E2B_OPS:
+            v = [e2b_lat[n][op] for n in names]
+            table.add_row(op, *(f"{x:.1f}" for x in v), *(f"{v[0] / x:.2f}x" for x in v[1:]))
+        console.print(table)
+    if sized:
+        table = Table(title="Pause (= hibernate) and resume, memory resident, median (s), vs E2B's figures")
+        for col in ("client", "MiB", "pause", "E2B pause", "E2B / ours", "resume", "E2B resume", "E2B / ours"):
+            table.add_column(col, justify="right")
+        for client, per in sized.items():
+            for mib, r in per.items():
+                e_pause = E2B_FIGURES["pause_s_per_gib"] * mib / 1024
+                e_resume = E2B_FIGURES["resume_s"]
+                table.add_row(client, str(mib), f"{r['pause']:.3f}", f"{e_pause:.2f}", f"{e_pause / r['pause']:.1f}x",
+                              f"{r['resume']:.3f}", f"{e_resume:.2f}", f"{e_resume / r['resume']:.1f}x")
+        console.print(table)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--seconds", type=float, default=3.0)
+    parser.add_argument("--sections", default="latency,throughput,e2b,sizes",
+                        help="which parts to run, comma-separated (see the module docstring)")
+    parser.add_argument("--sizes", default="64,1024", help="resident MiB for the pause/resume section")
+    parser.add_argument("--size-repeats", type=int, default=3)
     args = parser.parse_args()
+    sections = set(args.sections.split(","))
     console = Console(width=160)
     work = Path(tempfile.mkdtemp(prefix="k3sys-bench-service-"))
-    key = "bench-key"
+    key = "e2b_" + os.urandom(20).hex()  # the shape of E2B's keys, for the `e2b` SDK
     proc, url = start_service(work / "service", key)
+    os.environ |= {"E2B_API_URL": url, "E2B_SANDBOX_URL": url, "E2B_API_KEY": key}
     embedded = Runtime(work / "embedded")
     remote = HTTPBackend(url, key)
     backends = {"embedded": embedded, "http": remote}
+    out: dict[str, Any] = {"machine": {"python": platform.python_version(), "cpus": os.cpu_count(),
+                                       "load_before": os.getloadavg()},
+                           "repeats": args.repeats, "seconds": args.seconds}
+    lat = tput = e2b_lat = sized = None
     try:
-        console.log("latency ...")
-        lat = latencies(backends, args.repeats)
-        tput: dict[str, dict[str, dict[int, float]]] = {}
-        for name, rt in backends.items():
-            for load, fn in LOADS.items():
-                for n in CLIENTS:
-                    console.log(f"throughput, {name}, {load}, {n} clients ...")
-                    tput.setdefault(name, {}).setdefault(load, {})[n] = throughput(rt, fn, n, args.seconds)
+        if "latency" in sections:
+            console.log("latency ...")
+            lat = latencies(backends, args.repeats)
+        if "throughput" in sections:
+            tput = {}
+            for name, rt in backends.items():
+                for load, fn in LOADS.items():
+                    for n in CLIENTS:
+                        console.log(f"throughput, {name}, {load}, {n} clients ...")
+                        tput.setdefault(name, {}).setdefault(load, {})[n] = throughput(rt, fn, n, args.seconds)
+        if "e2b" in sections:
+            console.log("E2B's life cycle: e2b SDK, k3sys remote, embedded ...")
+            e2b_lat = e2b_latencies(backends, args.repeats)
+        if "sizes" in sections:
+            mibs = [int(m) for m in args.sizes.split(",")]
+            console.log(f"pause/resume with {mibs} MiB resident ...")
+            sized = sizes(backends, mibs, args.size_repeats)
     finally:
         remote.close()
         embedded.kill_all()
@@ -169,27 +336,32 @@ def main() -> None:
         proc.wait(120)
         shutil.rmtree(work, ignore_errors=True)
 
-    table = Table(title=f"Life-cycle latency, median of {args.repeats} (ms): embedded vs over HTTP")
-    for col in ("call", "embedded", "HTTP", "overhead", "HTTP / embedded"):
-        table.add_column(col, justify="right")
-    for op in OPS:
-        e, h = lat["embedded"][op], lat["http"][op]
-        table.add_row(op, f"{e:.2f}", f"{h:.2f}", f"{h - e:+.2f}", f"{h / e:.2f}x")
-    console.print(table)
-    table = Table(title=f"Throughput (calls/s over {args.seconds:g} s; one sandbox per client)")
-    table.add_column("load", justify="left")
-    for n in CLIENTS:
-        table.add_column(f"{n} embedded", justify="right")
-        table.add_column(f"{n} HTTP", justify="right")
-    for load in LOADS:
-        table.add_row(load, *(f"{tput[b][load][n]:.0f}" for n in CLIENTS for b in ("embedded", "http")))
-    console.print(table)
-
+    if lat:
+        table = Table(title=f"Life-cycle latency, median of {args.repeats} (ms): embedded vs over HTTP")
+        for col in ("call", "embedded", "HTTP", "overhead", "HTTP / embedded"):
+            table.add_column(col, justify="right")
+        for op in OPS:
+            e, h = lat["embedded"][op], lat["http"][op]
+            table.add_row(op, f"{e:.2f}", f"{h:.2f}", f"{h - e:+.2f}", f"{h / e:.2f}x")
+        console.print(table)
+        out |= {"latency_ms": lat, "http_overhead_ms": {op: lat["http"][op] - lat["embedded"][op] for op in OPS}}
+    if tput:
+        table = Table(title=f"Throughput (calls/s over {args.seconds:g} s; one sandbox per client)")
+        table.add_column("load", justify="left")
+        for n in CLIENTS:
+            table.add_column(f"{n} embedded", justify="right")
+            table.add_column(f"{n} HTTP", justify="right")
+        for load in LOADS:
+            table.add_row(load, *(f"{tput[b][load][n]:.0f}" for n in CLIENTS for b in ("embedded", "http")))
+        console.print(table)
+        out["throughput_per_s"] = tput
+    print_e2b(console, e2b_lat, sized, args.repeats)
+    if e2b_lat:
+        out["e2b_lifecycle_ms"] = e2b_lat
+    if sized:
+        out |= {"pause_resume_s": sized, "size_repeats": args.size_repeats, "e2b_published": E2B_FIGURES}
+    out["machine"]["load_after"] = os.getloadavg()
     RESULTS.mkdir(exist_ok=True)
-    overhead = {op: lat["http"][op] - lat["embedded"][op] for op in OPS}
-    out = {"machine": {"python": platform.python_version(), "cpus": os.cpu_count(), "load": os.getloadavg()},
-           "repeats": args.repeats, "seconds": args.seconds, "latency_ms": lat, "http_overhead_ms": overhead,
-           "throughput_per_s": tput}
     (RESULTS / "sandbox_service.json").write_text(json.dumps(out, indent=1))
     console.log(f"wrote {RESULTS / 'sandbox_service.json'}")
 

@@ -3,10 +3,11 @@
 #   - Debian packages: runc, busybox-static, debootstrap, e2fsprogs (mkfs.ext4: each sandbox's disk), and CRIU's build dependencies;
 #   - CRIU 4.1.x built from Debian trixie's source (bookworm's 3.17 fails on recent kernels' vDSO),
 #     with our patches (scripts/sandbox/patches: tolerate Linux >= 6.16's SO_PASSCRED refusal on inet
-#     sockets; skip the conntrack walk for empty network namespaces), installed into
+#     sockets; skip the conntrack walk for empty network namespaces; read another user's rlimits
+#     from /proc when the host withholds CAP_SYS_RESOURCE), installed into
 #     $K3SYS_SYSTEM_DIR/bin/criu, plus the configuration the driver hands it (etc/criu.conf);
 #   - bin/k3sys-lo-up, the prestart hook that brings loopback up in restored sandboxes;
-#   - the `busybox` template (the `debian` one is built by the runtime on first use).
+#   - the templates `busybox` and `base` (E2B's default: `debian` plus the user `user`).
 # Everything lands under K3SYS_SYSTEM_DIR (default /opt/k3sys); the system's apt sources are untouched
 # (trixie's source index goes to a private apt state directory).
 set -euo pipefail
@@ -116,11 +117,16 @@ fi
 install -d -m 0700 -o root -g root "$KDAT_DIR"
 
 # --- templates ---------------------------------------------------------------------------------
-# The runtime builds templates on first use; prebuild the small default one when the project's
-# Python is at hand (the Makefile creates it before running this script).
-py="$ROOT/.venv/bin/python"
-if [ -x "$py" ] && [ ! -e "$PREFIX/templates/busybox/rootfs" ]; then
-    K3SYS_SYSTEM_DIR="$PREFIX" PYTHONPATH="$ROOT/src" "$py" -c \
-        "from k3sys.sandbox.runtime.templates import main; main(['busybox'])"
-fi
+# The runtime builds templates on first use; prebuild the small default one and E2B's `base` (a copy
+# of `debian` plus the user `user`: the first time, debootstrap takes minutes and needs the Debian
+# mirror) when the project's Python is at hand (the Makefile creates it before running this script;
+# K3SYS_PYTHON names another).
+py=${K3SYS_PYTHON:-$ROOT/.venv/bin/python}
+for t in busybox base; do
+    if [ -x "$py" ] && [ ! -e "$PREFIX/templates/$t/rootfs" ]; then
+        log "building template $t"
+        K3SYS_SYSTEM_DIR="$PREFIX" PYTHONPATH="$ROOT/src" "$py" -c \
+            "from k3sys.sandbox.runtime.templates import main; main(['$t'])"
+    fi
+done
 exit 0

@@ -7,6 +7,7 @@ from typing import Annotated
 import typer
 
 from k3sys.ep.cli import app as ep_app
+from k3sys.fleet.cli import app as fleet_app
 from k3sys.model.cli import memory
 from k3sys.rollout.cli import rollout
 from k3sys.sandbox.cli import app as sandbox_app
@@ -14,6 +15,7 @@ from k3sys.sandbox.cli import app as sandbox_app
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="k3sys: Kimi K3's system designs, runnable.")
 app.add_typer(ep_app, name="ep")
 app.add_typer(sandbox_app, name="sandbox")
+app.add_typer(fleet_app, name="fleet")
 
 
 @app.callback()

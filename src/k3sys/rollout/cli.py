@@ -32,6 +32,8 @@ def rollout(
     model_name: Annotated[str, typer.Option("--model-name", help="OpenAI policy: model name.")] = "default",
     api_url: Annotated[str | None, typer.Option(help="Sandbox service to run on (key: K3SYS_API_KEY); default "
                                                      "K3SYS_API_URL, else embedded.")] = None,
+    fleet: Annotated[str | None, typer.Option(help="Run on a sandbox fleet: its Ray cluster address (HOST:PORT "
+                                                   "or auto); needs k3sys[fleet].")] = None,
     html: Annotated[Path, typer.Option(help="Where to write the HTML report.")] = Path("k3sys-rollout.html"),
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the report as JSON here.")] = None,
     seed: Annotated[int, typer.Option(help="Seed of tasks and think times.")] = 0,
@@ -53,7 +55,7 @@ def rollout(
 
     console = Console()
     api_url = api_url or os.environ.get("K3SYS_API_URL")
-    missing = None if api_url else system_paths().missing()
+    missing = None if api_url or fleet else system_paths().missing()
     if missing:
         console.print(f"[red]sandboxes are unavailable here: {missing}[/red]")
         raise typer.Exit(2)
@@ -68,7 +70,11 @@ def rollout(
             pol = OpenAIPolicy(base_url, model_name, api_key=os.environ.get("OPENAI_API_KEY"))
         else:
             raise InvalidArgumentError(f"policy must be one of {POLICIES}, got {policy!r}")
-        if api_url:
+        if fleet:
+            from k3sys.fleet import Fleet
+
+            factory = default_factory(runtime=Fleet(fleet))
+        elif api_url:
             from k3sys.sandbox.sdk.client import connect
 
             factory = default_factory(runtime=connect(api_url))

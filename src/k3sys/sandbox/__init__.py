@@ -4,7 +4,8 @@ incremental checkpoint, fork, hibernate, restore. Imports no torch. Three rooms:
 - `sdk/`: `Sandbox`, `Checkpoint` (api.py), `AsyncSandbox`, `AsyncCheckpoint` (aio.py), the HTTP
   backends `HTTPBackend` and `AsyncHTTPBackend` (client.py) and `ConnectionConfig` (connection.py).
 - `service/`: the HTTP service (`k3sys sandbox serve`): server.py (routes), core.py (the runtime's
-  worker threads, limits, metrics), auth.py, limits.py, metrics.py.
+  worker threads, limits, metrics), auth.py, tenants.py (API keys, owners, quotas), limits.py,
+  guard.py (connection and header-time limits), metrics.py.
 - `runtime/`: `Runtime`, the embedded runtime (runtime.py and its parts: commands, files,
   checkpoints, recovery), over a driver (drivers/: runc + CRIU + overlayfs, cgroups, network) and the
   content-addressed checkpoint store (store/).
@@ -29,6 +30,7 @@ from k3sys.sandbox.errors import (
     InvalidStateError,
     NotFoundError,
     PathEscapeError,
+    QuotaError,
     RuntimeLockedError,
     SandboxError,
     SandboxFileNotFoundError,
@@ -73,6 +75,7 @@ __all__ = [
     "NotFoundError",
     "PathEscapeError",
     "ProcessInfo",
+    "QuotaError",
     "Runtime",
     "RuntimeLockedError",
     "Sandbox",

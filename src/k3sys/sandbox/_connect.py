@@ -124,7 +124,7 @@ def decode(payload: bytes) -> dict[str, Any]:
     """A JSON message; anything but an object is InvalidArgumentError."""
     try:
         msg = json.loads(payload) if payload else {}
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:  # RecursionError: arrays nested past Python's stack
         raise InvalidArgumentError(f"connect message: not JSON ({e}): {payload[:80]!r}") from None
     if not isinstance(msg, dict):
         raise InvalidArgumentError(f"connect message: expected a JSON object, got {payload[:80]!r}")

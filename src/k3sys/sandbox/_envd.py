@@ -3,17 +3,21 @@ them and the k3sys remote client reads them; standard library only.
 
 Fields envd does not have ride along where the e2b SDK ignores them (it reads with unknown fields
 ignored): a process's `running` / `exitCode` / `pty` in List, an event's `isDir`, a written file's
-`size`; and two in a request: Start's `k3sysShell` (the command as a shell string, for `/bin/sh -c`,
-as the embedded runtime starts it) and `k3sysStdin` (base64: the whole stdin, written then closed).
+`size`, an entry's `k3sysUid` / `k3sysGid` and a symlink's `k3sysTarget` (as the link says it;
+envd's `symlinkTarget` is absolute); and
+two in a request: Start's `k3sysShell` (the command as a shell string, for `/bin/sh -c`, as the
+embedded runtime starts it) and `k3sysStdin` (base64: the whole stdin, written then closed).
 Extension headers, sent only by the k3sys client: `k3sys-follow: 0` (Start, Connect: send what the
 process wrote so far, then end without its end event), `k3sys-keep: 1` (Connect: keep the ended
 process's record, for a later wait), `k3sys-all: 1` (List: ended processes too),
-`k3sys-kill-on-timeout: 1` (Start, Connect: past `Connect-Timeout-Ms`, kill the process).
+`k3sys-kill-on-timeout: 1` (Start, Connect: past `Connect-Timeout-Ms`, kill the process),
+`k3sys-strict: 1` (Remove: a missing path is `not_found`, as embedded, not envd's success).
 """
 
 from __future__ import annotations
 
 import base64
+import posixpath
 import stat
 from datetime import UTC, datetime
 from typing import Any
@@ -28,7 +32,8 @@ PORT_HEADER = "e2b-sandbox-port"
 TOKEN_HEADER = "x-access-token"
 API_KEY_HEADER = "x-api-key"  # the service's API key, accepted by envd instead of the sandbox's token
 ENVD_PORT = 49983
-FOLLOW_HEADER, KEEP_HEADER, ALL_HEADER, KILL_HEADER = "k3sys-follow", "k3sys-keep", "k3sys-all", "k3sys-kill-on-timeout"
+FOLLOW_HEADER, KEEP_HEADER, ALL_HEADER = "k3sys-follow", "k3sys-keep", "k3sys-all"
+KILL_HEADER, STRICT_HEADER = "k3sys-kill-on-timeout", "k3sys-strict"
 SIGNALS = {"SIGNAL_SIGTERM": 15, "SIGNAL_SIGKILL": 9}
 
 _TYPES = {"file": "FILE_TYPE_FILE", "dir": "FILE_TYPE_DIRECTORY", "symlink": "FILE_TYPE_SYMLINK"}
@@ -38,14 +43,20 @@ _EVENTS = {"create": "EVENT_TYPE_CREATE", "write": "EVENT_TYPE_WRITE", "remove":
 _EVENT_KINDS = {v: k for k, v in _EVENTS.items()}
 
 
-def entry_json(e: EntryInfo) -> dict[str, Any]:
-    """An EntryInfo message (owner and group are the ids: names would need the sandbox's passwd)."""
+def entry_json(e: EntryInfo, users: dict[int, str] | None = None, groups: dict[int, str] | None = None
+               ) -> dict[str, Any]:
+    """An EntryInfo message; owner and group by name where `users` / `groups` (the sandbox's
+    passwd and group, by id) know them, else the ids."""
     mtime = datetime.fromtimestamp(e.mtime, UTC).isoformat().replace("+00:00", "Z")
+    kind = {"dir": "d", "symlink": "l"}.get(e.type, "-")
     out: dict[str, Any] = {"name": e.name, "type": _TYPES.get(e.type, "FILE_TYPE_UNSPECIFIED"), "path": e.path,
-                           "size": str(e.size), "mode": e.mode, "permissions": stat.filemode(e.mode)[1:],
-                           "owner": str(e.uid), "group": str(e.gid), "modifiedTime": mtime}
-    if e.type == "symlink":
-        out |= {"symlinkTarget": e.target or "", "isSymlink": True}
+                           "size": str(e.size), "mode": e.mode, "permissions": kind + stat.filemode(e.mode)[1:],
+                           "owner": (users or {}).get(e.uid, str(e.uid)),
+                           "group": (groups or {}).get(e.gid, str(e.gid)), "modifiedTime": mtime,
+                           "k3sysUid": e.uid, "k3sysGid": e.gid}
+    if e.type == "symlink":  # envd names the target absolutely (lexically: the sandbox resolves it)
+        target = posixpath.normpath(posixpath.join(posixpath.dirname(e.path), e.target or ""))
+        out |= {"symlinkTarget": target, "isSymlink": True, "k3sysTarget": e.target}
     return out
 
 
@@ -54,7 +65,7 @@ def entry_of(m: dict[str, Any]) -> EntryInfo:
     kind = "symlink" if m.get("isSymlink") else _KINDS.get(m.get("type", ""), "other")
     mtime = datetime.fromisoformat(m["modifiedTime"].replace("Z", "+00:00")).timestamp() if "modifiedTime" in m else 0.0
     return EntryInfo(m.get("name", ""), m.get("path", ""), kind, int(m.get("size", 0)), int(m.get("mode", 0)), mtime,
-                     int(m.get("owner") or 0), int(m.get("group") or 0), m.get("symlinkTarget"))
+                     int(m.get("k3sysUid", 0)), int(m.get("k3sysGid", 0)), m.get("k3sysTarget", m.get("symlinkTarget")))
 
 
 def event_json(e: FilesystemEvent, root: str) -> dict[str, Any]:

@@ -7,6 +7,7 @@
     k3sys sandbox exec $SID 'echo hi > /tmp/f'; k3sys sandbox cp $SID:/tmp/f ./f
     CK=$(k3sys sandbox checkpoint $SID); k3sys sandbox fork $SID -n 2; k3sys sandbox restore $CK
     k3sys sandbox ls; k3sys sandbox kill $SID
+    k3sys sandbox keys add --tenant alice     # a tenant's API key for the service (cli_keys.py)
 
 Results meant for scripts (ids, file contents, command output) go to stdout, everything else to
 stderr. Exit codes:
@@ -36,6 +37,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from k3sys.sandbox.cli_keys import app as keys_app
 from k3sys.sandbox.egress import EgressPolicy
 from k3sys.sandbox.errors import (
     CommandTimeoutError,
@@ -53,6 +55,7 @@ app = typer.Typer(no_args_is_help=True, add_completion=False,
                   help="Agent sandboxes: create, exec, cp, pause, resume, hibernate, checkpoint, fork, restore, "
                        "kill; `serve` runs the HTTP service.")
 err = Console(stderr=True, soft_wrap=True)  # messages stay one line in logs
+app.add_typer(keys_app, name="keys")
 
 ApiUrl = Annotated[str | None, typer.Option("--api-url", envvar="K3SYS_API_URL",
                                             help="A sandbox service; default: the embedded runtime.")]
@@ -320,11 +323,17 @@ def serve(host: Annotated[str, typer.Option(help="Address to listen on (beyond l
           = "hibernate",
           on_shutdown: Annotated[str, typer.Option(help="On stop, sandboxes holding memory are: "
                                                         "hibernate, keep or kill.")] = "hibernate",
+          max_connections: Annotated[int, typer.Option(help="Most open connections (past it, the one waiting "
+                                                            "longest for a request header goes).")] = 4096,
+          max_connections_per_client: Annotated[int, typer.Option(help="Most open connections from one "
+                                                                       "client address.")] = 1024,
+          header_timeout: Annotated[float, typer.Option(help="Seconds a request header may take.")] = 10.0,
           no_auth: Annotated[bool, typer.Option("--no-auth", help="No API key (loopback only).")] = False,
           log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "warning") -> None:
     """Serve the sandbox HTTP API until SIGINT/SIGTERM."""
     from k3sys.sandbox.runtime.runtime import default_root
     from k3sys.sandbox.service.auth import KEY_FILE, check_bind, load_or_create_key
+    from k3sys.sandbox.service.guard import ConnectionLimits
     from k3sys.sandbox.service.server import ServiceConfig
     from k3sys.sandbox.service.server import serve as run_server
 
@@ -334,7 +343,9 @@ def serve(host: Annotated[str, typer.Option(help="Address to listen on (beyond l
         extra = {"max_memory_mb": max_memory_mb} if max_memory_mb else {}
         config = ServiceConfig(root, key, max_sandboxes=max_sandboxes, max_body_bytes=int(max_body_mb * 2**20),
                                max_command_timeout_s=max_command_timeout, on_timeout=on_timeout,
-                               on_shutdown=on_shutdown, **extra)
+                               on_shutdown=on_shutdown, **extra,
+                               connections=ConnectionLimits(max_connections, header_timeout,
+                                                            max_connections_per_client))
         check_bind(host, key)
         where = "none" if no_auth else "$K3SYS_API_KEY" if os.environ.get("K3SYS_API_KEY") else str(root / KEY_FILE)
         err.print(f"k3sys sandbox service on http://{host}:{port} (data {root}, API key: {where})", highlight=False)

@@ -17,6 +17,7 @@
     │   └── AgentInterruptedError         a call cut by a checkpoint / hibernate of its sandbox: retry
     ├── AuthError                         the service refused the API key (missing or wrong)
     ├── CapacityError                     the service is at a limit (sandboxes, memory); retry later
+    │   └── QuotaError                    the caller's tenant is at one of its quotas (named in the message)
     ├── UnavailableError                  the service is shutting down or cannot be reached
     └── StoreError                        the checkpoint store (`k3sys.sandbox.runtime.store`)
         ├── CheckpointNotFoundError       unknown checkpoint id (also a NotFoundError)
@@ -32,7 +33,7 @@ a 422 like `InvalidArgumentError` but exits 1, as it always has:
 
     http_status  404 not found (sandbox, command, checkpoint, file)   409 invalid_state, checkpoint_exists
                  422 invalid_argument and its subclasses, store_input  413 too_large   408 command_timeout
-                 401 unauthorized   403 permission_denied   429 capacity
+                 401 unauthorized   403 permission_denied   429 capacity, quota_exceeded
                  503 unavailable, runtime_locked, agent_interrupted   500 everything else
     exit_code    2 bad argument   3 not found   4 wrong state   5 key refused   6 at a limit
                  7 unavailable or busy   1 everything else
@@ -40,13 +41,23 @@ a 422 like `InvalidArgumentError` but exits 1, as it always has:
 
 from __future__ import annotations
 
+MAX_MESSAGE = 2000  # characters of an error message; the middle of a longer one is cut
+
 
 class SandboxError(Exception):
-    """Base class of every error raised by `k3sys.sandbox`."""
+    """Base class of every error raised by `k3sys.sandbox`. Its message is at most `MAX_MESSAGE`
+    characters: messages quote the values they refuse, and a 100k-character path must not come back
+    100k characters long (in an answer, a log line, a terminal)."""
 
     code = "sandbox_error"
     http_status: int = 500  # what the service answers with (the tree in the module docstring)
     exit_code: int = 1  # what `k3sys sandbox` exits with
+
+    def __str__(self) -> str:
+        s = super().__str__()
+        if len(s) <= MAX_MESSAGE:
+            return s
+        return f"{s[:MAX_MESSAGE - 400]} ... ({len(s) - MAX_MESSAGE + 300} characters cut) ... {s[-300:]}"
 
 
 class NotFoundError(SandboxError, LookupError):
@@ -133,6 +144,13 @@ class CapacityError(SandboxError):
     code = "capacity"
     http_status = 429
     exit_code = 6
+
+
+class QuotaError(CapacityError):
+    """The caller's tenant is at one of its quotas (sandboxes, memory_mb, disk_mb, pids: the message
+    names it, with the use and the bound); kill or hibernate some of its sandboxes, or ask for more."""
+
+    code = "quota_exceeded"
 
 
 class UnavailableError(SandboxError):

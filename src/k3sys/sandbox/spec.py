@@ -117,3 +117,17 @@ class OutputPieces:
         self.offsets = (self.offsets[0] + len(out), self.offsets[1] + len(err))
         texts = [d.decode(b, final=final) for d, b in zip(self._decoders, (out, err), strict=True)]
         return [(name, t) for name, t in zip(("stdout", "stderr"), texts, strict=True) if t]
+
+
+def check_command(cmd: str, cwd: str | None, env: dict[str, str] | None) -> dict[str, str]:
+    """A command's arguments checked, embedded and by the remote client alike (InvalidArgumentError
+    naming the bad one); `env` copied."""
+    if not isinstance(cmd, str) or not cmd:
+        raise InvalidArgumentError(f"cmd: expected a non-empty string, got {cmd!r}")
+    if cwd is not None and (not isinstance(cwd, str) or not cwd.startswith("/")):
+        raise InvalidArgumentError(f"cwd: expected an absolute path in the sandbox, got {cwd!r}")
+    env = dict(env or {})
+    for k, v in env.items():
+        if not isinstance(k, str) or not k or "=" in k or "\0" in k or not isinstance(v, str) or "\0" in v:
+            raise InvalidArgumentError(f"env: bad variable {k!r}={v!r}")
+    return env

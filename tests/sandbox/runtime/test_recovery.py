@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from counting import criu_running, wait_for
 
 from k3sys.sandbox import Runtime, Sandbox
 
@@ -44,25 +45,6 @@ def start_child(root: Path, *crash_at: str) -> tuple[subprocess.Popen, dict]:
                          env={**os.environ, "PYTHONPATH": SRC})
     first = json.loads(p.stdout.readline())
     return p, first
-
-
-def wait_for(pred, timeout: float = 20.0, step: float = 0.001) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(step)
-
-
-def criu_running(root: Path) -> bool:
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
-            continue
-        args = cmd.split(b"\0")
-        if b"checkpoint" in args and str(root).encode() in cmd:  # `runc --root <root>/runc checkpoint ...`
-            return True
-    return False
 
 
 def read_n(s: Sandbox) -> int:

@@ -22,6 +22,7 @@ from e2b import (
     NotFoundException,
     PtySize,
     SandboxException,
+    SandboxNotRunningException,
 )
 from e2b import Sandbox as E2B
 from packaging.version import Version
@@ -129,10 +130,16 @@ def test_filesystem_calls(box):
     assert box.files.make_dir("/tmp/fs/a/b") is False  # already there
     box.files.write("/tmp/fs/a/f.txt", "12345")
     info = box.files.get_info("/tmp/fs/a/f.txt")
-    assert (info.name, info.type, info.size, info.permissions) == ("f.txt", FileType.FILE, 5, "rw-r--r--")
+    assert (info.name, info.type, info.size, info.permissions) == ("f.txt", FileType.FILE, 5, "-rw-r--r--")
+    me = box.commands.run("id -un").stdout.strip()
+    assert (info.owner, info.group) == (me, me)  # by name, from the sandbox's passwd and group
+    box.commands.run("ln -s a/f.txt /tmp/fs/link")
+    link = box.files.get_info("/tmp/fs/link")
+    assert (link.type, link.symlink_target, link.permissions[0]) == (FileType.SYMLINK, "/tmp/fs/a/f.txt", "l")
     assert box.files.exists("/tmp/fs/a/f.txt") and not box.files.exists("/tmp/fs/nope")
     assert [(e.name, e.type) for e in box.files.list("/tmp/fs/a")] == [("b", FileType.DIR), ("f.txt", FileType.FILE)]
-    assert {e.path for e in box.files.list("/tmp/fs", depth=2)} == {"/tmp/fs/a", "/tmp/fs/a/b", "/tmp/fs/a/f.txt"}
+    assert {e.path for e in box.files.list("/tmp/fs", depth=2)} == {"/tmp/fs/a", "/tmp/fs/a/b", "/tmp/fs/a/f.txt",
+                                                                    "/tmp/fs/link"}
     moved = box.files.rename("/tmp/fs/a/f.txt", "/tmp/fs/g.txt")
     assert moved.path == "/tmp/fs/g.txt" and box.files.read("/tmp/fs/g.txt") == "12345"
     box.files.remove("/tmp/fs")
@@ -143,14 +150,19 @@ def test_filesystem_calls(box):
 
 def test_watch_dir(box):
     box.files.make_dir("/tmp/w")
-    watch = box.files.watch_dir("/tmp/w")
+    box.files.write("/tmp/w/old.txt", "x")
+    watch = box.files.watch_dir("/tmp/w", include_entry=True)
     try:
         box.files.write("/tmp/w/new.txt", "x")
+        box.files.write("/tmp/w/old.txt", "y")  # the agent's atomic replace shows as a write of the name
         deadline, events = time.monotonic() + 20, []
-        while not any(e.name == "new.txt" for e in events) and time.monotonic() < deadline:
+        while not any(e.name == "old.txt" for e in events) and time.monotonic() < deadline:
             time.sleep(0.1)
             events += watch.get_new_events()
-        assert any(e.name == "new.txt" and e.type == FilesystemEventType.CREATE for e in events), events
+        assert not [e for e in events if "k3sys-" in e.name], events  # no temporary file shows
+        created = [e for e in events if e.name == "new.txt" and e.type == FilesystemEventType.CREATE]
+        assert created and created[0].entry.path == "/tmp/w/new.txt" and created[0].entry.type == FileType.FILE
+        assert any(e.name == "old.txt" and e.type == FilesystemEventType.WRITE for e in events), events
     finally:
         watch.stop()
 
@@ -232,7 +244,10 @@ def test_uploads_multipart_gzip_and_signed_urls(envd_service, box):
     expired = url_signature("/tmp/m/a.txt", "read", None, token, int(time.time()) - 1)
     r = httpx.get(url, params={"path": "/tmp/m/a.txt", "signature": expired,
                                "signature_expiration": int(time.time()) - 1}, headers=host)
-    assert r.status_code == 401
+    assert r.status_code == 401 and r.json() == {"code": 401, "message": "signature is already expired"}
+    # Without the host or the header (as the SDK builds it against E2B_SANDBOX_URL): found by its signer.
+    assert httpx.get(f"{url}?{signed.split('?', 1)[1]}").content == b"A" * 70000
+    assert httpx.get(f"{url}?{tampered.split('?', 1)[1]}").status_code == 404  # signed by no sandbox
 
 
 def test_bad_requests_get_clear_errors(envd_service, box):
@@ -295,7 +310,32 @@ def test_async_background_connect_and_start_refusals(envd_service, box):
          "content-type": STREAM_CONTENT_TYPE}
     for process, field in (({"cmd": "/bin/true", "envs": ["A=1"]}, "process.envs"),
                            ({"cmd": "/bin/true", "args": "-c"}, "process.args"), ({"cmd": ""}, "process.cmd"),
-                           ({"cmd": "/bin/true", "cwd": "relative"}, "cwd")):
+                           ({"cmd": "/bin/true", "cwd": 5}, "process.cwd")):
         r = httpx.post(f"{envd_service.url}/process.Process/Start", content=frame({"process": process}), headers=h)
         end = [m for _, m in FrameReader().feed(r.content)][-1]
         assert end["error"]["code"] == "invalid_argument" and field in end["error"]["message"], end
+
+
+def test_relative_paths_start_at_the_users_home_and_remove_is_idempotent(box):
+    box.files.write("rel.txt", "in home")  # E2B's tests name files relative to the user's home
+    home = box.commands.run("cd && pwd").stdout.strip()
+    assert box.commands.run(f"cat {home}/rel.txt").stdout == "in home"
+    assert box.files.read("rel.txt") == "in home" and box.files.exists("rel.txt")
+    assert box.files.get_info("rel.txt").path == f"{home}/rel.txt"
+    other = "user" if box.commands.run("id -un").stdout.strip() == "root" else "root"
+    with pytest.raises(NotFoundException):
+        box.files.read("rel.txt", user=other)  # another user's home is another directory
+    box.files.remove("rel.txt")
+    box.files.remove("rel.txt")  # envd removes what is there: a missing path is no error
+    assert not box.files.exists("rel.txt")
+
+
+def test_a_command_outlived_by_its_sandbox_ends_as_e2b_says(envd_service):
+    with envd_service.client() as c:
+        sid = c.create(SandboxSpec(template="base", memory_mb=256)).id
+    box = _handle(envd_service, sid)
+    h = box.commands.run("sleep 60", background=True)
+    with envd_service.client() as c:
+        c.kill(sid)
+    with pytest.raises(SandboxNotRunningException, match="killed or reached its end of life"):
+        h.wait()

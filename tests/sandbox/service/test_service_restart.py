@@ -10,9 +10,8 @@ import threading
 import time
 
 import pytest
+from counting import COUNTER, assert_counting, criu_running, wait_for
 from service_process import BALLAST, ServiceProcess
-from test_process_state import COUNTER, assert_counting
-from test_recovery import criu_running, wait_for
 
 from k3sys.sandbox import Checkpoint, Sandbox, SandboxError
 

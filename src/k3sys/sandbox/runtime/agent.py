@@ -49,6 +49,9 @@ class Agent:
         self._dead = ""  # why calls fail for good (the sandbox was killed)
         self._peer: int | None = None  # the PID 1 checked last (cached until the gate reopens)
         self._live: set[socket.socket] = set()
+        # Who a start or file call that names no user runs as: its template's default user
+        # (templates.template_user, set by the runtime); None leaves it to the agent (root).
+        self.user: str | None = None
         # Of those, the calls that wait on the sandbox (an output follower, a wait, a watch): they
         # may never end by themselves, so a checkpoint cuts them at once (they reconnect).
         self._streams: set[socket.socket] = set()
@@ -194,12 +197,11 @@ class Agent:
 
     # --- processes ----------------------------------------------------------------------------
 
-    @staticmethod
-    def _start_fields(cmd: str | list[str], env: dict[str, str] | None, cwd: str | None, user: str | None,
+    def _start_fields(self, cmd: str | list[str], env: dict[str, str] | None, cwd: str | None, user: str | None,
                       stdin: bool, pty: tuple[int, int] | None, ring: int | None) -> list[tuple[str, object]]:
         f: list[tuple[str, object]] = [("cmd", cmd)] if isinstance(cmd, str) else [("arg", a) for a in cmd]
         f += [("env", f"{k}={v}") for k, v in (env or {}).items()]
-        f += [("cwd", cwd), ("user", user), ("stdin", stdin), ("ring", ring)]
+        f += [("cwd", cwd), ("user", self.user if user is None else user), ("stdin", stdin), ("ring", ring)]
         if pty:
             f.append(("pty", f"{pty[0]}x{pty[1]}"))
         return f
@@ -340,7 +342,8 @@ class Agent:
     def _file_fields(self, path: str, user: str | None, timeout: float | None) -> list[tuple[str, object]]:
         if not isinstance(path, str) or not path.startswith("/"):
             raise InvalidArgumentError(f"path: expected an absolute path in the sandbox, got {path!r}")
-        return [("path", path), ("user", user), ("timeout", int((timeout or self.timeout) * 1000))]
+        return [("path", path), ("user", self.user if user is None else user),
+                ("timeout", int((timeout or self.timeout) * 1000))]
 
     def read_chunks(self, path: str, *, user: str | None = None, offset: int = 0, max_bytes: int | None = None,
                     timeout: float | None = None) -> Iterator[bytes]:

@@ -28,7 +28,7 @@ from k3sys.sandbox.runtime.agent import Agent
 from k3sys.sandbox.runtime.agent_protocol import Exit, Gap
 from k3sys.sandbox.runtime.state import State
 from k3sys.sandbox.runtime.table import Table, _new_id
-from k3sys.sandbox.spec import CommandResult, OutputPieces
+from k3sys.sandbox.spec import CommandResult, OutputPieces, check_command
 from k3sys.sandbox.types import ProcessInfo
 
 _log = logging.getLogger(__name__)
@@ -37,19 +37,6 @@ WINDOW = 16 << 20  # bytes of a command's output the host keeps per stream, at m
 
 def _decode(b: bytes) -> str:
     return b.decode("utf-8", errors="replace")
-
-
-def _checked(cmd: str, cwd: str | None, env: dict[str, str] | None) -> dict[str, str]:
-    """The arguments of a command checked (InvalidArgumentError naming the bad one); `env` copied."""
-    if not isinstance(cmd, str) or not cmd:
-        raise InvalidArgumentError(f"cmd: expected a non-empty string, got {cmd!r}")
-    if cwd is not None and (not isinstance(cwd, str) or not cwd.startswith("/")):
-        raise InvalidArgumentError(f"cwd: expected an absolute path in the sandbox, got {cwd!r}")
-    env = dict(env or {})
-    for k, v in env.items():
-        if not isinstance(k, str) or not k or "=" in k or "\0" in k or not isinstance(v, str) or "\0" in v:
-            raise InvalidArgumentError(f"env: bad variable {k!r}={v!r}")
-    return env
 
 
 def _result(out: bytes, err: bytes, end: Exit, dropped: int) -> CommandResult:
@@ -116,7 +103,7 @@ class Commands(Table):
         command id (`command_pid` gives its pid). `cwd` None: the user's home."""
         if isinstance(cmd, list) and not (cmd and all(isinstance(a, str) and "\0" not in a for a in cmd) and cmd[0]):
             raise InvalidArgumentError(f"cmd: expected a non-empty argv of strings without NUL, got {cmd!r}")
-        env = _checked(cmd[0] if isinstance(cmd, list) else cmd, cwd, env)
+        env = check_command(cmd[0] if isinstance(cmd, list) else cmd, cwd, env)
         if pty is not None and not all(isinstance(n, int) and 0 < n < 1 << 16 for n in pty):
             raise InvalidArgumentError(f"pty: expected (rows, cols) between 1 and 65535, got {pty!r}")
         with self._locked(sid) as rec:
@@ -286,7 +273,7 @@ class Commands(Table):
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0):
             raise InvalidArgumentError(f"timeout: expected None or a positive number of seconds, got {timeout!r}")
         if stdin is None:
-            env = _checked(cmd, cwd, env)
+            env = check_command(cmd, cwd, env)
             with self._locked(sid) as rec:
                 self._require(rec, "run a command in", State.RUNNING)
                 agent = self._agent(sid)

@@ -30,7 +30,7 @@ from k3sys.sandbox.runtime.agent import Agent
 from k3sys.sandbox.runtime.drivers.base import Driver, SandboxDirs
 from k3sys.sandbox.runtime.state import Record, State
 from k3sys.sandbox.runtime.store import Store
-from k3sys.sandbox.runtime.templates import template_rootfs
+from k3sys.sandbox.runtime.templates import template_rootfs, template_user
 from k3sys.sandbox.spec import check_id
 from k3sys.sandbox.types import SandboxInfo
 
@@ -130,9 +130,12 @@ class Table:
 
     def _agent(self, sid: str) -> Agent:
         with self._mu:
-            if sid not in self._records:  # killed: its agent went with it
+            rec = self._records.get(sid)
+            if rec is None:  # killed: its agent went with it
                 raise AgentError(f"sandbox agent: sandbox {sid} is gone")
-        return self.driver.agent(sid, self._dirs(sid))
+        agent = self.driver.agent(sid, self._dirs(sid))
+        agent.user = template_user(rec.spec.template)  # calls naming no user run as the template's
+        return agent
 
     def _retrying(self, sid: str, call: Callable[[Agent], T], deadline: float | None = None) -> T:
         """`call(agent)` on the sandbox's agent, made again when a checkpoint cut it (the agent's gate

@@ -3,6 +3,11 @@
 - `busybox` (default): busybox-static and its applets; built in about a second.
 - `debian`: `debootstrap --variant=minbase` of the host's release plus python3, git and
   ca-certificates; built on first use (a few minutes, network to the Debian mirror), then cached.
+- `base` (E2B's default template name): `debian` plus the user `user` (uid/gid 1000, /home/user,
+  bash), whom commands and file calls run as by default; a copy of `debian` (seconds, no network).
+
+A template's `template.json` holds its metadata; `user` there is the default user of its sandboxes
+(absent: root), read by `template_user`.
 
 A template lives at `<system dir>/templates/<name>/rootfs`. It is built in a temporary directory and
 renamed into place under a file lock, so a crashed or concurrent build never leaves a half template.
@@ -69,7 +74,34 @@ def _build_debian(rootfs: Path) -> None:
     (rootfs / "etc/hosts").write_text(_ETC["etc/hosts"])
 
 
-BUILDERS: dict[str, Callable[[Path], None]] = {"busybox": _build_busybox, "debian": _build_debian}
+# E2B's `base` template's user: the SDK's commands and files run as `user` unless told otherwise.
+_BASE_USER, _BASE_ID = "user", 1000
+
+
+def _build_base(rootfs: Path) -> dict[str, str]:
+    debian = template_rootfs("debian", build=False)  # built by template_rootfs before its lock
+    rootfs.rmdir()  # cp makes it, with the template's owner and mode
+    subprocess.run(["cp", "-a", "--reflink=auto", str(debian), str(rootfs)], check=True)
+    name, uid = _BASE_USER, _BASE_ID
+    for rel, line in (("etc/passwd", f"{name}:x:{uid}:{uid}::/home/{name}:/bin/bash"),
+                      ("etc/group", f"{name}:x:{uid}:"),
+                      ("etc/shadow", f"{name}:!::0:99999:7:::")):  # no password: nobody logs in
+        with open(rootfs / rel, "a") as f:
+            f.write(line + "\n")
+    home = rootfs / "home" / name
+    shutil.copytree(rootfs / "etc/skel", home, symlinks=True)
+    home.chmod(0o755)
+    for p in (home, *home.rglob("*")):
+        os.lchown(p, uid, uid)
+    return {"user": name}
+
+
+# A builder returns what its template.json adds (None: nothing).
+BUILDERS: dict[str, Callable[[Path], dict[str, str] | None]] = {
+    "busybox": _build_busybox, "debian": _build_debian, "base": _build_base}
+# Templates built from another: that one is built first, outside the build lock (flock is per open
+# file, so taking it again inside would wait for ourselves).
+_BASED_ON = {"base": "debian"}
 
 
 def template_names() -> list[str]:
@@ -94,6 +126,8 @@ def template_rootfs(name: str, build: bool = True) -> Path:
         raise UnknownTemplateError(f"template: unknown template {name!r} (known: {', '.join(template_names())})")
     if not build:
         raise DriverError(f"template {name!r} is not built yet")
+    if name in _BASED_ON:
+        template_rootfs(_BASED_ON[name])
     root.mkdir(parents=True, exist_ok=True)
     with open(root / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -105,14 +139,31 @@ def template_rootfs(name: str, build: bool = True) -> Path:
         (tmp / "rootfs").mkdir(parents=True)
         t0 = time.monotonic()
         try:
-            BUILDERS[name](tmp / "rootfs")
-            meta = {"name": name, "built": time.time(), "build_s": round(time.monotonic() - t0, 1)}
+            extra = BUILDERS[name](tmp / "rootfs") or {}
+            meta = {"name": name, "built": time.time(), "build_s": round(time.monotonic() - t0, 1), **extra}
             (tmp / "template.json").write_text(json.dumps(meta))
             os.rename(tmp, root / name)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     return rootfs
+
+
+_USERS: dict[Path, str | None] = {}  # template.json -> its user; a built template never changes
+
+
+def template_user(name: str) -> str | None:
+    """The default user of template `name`'s sandboxes (its `template.json`'s `user`); None for
+    root, or for a template not built (yet: not remembered)."""
+    meta_path = system_paths().templates / name / "template.json"
+    if meta_path not in _USERS:
+        try:
+            meta = json.loads(meta_path.read_text())
+        except (OSError, ValueError):
+            return None
+        user = meta.get("user") if isinstance(meta, dict) else None
+        _USERS[meta_path] = user if isinstance(user, str) and user else None
+    return _USERS[meta_path]
 
 
 def main(argv: list[str]) -> int:

@@ -16,9 +16,18 @@ from typing import Any, BinaryIO
 import httpx
 
 from k3sys.sandbox._connect import http_error_of
-from k3sys.sandbox._envd import ALL_HEADER, FOLLOW_HEADER, KEEP_HEADER, ProcessStream, entry_of, event_of, process_of
+from k3sys.sandbox._envd import (
+    ALL_HEADER,
+    FOLLOW_HEADER,
+    KEEP_HEADER,
+    STRICT_HEADER,
+    ProcessStream,
+    entry_of,
+    event_of,
+    process_of,
+)
 from k3sys.sandbox.errors import NotFoundError, SandboxFileNotFoundError, UnavailableError
-from k3sys.sandbox.spec import CommandResult, OutputPieces, check_number
+from k3sys.sandbox.spec import CommandResult, OutputPieces, check_command, check_number
 from k3sys.sandbox.types import EntryInfo, FilesystemEvent, ProcessInfo
 
 _CHUNK = 1 << 20
@@ -32,6 +41,12 @@ def no_answer(r: httpx.Response) -> None:
 def _chunks(f: BinaryIO) -> Iterable[bytes]:
     while chunk := f.read(_CHUNK):
         yield chunk
+
+
+def rooted(path: Any) -> Any:
+    """A relative path from the sandbox's root, as the embedded runtime reads it (envd would start
+    it at the user's home)."""
+    return "/" + path if isinstance(path, str) and path and not path.startswith("/") else path
 
 
 def cid_of(sid: str, pid: int) -> str:
@@ -95,7 +110,8 @@ class EnvdCalls:
 
     @staticmethod
     def _start_msg(cmd: str, cwd: str | None, env: dict[str, str] | None, stdin: bytes | None) -> dict[str, Any]:
-        msg: dict[str, Any] = {"process": {"cmd": "/bin/sh", "args": ["-c", cmd], "envs": env or {}, "cwd": cwd or "/"},
+        env = check_command(cmd, cwd, env)  # as embedded: envd itself would take a relative cwd from $HOME
+        msg: dict[str, Any] = {"process": {"cmd": "/bin/sh", "args": ["-c", cmd], "envs": env, "cwd": cwd or "/"},
                                "k3sysShell": cmd}
         if stdin is not None:
             msg["k3sysStdin"] = base64.b64encode(stdin).decode()
@@ -164,27 +180,28 @@ class EnvdCalls:
                           lambda r: [process_of(p) for p in r.json().get("processes", [])], headers={ALL_HEADER: "1"})
 
     def read_file(self, sid: str, path: str) -> bytes:
-        return self._files("GET", sid, path, lambda r: r.content)
+        return self._files("GET", sid, rooted(path), lambda r: r.content)
 
     def write_file(self, sid: str, path: str, data: bytes | str | BinaryIO) -> int:
         """Upload `data`; a file object is streamed in chunks."""
         if isinstance(data, str):
             data = data.encode()
         content = _chunks(data) if hasattr(data, "read") else bytes(data)
-        return self._files("POST", sid, path, lambda r: r.json()[0]["size"], content)
+        return self._files("POST", sid, rooted(path), lambda r: r.json()[0]["size"], content)
 
     def list_dir(self, sid: str, path: str = "/") -> list[EntryInfo]:
-        return self._envd(sid, "filesystem.Filesystem/ListDir", {"path": path, "depth": 1},
+        return self._envd(sid, "filesystem.Filesystem/ListDir", {"path": rooted(path), "depth": 1},
                           lambda r: sorted(map(entry_of, r.json().get("entries", [])), key=lambda e: e.name))
 
     def remove(self, sid: str, path: str) -> None:
-        return self._envd(sid, "filesystem.Filesystem/Remove", {"path": path}, no_answer)
+        return self._envd(sid, "filesystem.Filesystem/Remove", {"path": rooted(path)}, no_answer,
+                          headers={STRICT_HEADER: "1"})
 
     def make_dir(self, sid: str, path: str) -> None:
         def parse(r: httpx.Response) -> None:  # made, or there already (mkdir -p)
             if r.status_code >= 400 and r.status_code != 409:
                 raise http_error_of(r.status_code, r.content, r.headers)
-        return self._envd(sid, "filesystem.Filesystem/MakeDir", {"path": path}, parse, raw=True)
+        return self._envd(sid, "filesystem.Filesystem/MakeDir", {"path": rooted(path)}, parse, raw=True)
 
     def exists(self, sid: str, path: str) -> bool:
         def parse(r: httpx.Response) -> bool:
@@ -193,9 +210,9 @@ class EnvdCalls:
             if isinstance(err := http_error_of(r.status_code, r.content, r.headers), SandboxFileNotFoundError):
                 return False
             raise err
-        return self._envd(sid, "filesystem.Filesystem/Stat", {"path": path}, parse, raw=True)
+        return self._envd(sid, "filesystem.Filesystem/Stat", {"path": rooted(path)}, parse, raw=True)
 
     def watch_dir(self, sid: str, path: str, recursive: bool = False) -> RemoteWatch:
         """Watch directory `path` (see `RemoteWatch`); in `AsyncHTTPBackend` its calls are coroutines."""
-        return self._envd(sid, "filesystem.Filesystem/CreateWatcher", {"path": path, "recursive": recursive},
-                          lambda r: RemoteWatch(self, sid, r.json()["watcherId"], path, recursive))
+        return self._envd(sid, "filesystem.Filesystem/CreateWatcher", {"path": rooted(path), "recursive": recursive},
+                          lambda r: RemoteWatch(self, sid, r.json()["watcherId"], rooted(path), recursive))

@@ -1,4 +1,5 @@
-"""The sandbox service's API key: where it comes from, how it is checked, where the service may listen.
+"""The sandbox service's API key: where it comes from, where a request carries it, where the service may
+listen. The check is `scope.authenticate` (the admin key, or a tenant's key from tenants.py).
 
 The key is `K3SYS_API_KEY` when set, else the file `<data dir>/api_key`, generated on first start
 (256 random bits, mode 0600 from the moment it exists). A key file that group or others can read is
@@ -7,7 +8,6 @@ refused, as ssh refuses such a private key: anyone who could read it could drive
 
 from __future__ import annotations
 
-import hmac
 import ipaddress
 import os
 import secrets
@@ -15,7 +15,7 @@ import stat
 from collections.abc import Mapping
 from pathlib import Path
 
-from k3sys.sandbox.errors import AuthError, InvalidArgumentError
+from k3sys.sandbox.errors import InvalidArgumentError
 
 KEY_FILE = "api_key"
 
@@ -48,19 +48,12 @@ def _read_key_file(path: Path) -> str:
     return key
 
 
-def check_key(expected: str | None, headers: Mapping[str, str]) -> None:
-    """Accept a request whose headers carry the key, in `X-API-Key` (E2B's) or as `Authorization:
-    Bearer <key>`, or raise AuthError (constant-time comparison)."""
-    if expected is None:
-        return
-    given = headers.get("x-api-key")
-    if given is None:
-        scheme, _, bearer = (headers.get("authorization") or "").partition(" ")
-        given = bearer if scheme.lower() == "bearer" else None
-    if not given:
-        raise AuthError("missing API key: send `X-API-Key: <key>`")
-    if not hmac.compare_digest(given.strip().encode(), expected.encode()):
-        raise AuthError("wrong API key")
+def given_key(headers: Mapping[str, str]) -> str | None:
+    """The key a request carries: `X-API-Key` (E2B's header), else `Authorization: Bearer <key>`."""
+    if key := headers.get("x-api-key"):
+        return key
+    scheme, _, bearer = (headers.get("authorization") or "").partition(" ")
+    return bearer if scheme.lower() == "bearer" and bearer else None
 
 
 def is_loopback(host: str) -> bool:

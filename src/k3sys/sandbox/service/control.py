@@ -23,7 +23,7 @@ from k3sys.sandbox.egress import EgressPolicy
 from k3sys.sandbox.errors import InvalidArgumentError, InvalidStateError, StoreError
 from k3sys.sandbox.service.attrs import SandboxAttrs
 from k3sys.sandbox.service.core import Service
-from k3sys.sandbox.service.deps import Svc, authorize
+from k3sys.sandbox.service.deps import Caller, Ck, Sid, Svc, authorize
 from k3sys.sandbox.service.e2b_models import (
     Connect,
     Fork,
@@ -42,6 +42,7 @@ from k3sys.sandbox.service.e2b_models import (
 )
 from k3sys.sandbox.service.envd.app import access_token
 from k3sys.sandbox.service.models import Cpu, Memory, Prefetched
+from k3sys.sandbox.service.scope import Scope
 from k3sys.sandbox.spec import SandboxSpec
 from k3sys.sandbox.types import CheckpointInfo, SandboxInfo
 
@@ -79,18 +80,18 @@ def _metadata_filter(metadata: str | None) -> dict[str, str]:
     return {unquote(k): unquote(v) for k, v in parse_qsl(metadata or "", keep_blank_values=True)}
 
 
-def _snapshot_of(svc: Service, tid: str) -> str | None:
+def _snapshot_of(svc: Service, scope: Scope, tid: str) -> str | None:
     """The checkpoint a template id names (a snapshot's name or id), or None for a template name."""
-    ck = svc.names.resolve(tid) or tid
+    ck = svc.names.resolve(scope.name_key(tid)) or tid
     try:
-        svc.rt.get_checkpoint(ck)
+        scope.checkpoint(ck)  # another tenant's checkpoint is no checkpoint here: a template name
     except StoreError:  # no such checkpoint, or not even a checkpoint id
         return None
     return ck
 
 
-def _snapshot(svc: Service, ck: CheckpointInfo) -> dict[str, Any]:
-    return checkpoint_json(ck, svc.names.names_of(ck.id))
+def _snapshot(svc: Service, scope: Scope, ck: CheckpointInfo) -> dict[str, Any]:
+    return checkpoint_json(ck, scope.own_names(svc.names.names_of(ck.id)))
 
 
 # --- E2B's routes ------------------------------------------------------------------------------------
@@ -98,17 +99,18 @@ def _snapshot(svc: Service, ck: CheckpointInfo) -> dict[str, Any]:
 
 @router.post("/sandboxes", status_code=201, tags=["sandboxes"])
 @router.post("/v2/sandboxes", status_code=201, tags=["sandboxes"])
-async def create_sandbox(svc: Svc, body: NewSandbox) -> dict[str, Any]:
+async def create_sandbox(svc: Svc, scope: Caller, body: NewSandbox) -> dict[str, Any]:
     """A sandbox from a template, or restored from a snapshot (`templateID` = its id)."""
     body.check_supported()
     keep = body.autoPauseMemory is not False
     attrs = SandboxAttrs(body.templateID, body.metadata or {}, body.envVars or {}, keep, keep)
-    if (ck := await svc.call("lookup", _snapshot_of, svc, body.templateID, io=True)) is not None:
+    if (ck := await svc.call("lookup", _snapshot_of, svc, scope, body.templateID, io=True)) is not None:
         fixed = ("cpu", "memoryMB", "pids", "allow_internet_access", "network")
         if given := [n for n in fixed if getattr(body, n) is not None]:
             raise InvalidArgumentError(f"{', '.join(given)}: {body.templateID!r} is a snapshot: a sandbox made "
                                        f"from it has the size and network of the one it was taken of")
-        info = await svc.call("restore", svc.restore, ck, body.sandboxID, body.timeout, _ON_TIMEOUT[body.autoPause])
+        info = await svc.call("restore", svc.restore, ck, body.sandboxID, body.timeout, scope,
+                              _ON_TIMEOUT[body.autoPause])
     else:
         sized = {k: v for k, v in (("cpu", body.cpu), ("memory_mb", body.memoryMB), ("pids", body.pids))
                  if v is not None}
@@ -118,15 +120,15 @@ async def create_sandbox(svc: Svc, body: NewSandbox) -> dict[str, Any]:
         egress = EgressPolicy.from_e2b(body.network, body.allow_internet_access) if network else None
         spec = SandboxSpec(template=body.templateID, timeout_s=body.timeout, on_timeout=_ON_TIMEOUT[body.autoPause],
                            network=network, egress=egress, **sized)
-        info = await svc.call("create", svc.create, spec, body.sandboxID)
+        info = await svc.call("create", svc.create, spec, body.sandboxID, scope)
     svc.attrs.put(info.id, attrs)
     return _body(svc, info)
 
 
 @router.get("/sandboxes", tags=["sandboxes"])
 @router.get("/v2/sandboxes", tags=["sandboxes"])
-async def list_sandboxes(svc: Svc, response: Response, metadata: str | None = None, state: str | None = None,
-                         template: str | None = None, startedAfter: datetime | None = None,  # noqa: N803
+async def list_sandboxes(svc: Svc, scope: Caller, response: Response, metadata: str | None = None,
+                         state: str | None = None, template: str | None = None, startedAfter: datetime | None = None,  # noqa: N803
                          order: Order = "desc", limit: Limit = None,
                          nextToken: str | None = None) -> list[dict[str, Any]]:  # noqa: N803
     """Sandboxes (every state unless `state` says), newest first (E2B's order) unless `order=asc`."""
@@ -137,7 +139,7 @@ async def list_sandboxes(svc: Svc, response: Response, metadata: str | None = No
         t0 = time.time()
         infos = svc.rt.list()
         svc.attrs.prune({i.id for i in infos}, before=t0)
-        return [_body(svc, i) for i in infos]
+        return [_body(svc, i) for i in scope.sandboxes(infos)]
 
     bodies = [b for b in await svc.call("list", every, io=True)
               if (states is None or b["state"] in states) and wanted.items() <= b["metadata"].items()
@@ -153,33 +155,33 @@ async def list_sandboxes(svc: Svc, response: Response, metadata: str | None = No
 
 
 @router.get("/sandboxes/{sid}", tags=["sandboxes"])
-async def get_sandbox(svc: Svc, sid: str) -> dict[str, Any]:
+async def get_sandbox(svc: Svc, sid: Sid) -> dict[str, Any]:
     return _body(svc, svc.rt.info(sid))
 
 
 @router.delete("/sandboxes/{sid}", status_code=204, tags=["sandboxes"])
-async def kill_sandbox(svc: Svc, sid: str) -> Response:
+async def kill_sandbox(svc: Svc, sid: Sid) -> Response:
     await svc.call("kill", svc.rt.kill, sid)
     svc.attrs.drop(sid)
     return Response(status_code=204)
 
 
 @router.post("/sandboxes/{sid}/timeout", status_code=204, tags=["sandboxes"])
-async def set_timeout(svc: Svc, sid: str, body: Timeout) -> Response:
+async def set_timeout(svc: Svc, sid: Sid, body: Timeout) -> Response:
     """The sandbox's `on_timeout` applies `timeout` seconds from now."""
     await svc.call("set_timeout", svc.rt.set_timeout, sid, body.timeout)
     return Response(status_code=204)
 
 
 @router.put("/sandboxes/{sid}/network", status_code=204, tags=["sandboxes"])
-async def update_network(svc: Svc, sid: str) -> Response:
+async def update_network(svc: Svc, sid: Sid) -> Response:
     """E2B's egress rules: not served (a sandbox's network is its namespace, chosen at create)."""
     svc.rt.info(sid)  # an unknown sandbox is a 404, as E2B's
     raise unsupported("network", "egress rules are an E2B cloud feature; choose allow_internet_access at create")
 
 
 @router.post("/sandboxes/{sid}/pause", status_code=204, tags=["life cycle"])
-async def pause(svc: Svc, sid: str, body: Pause | None = None) -> Response:
+async def pause(svc: Svc, sid: Sid, body: Pause | None = None) -> Response:
     """Hibernate a running sandbox (409 if it is not running); `memory: false`: its next resume boots
     it cold (files kept, processes not)."""
     if (state := svc.rt.info(sid).state) != "running":
@@ -193,11 +195,11 @@ def _set_attrs(svc: Service, sid: str, **changes: Any) -> None:
     svc.attrs.put(sid, dataclasses.replace(svc.attrs.get(sid), **changes))
 
 
-async def _resume(svc: Service, sid: str, memory: bool | None) -> None:
+async def _resume(svc: Service, sid: str, memory: bool | None, scope: Scope) -> None:
     """Resume as the sandbox's last pause asked (or cold when `memory` is False); later pauses by its
     timeout keep the memory as its create asked."""
     attrs = svc.attrs.get(sid)
-    await svc.call("resume", svc.resume, sid, memory is not False and attrs.pause_memory)
+    await svc.call("resume", svc.resume, sid, scope, memory is not False and attrs.pause_memory)
     if attrs.pause_memory != attrs.auto_pause_memory:
         _set_attrs(svc, sid, pause_memory=attrs.auto_pause_memory)
 
@@ -213,28 +215,28 @@ async def _extend(svc: Service, sid: str, timeout: float | None) -> None:
 
 @router.post("/sandboxes/{sid}/connect", tags=["life cycle"], responses={201: {"description": "resumed"}})
 @router.post("/v2/sandboxes/{sid}/connect", tags=["life cycle"], responses={201: {"description": "resumed"}})
-async def connect(svc: Svc, sid: str, body: Connect | None = None) -> JSONResponse:
+async def connect(svc: Svc, sid: Sid, scope: Caller, body: Connect | None = None) -> JSONResponse:
     """200 with a running sandbox; a paused one is resumed first (201)."""
     body = body or Connect()
     status = 200
     if svc.rt.info(sid).state != "running":
-        await _resume(svc, sid, body.memory)
+        await _resume(svc, sid, body.memory, scope)
         status = 201
     await _extend(svc, sid, body.timeout)
     return JSONResponse(_body(svc, svc.rt.info(sid)), status_code=status)
 
 
 @router.post("/sandboxes/{sid}/resume", status_code=201, tags=["life cycle"])
-async def resume(svc: Svc, sid: str, body: Connect | None = None) -> dict[str, Any]:
+async def resume(svc: Svc, sid: Sid, scope: Caller, body: Connect | None = None) -> dict[str, Any]:
     """Resume a paused, frozen or hibernated sandbox (409 if it runs)."""
     body = body or Connect()
-    await _resume(svc, sid, body.memory)
+    await _resume(svc, sid, body.memory, scope)
     await _extend(svc, sid, body.timeout)
     return _body(svc, svc.rt.info(sid))
 
 
 @router.get("/sandboxes/{sid}/metrics", tags=["sandboxes"])
-async def metrics(svc: Svc, sid: str, start: int | None = None, end: int | None = None) -> list[dict[str, Any]]:
+async def metrics(svc: Svc, sid: Sid, start: int | None = None, end: int | None = None) -> list[dict[str, Any]]:
     """One sample, now: memory charged, CPU used on average since the processes last started."""
     info = svc.rt.info(sid)
     mem = await svc.call("memory", svc.rt.memory_bytes, sid, io=True)
@@ -249,43 +251,44 @@ async def metrics(svc: Svc, sid: str, start: int | None = None, end: int | None 
 
 
 @router.post("/sandboxes/{sid}/snapshots", status_code=201, tags=["snapshots"])
-async def create_snapshot(svc: Svc, sid: str, body: Snapshot | None = None) -> dict[str, Any]:
+async def create_snapshot(svc: Svc, sid: Sid, scope: Caller, body: Snapshot | None = None) -> dict[str, Any]:
     """Checkpoint the sandbox (it runs on); create from the returned `snapshotID` (or the `name`, which
     moves to the newest snapshot given it) to restore it."""
     body = body or Snapshot()
     no_memory(body.memory)
     ck = await svc.call("checkpoint", svc.rt.checkpoint, sid)
     if body.name:
-        svc.names.set(body.name, ck.id)
-    return _snapshot(svc, ck)
+        svc.names.set(scope.name_key(body.name), ck.id)
+    return _snapshot(svc, scope, ck)
 
 
 @router.get("/snapshots", tags=["snapshots"])
-async def list_snapshots(svc: Svc, response: Response, sandboxID: str | None = None,  # noqa: N803
+async def list_snapshots(svc: Svc, scope: Caller, response: Response, sandboxID: str | None = None,  # noqa: N803
                          name: str | None = None, limit: Limit = None,
                          nextToken: str | None = None) -> list[dict[str, Any]]:  # noqa: N803
     """Checkpoints, oldest first; `name` matches a snapshot's id or a name given to it."""
-    cks = await svc.call("list_checkpoints", svc.rt.checkpoints, io=True)
+    cks = scope.checkpoints(await svc.call("list_checkpoints", svc.rt.checkpoints, io=True))
     cks = sorted((c for c in cks if sandboxID in (None, c.sandbox_id)
-                  and (name is None or name == c.id or name in svc.names.names_of(c.id))),
+                  and (name is None or name == c.id or scope.name_key(name) in svc.names.names_of(c.id))),
                  key=lambda c: (c.created, c.id))
-    return [_snapshot(svc, c) for c in _page(cks, lambda c: (c.created, c.id), limit, nextToken, response)]
+    return [_snapshot(svc, scope, c) for c in _page(cks, lambda c: (c.created, c.id), limit, nextToken, response)]
 
 
 @router.delete("/templates/{tid}", status_code=204, tags=["snapshots"])
-async def delete_snapshot(svc: Svc, tid: str) -> Response:
+async def delete_snapshot(svc: Svc, scope: Caller, tid: str) -> Response:
     """Delete a snapshot, by id or name (templates are built by scripts, not deleted here: 404)."""
-    ck = svc.names.resolve(tid) or tid
+    ck = svc.names.resolve(scope.name_key(tid)) or tid
+    await svc.call("check", scope.checkpoint, ck, io=True)
     await svc.call("delete_checkpoint", svc.rt.delete_checkpoint, ck)
     svc.names.forget(ck)
     return Response(status_code=204)
 
 
 @router.post("/sandboxes/{sid}/fork", status_code=201, tags=["life cycle"])
-async def fork(svc: Svc, sid: str, body: Fork | None = None) -> list[dict[str, Any]]:
+async def fork(svc: Svc, sid: Sid, scope: Caller, body: Fork | None = None) -> list[dict[str, Any]]:
     """`count` copies of the sandbox now (processes, memory, files), with its metadata and envVars."""
     body = body or Fork()
-    kids = await svc.call("fork", svc.fork, sid, body.count)
+    kids = await svc.call("fork", svc.fork, sid, body.count, scope)
     parent = svc.attrs.get(sid)  # after the fork: an unknown id is a 404, with no attributes made for it
     out = []
     for kid in kids:
@@ -300,57 +303,57 @@ async def fork(svc: Svc, sid: str, body: Fork | None = None) -> list[dict[str, A
 
 
 @router.post("/sandboxes/{sid}/freeze", status_code=204, tags=["k3sys"])
-async def freeze(svc: Svc, sid: str) -> Response:
+async def freeze(svc: Svc, sid: Sid) -> Response:
     """Stop the sandbox's CPU, memory kept, no checkpoint (409 unless running)."""
     await svc.call("pause", svc.rt.pause, sid)
     return Response(status_code=204)
 
 
 @router.post("/sandboxes/{sid}/thaw", status_code=204, tags=["k3sys"])
-async def thaw(svc: Svc, sid: str) -> Response:
+async def thaw(svc: Svc, sid: Sid, scope: Caller) -> Response:
     """Undo `freeze` (409 unless frozen)."""
     if (state := svc.rt.info(sid).state) != "paused":
         raise InvalidStateError(f"sandbox {sid} is {state}: only a frozen sandbox thaws")
-    await svc.call("resume", svc.resume, sid)
+    await svc.call("resume", svc.resume, sid, scope)
     return Response(status_code=204)
 
 
 @router.post("/sandboxes/{sid}/hibernate", tags=["k3sys"])
-async def hibernate(svc: Svc, sid: str) -> dict[str, Any]:
+async def hibernate(svc: Svc, sid: Sid, scope: Caller) -> dict[str, Any]:
     """E2B's pause, answering with the checkpoint it took (from running or frozen)."""
-    return _snapshot(svc, await svc.call("hibernate", svc.rt.hibernate, sid))
+    return _snapshot(svc, scope, await svc.call("hibernate", svc.rt.hibernate, sid))
 
 
 @router.post("/sandboxes/{sid}/prefetch", response_model=Prefetched, tags=["k3sys"])
-async def prefetch(svc: Svc, sid: str, body: Prefetch | None = None) -> Any:
+async def prefetch(svc: Svc, sid: Sid, body: Prefetch | None = None) -> Any:
     """Stage a hibernated sandbox's images for a likely resume (a hint; see `Runtime.prefetch`)."""
     return {"staged": await svc.call("prefetch", svc.rt.prefetch, sid, (body or Prefetch()).ttlS)}
 
 
 @router.get("/sandboxes/{sid}/memory", response_model=Memory, tags=["k3sys"])
-async def sandbox_memory(svc: Svc, sid: str) -> Any:
+async def sandbox_memory(svc: Svc, sid: Sid) -> Any:
     """Bytes of memory charged to the sandbox now."""
     svc.rt.info(sid)
     return {"bytes": await svc.call("memory", svc.rt.memory_bytes, sid, io=True)}
 
 
 @router.get("/sandboxes/{sid}/cpu", response_model=Cpu, tags=["k3sys"])
-async def sandbox_cpu(svc: Svc, sid: str) -> Any:
+async def sandbox_cpu(svc: Svc, sid: Sid) -> Any:
     """CPU seconds charged to the sandbox's cgroup (restarts at 0 when a hibernated sandbox resumes)."""
     svc.rt.info(sid)
     return {"seconds": await svc.call("cpu", svc.rt.cpu_seconds, sid, io=True)}
 
 
 @router.get("/snapshots/{ck}", tags=["k3sys"])
-async def get_snapshot(svc: Svc, ck: str) -> dict[str, Any]:
-    return _snapshot(svc, await svc.call("get_checkpoint", svc.rt.get_checkpoint, ck, io=True))
+async def get_snapshot(svc: Svc, ck: Ck, scope: Caller) -> dict[str, Any]:
+    return _snapshot(svc, scope, await svc.call("get_checkpoint", svc.rt.get_checkpoint, ck, io=True))
 
 
 @router.post("/snapshots/{ck}/restore", status_code=201, tags=["k3sys"])
-async def restore(svc: Svc, ck: str, body: Restore | None = None) -> dict[str, Any]:
+async def restore(svc: Svc, ck: Ck, scope: Caller, body: Restore | None = None) -> dict[str, Any]:
     """A new sandbox from any checkpoint, with the id asked for (`timeout` omitted: the checkpoint's)."""
     body = body or Restore()
-    info = await svc.call("restore", svc.restore, ck, body.sandboxID, body.timeout)
+    info = await svc.call("restore", svc.restore, ck, body.sandboxID, body.timeout, scope)
     svc.attrs.put(info.id, SandboxAttrs(ck))
     return _body(svc, info)
 

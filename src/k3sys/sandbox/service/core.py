@@ -22,7 +22,10 @@ from k3sys.sandbox.runtime.runtime import Runtime
 from k3sys.sandbox.runtime.state import State
 from k3sys.sandbox.service import metrics as _metrics
 from k3sys.sandbox.service.attrs import AttrsTable, SnapshotNames
+from k3sys.sandbox.service.guard import ConnectionLimits
 from k3sys.sandbox.service.limits import Admission
+from k3sys.sandbox.service.scope import Principal, Scope
+from k3sys.sandbox.service.tenants import Tenants
 from k3sys.sandbox.spec import ON_TIMEOUT, SandboxSpec
 from k3sys.sandbox.types import SandboxInfo
 
@@ -43,7 +46,8 @@ class ServiceConfig:
     host's RAM, so memory limits are never over-committed; `on_timeout` is what happens to a sandbox
     past its `timeout_s` unless its spec says; `on_shutdown` what stopping the service does to the
     sandboxes that hold memory ("hibernate": released now, resumed on demand; "keep": left running
-    for the next start to adopt; "kill").
+    for the next start to adopt; "kill"). `connections`: how many, and how long a request header may
+    take (guard.py).
     """
 
     data_dir: Path
@@ -56,6 +60,7 @@ class ServiceConfig:
     on_shutdown: str = "hibernate"
     op_threads: int = 32
     io_threads: int = 256
+    connections: ConnectionLimits = dataclasses.field(default_factory=ConnectionLimits)
 
     def __post_init__(self) -> None:
         for name in ("max_sandboxes", "max_memory_mb", "max_body_bytes", "op_threads", "io_threads"):
@@ -77,6 +82,7 @@ class Service:
         self.config = config
         self.runtime: Runtime | None = None
         self.admission: Admission | None = None
+        self.tenants: Tenants | None = None
         self.attrs = AttrsTable(config.data_dir / "e2b" / "sandboxes")
         self.names = SnapshotNames(config.data_dir / "e2b" / "snapshot-names.json")
         self.draining = False
@@ -96,6 +102,14 @@ class Service:
         if self.runtime is None:
             self.runtime = Runtime(self.config.data_dir, on_timeout=self.config.on_timeout)
         self.admission = Admission(self.runtime, self.config.max_sandboxes, self.config.max_memory_mb)
+        self.tenants = Tenants(self.config.data_dir)
+        # Owners of sandboxes gone for good (not alive, no checkpoint of them left) are forgotten.
+        rt = self.runtime
+        self.tenants.prune({i.id for i in rt.list()} | {c.sandbox_id for c in rt.checkpoints()})
+
+    def scope(self, who: Principal) -> Scope:
+        """What `who` may see and reach (every route's filter)."""
+        return Scope(self.rt, self.tenants, who)
 
     def stop(self) -> None:
         """Apply `on_shutdown` to the sandboxes holding memory, then let go of the runtime directory."""
@@ -112,6 +126,8 @@ class Service:
                     with contextlib.suppress(SandboxError):
                         f.result()  # a failed hibernation leaves the sandbox running, adopted next start
         rt.close()
+        if self.tenants is not None:
+            self.tenants.close()
 
     async def call(self, op: str, fn: Callable[..., T], *args: Any, io: bool = False) -> T:
         """Run `fn(*args)` in a worker thread, timed as `op` in the metrics."""
@@ -133,25 +149,36 @@ class Service:
 
     # --- operations that admit new sandboxes (run in worker threads) -----------------------------
 
-    def create(self, spec: SandboxSpec, id: str | None) -> SandboxInfo:
-        with self.admission.admit(1, spec.memory_mb):
-            return self.rt.create(spec, id)
+    def create(self, spec: SandboxSpec, id: str | None, scope: Scope) -> SandboxInfo:
+        scope.check_new_id(id)
+        with self.admission.admit(1, spec, scope):
+            info = self.rt.create(spec, id)
+        scope.claim([info])
+        return info
 
-    def restore(self, ck: str, id: str | None, timeout_s: float | None, on_timeout: str | None = None) -> SandboxInfo:
-        spec = self.rt.store.get(ck).meta.get("spec", {})
-        with self.admission.admit(1, int(spec.get("memory_mb", 0))):
+    def restore(self, ck: str, id: str | None, timeout_s: float | None, scope: Scope,
+                on_timeout: str | None = None) -> SandboxInfo:
+        scope.checkpoint(ck)
+        scope.check_new_id(id)
+        spec = SandboxSpec.from_json(self.rt.store.get(ck).meta.get("spec", {}))
+        with self.admission.admit(1, spec, scope):
             if on_timeout is None:
-                return self.rt.restore(ck, id, timeout_s)
-            return self.rt.restore(ck, id, timeout_s, on_timeout=on_timeout)
+                info = self.rt.restore(ck, id, timeout_s)
+            else:
+                info = self.rt.restore(ck, id, timeout_s, on_timeout=on_timeout)
+        scope.claim([info])
+        return info
 
-    def fork(self, sid: str, n: int) -> list[SandboxInfo]:
-        with self.admission.admit(n, self.rt.info(sid).spec.memory_mb):
-            return self.rt.fork(sid, n)
+    def fork(self, sid: str, n: int, scope: Scope) -> list[SandboxInfo]:
+        with self.admission.admit(n, scope.sandbox(sid).spec, scope):
+            kids = self.rt.fork(sid, n)
+        scope.claim(kids)
+        return kids
 
-    def resume(self, sid: str, memory: bool = True) -> SandboxInfo:
+    def resume(self, sid: str, scope: Scope, memory: bool = True) -> SandboxInfo:
         """Resume (see `Runtime.resume`; `memory=False`: a hibernated sandbox boots cold)."""
-        info = self.rt.info(sid)
-        room = self.admission.admit(1, info.spec.memory_mb) if info.state == "hibernated" else contextlib.nullcontext()
+        info = scope.sandbox(sid)
+        room = self.admission.admit(1, info.spec, scope) if info.state == "hibernated" else contextlib.nullcontext()
         with room:
             if memory:
                 self.rt.resume(sid)

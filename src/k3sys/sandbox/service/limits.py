@@ -2,8 +2,9 @@
 
 Admission counts every sandbox that holds memory (all but hibernated and lost ones) at its
 `memory_mb` limit, which the cgroup enforces, plus reservations of operations still in flight, so
-two concurrent creates cannot both take the last slot. While an operation is in flight its new
-sandbox may be counted twice (registered and reserved): the service errs towards refusing.
+two concurrent creates cannot both take the last slot (nor two of one tenant the last of its quota).
+While an operation is in flight its new sandbox may be counted twice (registered and reserved): the
+service errs towards refusing.
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ from typing import Any
 from k3sys.sandbox._wire import ERROR_HEADER, error_body, status_of
 from k3sys.sandbox.errors import CapacityError, TooLargeError
 from k3sys.sandbox.runtime.runtime import Runtime
+from k3sys.sandbox.service import scope as access
+from k3sys.sandbox.service.tenants import Usage
+from k3sys.sandbox.spec import SandboxSpec
 
 _IDLE = ("hibernated", "lost")  # states that hold no memory
 
@@ -26,7 +30,8 @@ ASGIApp = Callable[[Scope, Callable[[], Awaitable[Message]], Callable[[Message],
 
 
 class Admission:
-    """Refuses (CapacityError) a new sandbox that would pass `max_sandboxes` or `max_memory_mb` (MiB)."""
+    """Refuses (CapacityError) a new sandbox that would pass `max_sandboxes` or `max_memory_mb` (MiB),
+    and (QuotaError) one past its caller's tenant quota (`Scope.check_quota`)."""
 
     def __init__(self, runtime: Runtime, max_sandboxes: int, max_memory_mb: int) -> None:
         self.runtime = runtime
@@ -34,6 +39,7 @@ class Admission:
         self.max_memory_mb = max_memory_mb
         self._mu = threading.Lock()
         self._pending = [0, 0]  # sandboxes, MiB reserved by operations in flight
+        self._pending_by_tenant: dict[str | None, Usage] = {}
 
     def usage(self) -> tuple[int, int]:
         """(sandboxes, MiB) held now, reservations included."""
@@ -41,8 +47,9 @@ class Admission:
         return len(held) + self._pending[0], sum(i.spec.memory_mb for i in held) + self._pending[1]
 
     @contextlib.contextmanager
-    def admit(self, n: int, memory_mb: int) -> Iterator[None]:
-        """Reserve room for `n` sandboxes of `memory_mb` MiB each for the length of the block."""
+    def admit(self, n: int, spec: SandboxSpec, scope: access.Scope | None = None) -> Iterator[None]:
+        """Reserve room for `n` sandboxes of `spec` (for `scope`'s caller) for the length of the block."""
+        memory_mb, who = spec.memory_mb, scope.who.name if scope is not None else None
         with self._mu:
             count, mb = self.usage()
             if count + n > self.max_sandboxes:
@@ -51,14 +58,20 @@ class Admission:
             if mb + n * memory_mb > self.max_memory_mb:
                 raise CapacityError(f"the service has {mb} of {self.max_memory_mb} MiB of sandbox memory in use; "
                                     f"{n} x {memory_mb} MiB more do not fit (kill or hibernate some)")
+            if scope is not None:
+                scope.check_quota(n, spec, self._pending_by_tenant.get(who, Usage()))
             self._pending[0] += n
             self._pending[1] += n * memory_mb
+            self._pending_by_tenant[who] = self._pending_by_tenant.get(who, Usage()) + Usage.of(n, spec)
         try:
             yield
         finally:
             with self._mu:
                 self._pending[0] -= n
                 self._pending[1] -= n * memory_mb
+                left = self._pending_by_tenant.pop(who) - Usage.of(n, spec)
+                if left != Usage():
+                    self._pending_by_tenant[who] = left
 
 
 async def send_error(send: Callable[[Message], Awaitable[None]], exc: BaseException) -> None:

@@ -3,7 +3,8 @@ protocol, so the official `e2b` SDK works unchanged against it.
 
     k3sys sandbox serve --host 127.0.0.1 --port 3000 --data-dir DIR
 
-Every route but /health needs the API key in `X-API-Key` (or `Authorization: Bearer`; see auth.py).
+Every route but /health needs a key in `X-API-Key` (or `Authorization: Bearer`): the service's own
+(the admin) or a tenant's, which reaches only that tenant's sandboxes (deps.py, scope.py, tenants.py).
 The life cycle (E2B's REST routes and our extensions) is control.py; the table of routes is at the
 top of docs/sandbox_service.md. Commands and files are envd's, E2B's in-sandbox API, on the same
 port: a request that carries `E2b-Sandbox-Id` goes there (envd/app.py: Connect RPC process.Process
@@ -36,10 +37,12 @@ from k3sys.sandbox.service import control
 from k3sys.sandbox.service import metrics as _metrics
 from k3sys.sandbox.service.auth import check_bind
 from k3sys.sandbox.service.core import Service, ServiceConfig
-from k3sys.sandbox.service.deps import Svc, authorize
+from k3sys.sandbox.service.deps import AdminOnly, Svc, authorize
 from k3sys.sandbox.service.envd.app import install as install_envd
 from k3sys.sandbox.service.errors import install_error_handlers
+from k3sys.sandbox.service.guard import raise_nofile, uvicorn_options
 from k3sys.sandbox.service.limits import BodyLimit
+from k3sys.sandbox.service.logfilter import log_config
 from k3sys.sandbox.service.metrics import CountRequests
 from k3sys.sandbox.service.models import (
     Health,
@@ -57,7 +60,8 @@ router = APIRouter(dependencies=[Depends(authorize)])
 
 @router.get("/metrics", tags=["service"], response_class=Response,
             responses={200: {"content": {_metrics.CONTENT_TYPE: {}}}})
-async def metrics(svc: Svc) -> Response:
+async def metrics(svc: Svc, _: AdminOnly) -> Response:
+    """Service-wide counts (every tenant's sandboxes): the admin's only."""
     text = await svc.call("metrics", svc.metrics_text, io=True)
     return Response(text, media_type=_metrics.CONTENT_TYPE)
 
@@ -116,10 +120,13 @@ def serve(config: ServiceConfig, host: str = "127.0.0.1", port: int = 3000, log_
     import uvicorn
 
     check_bind(host, config.api_key)
+    raise_nofile(config.connections)  # before the runtime opens anything: it checks the limits fit
     # Opened here, not at startup, so a directory in use fails with our error, not uvicorn's.
     runtime = Runtime(config.data_dir, on_timeout=config.on_timeout)
     # Streams (command events) would hold a graceful shutdown open forever: cut them after 10 s.
     # Idle connections stay open well past the client's own expiry (httpx: 5 s), so a client never
-    # sends a request on a connection the server is closing at that instant.
+    # sends a request on a connection the server is closing at that instant. guard.py bounds
+    # connections and header time; log lines are rate-limited (logfilter.py).
     uvicorn.run(create_app(config, runtime), host=host, port=port, log_level=log_level, access_log=False,
-                timeout_graceful_shutdown=10, timeout_keep_alive=KEEP_ALIVE_S, lifespan="on")
+                timeout_graceful_shutdown=10, timeout_keep_alive=KEEP_ALIVE_S, lifespan="on",
+                log_config=log_config(), **uvicorn_options(config.connections))

@@ -1,6 +1,7 @@
 """envd, the in-sandbox API of E2B, served by the sandbox service on its own port: a request that
-carries `E2b-Sandbox-Id` (or is sent to host `49983-<id>.<domain>`, as E2B names a sandbox's envd)
-goes to envd's routes for that sandbox (`EnvdRouter`), any other to the control plane.
+carries `E2b-Sandbox-Id` (or is sent to host `49983-<id>.<domain>`, as E2B names a sandbox's envd,
+or is a /files URL signed with a sandbox's token) goes to envd's routes for that sandbox
+(`EnvdRouter`), any other to the control plane.
 
 Before a route runs, the request must show the sandbox's envd access token (`X-Access-Token`; or a
 signed URL's `signature` for /files; or the service's API key as `X-API-Key` or `Authorization:
@@ -34,6 +35,7 @@ from k3sys.sandbox.errors import AuthError, InvalidStateError, NotFoundError, Un
 from k3sys.sandbox.service.envd import files, process
 from k3sys.sandbox.service.envd import filesystem as fs
 from k3sys.sandbox.service.envd.rpc import EnvdState, client_stream, server_stream, unary
+from k3sys.sandbox.service.scope import Scope, authenticate
 
 _HOST = re.compile(rb"%d-([A-Za-z0-9_-]+)\." % ENVD_PORT)
 _SERVING = ("running", "checkpointing")  # states in which envd answers (a checkpoint only holds a call)
@@ -75,15 +77,42 @@ def url_signature(path: str, operation: str, user: str | None, token: str, expir
 
 
 def _signed(query: dict[str, str], method: str, token: str) -> bool:
+    """Whether the URL's `signature` is this token's for its path, operation, user and expiry (an
+    expired one included: `_signature_refusal` tells it apart)."""
     sig, exp = query.get("signature"), query.get("signature_expiration")
-    if not sig or (exp is not None and not exp.isdigit()):
-        return False
-    expiration = int(exp) if exp is not None else None
-    if expiration is not None and expiration < time.time():
+    if not sig or (exp is not None and not exp.lstrip("-").isdigit()):
         return False
     want = url_signature(query.get("path", ""), "read" if method == "GET" else "write", query.get("username"),
-                         token, expiration)
+                         token, int(exp) if exp is not None else None)
     return hmac.compare_digest(sig.encode(), want.encode())
+
+
+def _signature_refusal(query: dict[str, str], method: str, token: str) -> str | None:
+    """Why a signed URL is refused (envd's messages), or None when it is good."""
+    if not _signed(query, method, token):
+        return "invalid signature"
+    exp = query.get("signature_expiration")
+    return "signature is already expired" if exp is not None and int(exp) < time.time() else None
+
+
+def _key_opens(svc: Any, key: bytes | None, sid: str) -> bool | None:
+    """Whether an API key opens the sandbox's envd: the admin's opens every one, a tenant's its own
+    (True); None for a tenant's key and a sandbox not its own, answered as a sandbox that does not
+    exist, so ids do not leak; False for no key of this service."""
+    try:
+        who = authenticate(svc.config.api_key, svc.tenants, key.decode("latin-1")) if key else None
+    except AuthError:
+        return False
+    return who is not None and (Scope(svc.runtime, svc.tenants, who).owns(sid) or None)
+
+
+def _shown(sid: str) -> str:
+    # An id past 63 characters names no sandbox: it is not echoed whole (the header may be 64 KiB).
+    return sid if len(sid) <= 63 else sid[:63] + "..."
+
+
+def _not_found(sid: str) -> tuple[int, str, str]:
+    return 502, f"The sandbox {_shown(sid)} was not found", NotFoundError.code
 
 
 def _refusal(svc: Any, sid: str, scope: dict[str, Any]) -> tuple[int, str, str] | None:
@@ -96,31 +125,53 @@ def _refusal(svc: Any, sid: str, scope: dict[str, Any]) -> tuple[int, str, str] 
         scheme, _, bearer = headers.get(b"authorization", b"").partition(b" ")
         key = key if key is not None else bearer.strip() if scheme.lower() == b"bearer" else None
         query = dict(parse_qsl(scope.get("query_string", b"").decode()))
-        if not (hmac.compare_digest(given, token.encode())
-                or (key is not None and hmac.compare_digest(key, svc.config.api_key.encode()))
-                or (path == "/files" and _signed(query, scope["method"], token))):
-            return 401, f"sandbox {sid}: {'wrong' if given else 'missing'} envd access token (X-Access-Token)", \
-                AuthError.code
+        opens = True if hmac.compare_digest(given, token.encode()) else _key_opens(svc, key, sid)
+        if opens is None:
+            return _not_found(sid)
+        if not opens:
+            if path != "/files" or "signature" not in query:
+                return (401, f"sandbox {_shown(sid)}: {'wrong' if given else 'missing'} envd access token "
+                             "(X-Access-Token)", AuthError.code)
+            if (why := _signature_refusal(query, scope["method"], token)) is not None:
+                return 401, why, AuthError.code
     try:
         state = svc.rt.info(sid).state
     except NotFoundError:
-        return 502, f"The sandbox {sid} was not found", NotFoundError.code
+        return _not_found(sid)
     except UnavailableError as e:  # the service is shutting down
         return 503, str(e), e.code
     if state not in _SERVING:
-        return 502, f"The sandbox {sid} was not found running: it is {state} (connect resumes it)", \
+        return 502, f"The sandbox {_shown(sid)} was not found running: it is {state} (connect resumes it)", \
             InvalidStateError.code
     return None
 
 
 def _sandbox_of(scope: dict[str, Any]) -> bytes | None:
-    """The sandbox a request is for: its `E2b-Sandbox-Id`, else a host named as E2B names a
-    sandbox's port (`49983-<id>.<domain>`, what a signed /files URL carries); None: the control plane."""
+    """The sandbox a request is for: its `E2b-Sandbox-Id`; else a host named as E2B names a
+    sandbox's port (`49983-<id>.<domain>`); else, for a signed /files URL, the sandbox whose token
+    signed it; None: the control plane."""
     headers = dict(scope.get("headers", ()))
     if (sid := headers.get(SANDBOX_HEADER.encode())) is not None:
         return sid
-    m = _HOST.match(headers.get(b"host", b""))
-    return m.group(1) if m else None
+    if m := _HOST.match(headers.get(b"host", b"")):
+        return m.group(1)
+    if scope["path"] == "/files" and b"signature=" in scope.get("query_string", b""):
+        return _signer(scope)
+    return None
+
+
+def _signer(scope: dict[str, Any]) -> bytes | None:
+    """The running sandbox whose access token signed this /files URL (the SDK's signed URLs point at
+    `E2B_SANDBOX_URL` with no sandbox id in them). One hash per sandbox: only a URL that carries a
+    signature costs this, and only a valid one finds a sandbox."""
+    svc = scope["app"].state.service
+    query = dict(parse_qsl(scope.get("query_string", b"").decode()))
+    if svc.config.api_key is None or svc.runtime is None:
+        return None
+    for info in svc.runtime.list():
+        if info.state in _SERVING and _signed(query, scope["method"], access_token(svc.config.api_key, info.id)):
+            return info.id.encode()
+    return None
 
 
 async def _no_route(scope: dict[str, Any], receive: Callable, send: Callable) -> None:

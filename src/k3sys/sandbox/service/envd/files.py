@@ -27,7 +27,7 @@ from k3sys.sandbox.errors import (
     TooLargeError,
     UnavailableError,
 )
-from k3sys.sandbox.service.envd.rpc import user_of
+from k3sys.sandbox.service.envd.rpc import absolute, user_of
 
 _CHUNK = 1 << 20
 _IN_MEMORY = 1 << 20  # bytes of a spooled upload (or part) kept in memory before it goes to disk
@@ -52,17 +52,18 @@ def _user(request: Request) -> str | None:
     return request.query_params.get("username") or user_of(request.headers.get("authorization"))
 
 
-def _path(request: Request) -> str:
-    path = request.query_params.get("path")
+async def _absolute(request: Request, path: str | None) -> str:
     if not path:
         raise InvalidArgumentError("path: the query parameter `path` is required")
-    return path
+    return await absolute(request.app.state.service, request.app.state.envd, request.headers["e2b-sandbox-id"],
+                          _user(request), path)
 
 
 async def download(request: Request) -> Response:
     svc, sid = request.app.state.service, request.headers["e2b-sandbox-id"]
     try:
-        f = await svc.call("envd.read_file", svc.rt.open_file, sid, _path(request), _user(request), io=True)
+        path = await _absolute(request, request.query_params.get("path"))
+        f = await svc.call("envd.read_file", svc.rt.open_file, sid, path, _user(request), io=True)
     except Exception as e:
         return http_error(e)
     size = f.size  # what the agent's stream delivers: the file's size when opened
@@ -165,12 +166,13 @@ async def upload(request: Request) -> Response:
             if path is not None and len(files) == 1:
                 files = [(path, files[0][1])]
         else:
-            files = [(_path(request), body)]
+            files = [(request.query_params.get("path"), body)]
         meta = {k[len(_METADATA):]: v for k, v in request.headers.items() if k.startswith(_METADATA)}
         out: list[dict[str, Any]] = []
         for name, data in files:
             if not name:
-                raise InvalidArgumentError("multipart body: a part without a file name (the path to write)")
+                raise InvalidArgumentError("path: none given (the `path` parameter, or a part's file name)")
+            name = await _absolute(request, name)
             n = await svc.call("envd.write_file", svc.rt.write_file, sid, name, data, user, io=True)
             out.append({"name": name.rstrip("/").rpartition("/")[2], "type": "file", "path": name, "size": n,
                         **({"metadata": meta} if meta else {})})

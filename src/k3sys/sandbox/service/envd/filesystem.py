@@ -8,78 +8,144 @@ its error once drained, and is removed then).
 
 from __future__ import annotations
 
+import re
 import secrets
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import anyio
 
 from k3sys.sandbox._connect import ConnectError
-from k3sys.sandbox._envd import entry_json, event_json
-from k3sys.sandbox.errors import CapacityError, InvalidArgumentError, NotFoundError
+from k3sys.sandbox._envd import STRICT_HEADER, entry_json, event_json
+from k3sys.sandbox.errors import (
+    CapacityError,
+    InvalidArgumentError,
+    NotFoundError,
+    SandboxError,
+    SandboxFileNotFoundError,
+)
 from k3sys.sandbox.runtime.watch import WatchHandle
-from k3sys.sandbox.service.envd.rpc import Rpc, past_deadline
+from k3sys.sandbox.service.envd.rpc import Rpc, absolute, names, past_deadline
+from k3sys.sandbox.types import EntryInfo, FilesystemEvent
 
 MAX_WATCHERS = 1024  # watchers kept for GetWatcherEvents, per service
 MAX_WATCHERS_PER_SANDBOX = 64
 # Events a watch queues unread (about 200 bytes each; later ones are dropped and counted), so that
 # every watcher a service keeps, flooded by its sandbox, holds at most ~2 MB of host memory.
 WATCH_EVENTS = 10_000
+SETTLE_S = 0.03  # seconds GetWatcherEvents waits for events in flight
+ENTRIES_PER_DRAIN = 256  # events of one drain given their entry (a stat each), at most
 _WATCH_POLL_S = 0.05  # seconds between drains of a streamed watch
 
 
-def _path(msg: dict[str, Any], field: str = "path") -> str:
-    p = msg.get(field)
+async def _path(rpc: Rpc, field: str = "path") -> str:
+    p = rpc.msg.get(field)
     if not isinstance(p, str) or not p:
         raise InvalidArgumentError(f"{field}: expected a path in the sandbox, got {p!r}")
-    return p
+    return await absolute(rpc.svc, rpc.state, rpc.sid, rpc.user, p)
+
+
+async def _entries(rpc: Rpc, entries: list[EntryInfo]) -> list[dict[str, Any]]:
+    users, groups = await names(rpc.svc, rpc.state, rpc.sid)
+    return [entry_json(e, users, groups) for e in entries]
 
 
 async def stat(rpc: Rpc) -> dict[str, Any]:
-    e = await rpc.svc.call("envd.stat", rpc.svc.rt.stat, rpc.sid, _path(rpc.msg), rpc.user, io=True)
-    return {"entry": entry_json(e)}
+    e = await rpc.svc.call("envd.stat", rpc.svc.rt.stat, rpc.sid, await _path(rpc), rpc.user, io=True)
+    return {"entry": (await _entries(rpc, [e]))[0]}
 
 
 async def list_dir(rpc: Rpc) -> dict[str, Any]:
     depth = rpc.msg.get("depth", 1) or 1
-    entries = await rpc.svc.call("envd.list_dir", rpc.svc.rt.list_dir, rpc.sid, _path(rpc.msg), depth, rpc.user,
+    entries = await rpc.svc.call("envd.list_dir", rpc.svc.rt.list_dir, rpc.sid, await _path(rpc), depth, rpc.user,
                                  io=True)
-    return {"entries": [entry_json(e) for e in entries]}
+    return {"entries": await _entries(rpc, entries)}
 
 
 async def make_dir(rpc: Rpc) -> dict[str, Any]:
-    path, rt = _path(rpc.msg), rpc.svc.rt
+    path, rt = await _path(rpc), rpc.svc.rt
     if await rpc.svc.call("envd.exists", rt.exists, rpc.sid, path, rpc.user, io=True):
         raise ConnectError("already_exists", f"already exists in the sandbox: {path!r}")
     await rpc.svc.call("envd.make_dir", rt.make_dir, rpc.sid, path, rpc.user, io=True)
-    return {"entry": entry_json(await rpc.svc.call("envd.stat", rt.stat, rpc.sid, path, rpc.user, io=True))}
+    return {"entry": (await _entries(rpc, [await rpc.svc.call("envd.stat", rt.stat, rpc.sid, path, rpc.user,
+                                                                io=True)]))[0]}
 
 
 async def move(rpc: Rpc) -> dict[str, Any]:
-    src, dst, rt = _path(rpc.msg, "source"), _path(rpc.msg, "destination"), rpc.svc.rt
+    src, dst, rt = await _path(rpc, "source"), await _path(rpc, "destination"), rpc.svc.rt
     await rpc.svc.call("envd.move", rt.move, rpc.sid, src, dst, rpc.user, io=True)
-    return {"entry": entry_json(await rpc.svc.call("envd.stat", rt.stat, rpc.sid, dst, rpc.user, io=True))}
+    return {"entry": (await _entries(rpc, [await rpc.svc.call("envd.stat", rt.stat, rpc.sid, dst, rpc.user,
+                                                                io=True)]))[0]}
 
 
 async def remove(rpc: Rpc) -> dict[str, Any]:
-    await rpc.svc.call("envd.remove", rpc.svc.rt.remove, rpc.sid, _path(rpc.msg), rpc.user, io=True)
-    return {}
+    try:
+        await rpc.svc.call("envd.remove", rpc.svc.rt.remove, rpc.sid, await _path(rpc), rpc.user, io=True)
+    except SandboxFileNotFoundError:
+        if rpc.headers.get(STRICT_HEADER) == "1":  # the k3sys client: as the embedded runtime answers
+            raise
+    return {}  # envd removes what is there: a missing path is no error
+
+
+_TEMP = re.compile(r"(.+)\.k3sys-\d+")  # the agent writes a file as <name>.k3sys-<pid>, then renames it
+
+
+@dataclass
+class Watch:
+    """A watch as envd reports it: the agent's atomic write (a temporary file renamed over the name)
+    shows as the writes of the name itself, as an in-place write would (`moved`: names a temporary
+    file was just renamed onto, whose "create" is that rename's other half)."""
+
+    sid: str
+    handle: WatchHandle
+    include_entry: bool = False
+    moved: set[str] = field(default_factory=set)
+
+    def drain(self) -> list[FilesystemEvent]:
+        out = []
+        for e in self.handle.get_new_events():
+            if m := _TEMP.fullmatch(e.path):
+                if e.type == "rename":
+                    self.moved.add(m.group(1))
+                    continue
+                e = replace(e, path=m.group(1))
+            elif e.type == "create" and e.path in self.moved:
+                self.moved.discard(e.path)
+                continue
+            out.append(e)
+        return out
+
+
+async def _events_json(rpc: Rpc, watch: Watch, events: list[FilesystemEvent]) -> list[dict[str, Any]]:
+    """Event messages; with `include_entry`, each with the entry its path names now (best effort, as
+    envd: none once it is gone, and for at most `ENTRIES_PER_DRAIN` events of one drain)."""
+    out = [event_json(e, watch.handle.path) for e in events]
+    if watch.include_entry:
+        for msg, e in list(zip(out, events, strict=True))[:ENTRIES_PER_DRAIN]:
+            if e.type not in ("remove", "rename"):
+                try:
+                    found = await rpc.svc.call("envd.stat", rpc.svc.rt.stat, rpc.sid, e.path, rpc.user, io=True)
+                except SandboxError:
+                    continue
+                msg["entry"] = (await _entries(rpc, [found]))[0]
+    return out
 
 
 async def _watch(rpc: Rpc) -> WatchHandle:
-    return await rpc.svc.call("envd.watch", rpc.svc.rt.watch_dir, rpc.sid, _path(rpc.msg),
+    return await rpc.svc.call("envd.watch", rpc.svc.rt.watch_dir, rpc.sid, await _path(rpc),
                               bool(rpc.msg.get("recursive")), WATCH_EVENTS, io=True)
 
 
 async def watch_dir(rpc: Rpc) -> AsyncIterator[dict[str, Any]]:
-    handle = await _watch(rpc)
+    watch = Watch(rpc.sid, await _watch(rpc), bool(rpc.msg.get("includeEntry")))
     try:
         yield {"start": {}}
         quiet = 0.0
         while (late := past_deadline(rpc)) is None:
-            events = handle.get_new_events()
-            for e in events:
-                yield {"filesystem": event_json(e, handle.path)}
+            events = watch.drain()
+            for msg in await _events_json(rpc, watch, events):
+                yield {"filesystem": msg}
             quiet = 0.0 if events else quiet + _WATCH_POLL_S
             if rpc.keepalive_s is not None and quiet >= rpc.keepalive_s:
                 quiet = 0.0
@@ -88,44 +154,47 @@ async def watch_dir(rpc: Rpc) -> AsyncIterator[dict[str, Any]]:
         raise late
     finally:
         with anyio.CancelScope(shield=True):
-            await anyio.to_thread.run_sync(handle.stop)
+            await anyio.to_thread.run_sync(watch.handle.stop)
 
 
 async def create_watcher(rpc: Rpc) -> dict[str, Any]:
     watchers, live = rpc.state.watchers, {i.id for i in rpc.svc.rt.list()}
-    for wid in [w for w, (sid, _) in watchers.items() if sid not in live]:  # their sandboxes were killed
+    for wid in [w for w, watch in watchers.items() if watch.sid not in live]:  # their sandboxes were killed
         if (gone := watchers.pop(wid, None)) is not None:
-            await anyio.to_thread.run_sync(gone[1].stop)
+            await anyio.to_thread.run_sync(gone.handle.stop)
     if len(watchers) >= MAX_WATCHERS:
         raise CapacityError(f"the service keeps at most {MAX_WATCHERS} watchers: remove some")
-    if sum(sid == rpc.sid for sid, _ in watchers.values()) >= MAX_WATCHERS_PER_SANDBOX:
+    if sum(w.sid == rpc.sid for w in watchers.values()) >= MAX_WATCHERS_PER_SANDBOX:
         raise CapacityError(f"sandbox {rpc.sid} has {MAX_WATCHERS_PER_SANDBOX} watchers already: remove some")
     wid = "w-" + secrets.token_hex(8)
-    watchers[wid] = (rpc.sid, await _watch(rpc))
+    watchers[wid] = Watch(rpc.sid, await _watch(rpc), bool(rpc.msg.get("includeEntry")))
     return {"watcherId": wid}
 
 
-def _watcher(rpc: Rpc) -> tuple[str, WatchHandle]:
+def _watcher(rpc: Rpc) -> tuple[str, Watch]:
     wid = rpc.msg.get("watcherId")
-    sid, handle = rpc.state.watchers.get(wid, (None, None)) if isinstance(wid, str) else (None, None)
-    if handle is None or sid != rpc.sid:
+    watch = rpc.state.watchers.get(wid) if isinstance(wid, str) else None
+    if watch is None or watch.sid != rpc.sid:
         raise NotFoundError(f"no watcher {wid!r} in sandbox {rpc.sid}")
-    return wid, handle
+    return wid, watch
 
 
 async def get_watcher_events(rpc: Rpc) -> dict[str, Any]:
-    wid, handle = _watcher(rpc)
+    wid, watch = _watcher(rpc)
+    # The agent's events travel a socket and a reader thread: a change made just before this call
+    # (the SDK's own write, say) is waited for a moment, as envd, which watches in-process, needs not.
+    await anyio.sleep(SETTLE_S)
     try:
-        events = handle.get_new_events()
+        events = watch.drain()
     except Exception:  # the watch ended (its sandbox killed, its directory gone): so does the watcher
         rpc.state.watchers.pop(wid, None)
-        await anyio.to_thread.run_sync(handle.stop)
+        await anyio.to_thread.run_sync(watch.handle.stop)
         raise
-    return {"events": [event_json(e, handle.path) for e in events]}
+    return {"events": await _events_json(rpc, watch, events)}
 
 
 async def remove_watcher(rpc: Rpc) -> dict[str, Any]:
-    wid, handle = _watcher(rpc)
+    wid, watch = _watcher(rpc)
     rpc.state.watchers.pop(wid, None)
-    await anyio.to_thread.run_sync(handle.stop)
+    await anyio.to_thread.run_sync(watch.handle.stop)
     return {}

@@ -1,9 +1,9 @@
 """envd's `process.Process` service over the runtime's agent-backed commands.
 
 A process's output is read from the sandbox's agent (its ring, inside the sandbox) by polling
-`read_command_output`: every look is one agent round trip (~1 ms), made more seldom while the
-process is quiet (5 ms growing to 100 ms). A checkpoint in progress holds a look, so a stream pauses
-and then goes on from its offsets; a paused (frozen) sandbox holds it until the thaw. Start and
+`read_command_output`: every look is one agent round trip (~1 ms), every 5 ms, made more seldom
+once the process has been quiet for 50 ms (up to 100 ms apart). A checkpoint in progress holds a
+look, so a stream pauses and then goes on from its offsets; a paused (frozen) sandbox holds it until the thaw. Start and
 Connect streams send the output from the process's start (what the agent's ring still holds).
 The process's record in the agent is freed when a stream delivered its end and no other stream of
 it is open; a client that goes away first leaves it for a later Connect.
@@ -20,10 +20,11 @@ from typing import Any
 import anyio
 
 from k3sys.sandbox._envd import ALL_HEADER, FOLLOW_HEADER, KEEP_HEADER, KILL_HEADER, SIGNALS, end_event, process_json
-from k3sys.sandbox.errors import InvalidArgumentError
-from k3sys.sandbox.service.envd.rpc import Rpc, cap_deadline, past_deadline, selector_pid
+from k3sys.sandbox.errors import InvalidArgumentError, NotFoundError, SandboxError, UnavailableError
+from k3sys.sandbox.service.envd.rpc import Rpc, absolute, cap_deadline, past_deadline, selector_pid
 
 _POLL_S = (0.005, 0.1)  # seconds between looks at a process's output: when busy, when quiet
+_BRISK_S = 0.05  # seconds of quiet before the looks become fewer
 _PIECE = 1 << 20  # bytes of output per message at most
 
 
@@ -49,6 +50,17 @@ def _input(msg: dict[str, Any]) -> bytes:
     return _b64("input", inp.get("stdin", inp.get("pty", "")))
 
 
+def _gone(rpc: Rpc) -> UnavailableError | None:
+    """The error a stream ends with when its sandbox was killed under it (else None). Its message
+    does not say "not found", so the e2b SDK probes /health, learns the sandbox is gone, and raises
+    its SandboxNotRunningException ("killed or reached its end of life")."""
+    try:
+        rpc.svc.rt.info(rpc.sid)
+    except NotFoundError:
+        return UnavailableError(f"sandbox {rpc.sid}: the stream ended with the sandbox (killed)")
+    return None
+
+
 async def _output(rpc: Rpc, cid: str, pid: int, pty: bool) -> AsyncIterator[dict[str, Any]]:
     """The start event, the process's output, then its end (or a deadline or keepalive meanwhile)."""
     rt, key, streams = rpc.svc.rt, (rpc.sid, pid), rpc.state.streams
@@ -58,11 +70,21 @@ async def _output(rpc: Rpc, cid: str, pid: int, pty: bool) -> AsyncIterator[dict
         yield {"event": {"start": {"pid": pid}}}
         offsets, delay, quiet_since = (0, 0), _POLL_S[0], time.monotonic()
         while True:
-            out, err, done = await rpc.svc.call("envd.output", rt.read_command_output, cid, offsets, io=True)
+            try:
+                out, err, done = await rpc.svc.call("envd.output", rt.read_command_output, cid, offsets, io=True)
+            except SandboxError as e:
+                # A kill in progress takes the agent first and the sandbox's record last.
+                for _ in range(30):
+                    if (gone := _gone(rpc)) is not None:
+                        raise gone from e
+                    await anyio.sleep(0.1)
+                raise
             offsets = (offsets[0] + len(out), offsets[1] + len(err))
             for name, data in (("pty" if pty else "stdout", out), ("stderr", err)):
                 for i in range(0, len(data), _PIECE):
                     yield {"event": {"data": {name: base64.b64encode(data[i:i + _PIECE]).decode()}}}
+            if done and (gone := _gone(rpc)) is not None:  # its "end" is the sandbox's: not the process's
+                raise gone
             if done:
                 ended = rpc.headers.get(KEEP_HEADER) != "1"
                 yield {"event": end_event(rt.command_exit(cid).exit)}
@@ -77,7 +99,8 @@ async def _output(rpc: Rpc, cid: str, pid: int, pty: bool) -> AsyncIterator[dict
             if out or err:
                 delay, quiet_since = _POLL_S[0], now
             else:
-                delay = min(delay * 2, _POLL_S[1])
+                # Quick looks for a while after the last output (a short command ends within it), then fewer.
+                delay = _POLL_S[0] if now - quiet_since < _BRISK_S else min(delay * 2, _POLL_S[1])
                 if rpc.keepalive_s is not None and now - quiet_since >= rpc.keepalive_s:
                     quiet_since = now
                     yield {"event": {"keepalive": {}}}
@@ -107,8 +130,9 @@ async def start(rpc: Rpc) -> AsyncIterator[dict[str, Any]]:
     # Our extension: stdin's whole content in the request (written, then closed), for one-call runs.
     stdin = _b64("k3sysStdin", rpc.msg["k3sysStdin"]) if "k3sysStdin" in rpc.msg else bool(rpc.msg.get("stdin"))
     envs = {**rpc.svc.attrs.get(rpc.sid).envs, **(proc.get("envs") or {})}  # the sandbox's envVars, then the call's
-    cid = await rpc.svc.call("envd.start", rpc.svc.rt.start_process, rpc.sid, argv, proc.get("cwd") or None,
-                             envs, rpc.user, stdin, pty, io=True)
+    cwd = await absolute(rpc.svc, rpc.state, rpc.sid, rpc.user, proc.get("cwd") or ".")  # envd: the user's home
+    cid = await rpc.svc.call("envd.start", rpc.svc.rt.start_process, rpc.sid, argv, cwd, envs, rpc.user, stdin,
+                             pty, io=True)
     async for event in _output(rpc, cid, rpc.svc.rt.command_pid(cid), pty is not None):
         yield event
 

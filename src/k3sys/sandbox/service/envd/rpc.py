@@ -15,7 +15,7 @@ import binascii
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -31,11 +31,8 @@ from k3sys.sandbox._connect import (
     error_json,
     frame,
 )
-from k3sys.sandbox.errors import InvalidArgumentError, TooLargeError
+from k3sys.sandbox.errors import InvalidArgumentError, SandboxError, TooLargeError
 from k3sys.sandbox.service.core import Service
-
-if TYPE_CHECKING:
-    from k3sys.sandbox.runtime.watch import WatchHandle
 
 MAX_REQUEST = 4 << 20  # bytes of one request message (the SDK's own default read limit)
 
@@ -43,10 +40,71 @@ MAX_REQUEST = 4 << 20  # bytes of one request message (the SDK's own default rea
 @dataclass
 class EnvdState:
     """What envd keeps between calls (on `app.state.envd`): open output streams per (sandbox, pid),
-    and the watchers of CreateWatcher by id, with their sandbox."""
+    the watchers of CreateWatcher by id with their sandbox, users' homes, and user and group names
+    (with when they were read)."""
 
     streams: dict[tuple[str, int], int] = field(default_factory=dict)
-    watchers: dict[str, tuple[str, WatchHandle]] = field(default_factory=dict)
+    watchers: dict[str, Any] = field(default_factory=dict)  # watcher id -> filesystem.Watch
+    homes: dict[tuple[str, str | None], str] = field(default_factory=dict)  # (sandbox, user) -> home
+    names: dict[str, tuple[float, dict[int, str], dict[int, str]]] = field(default_factory=dict)
+
+
+MAX_HOMES = 4096  # (sandbox, user) homes (and sandboxes' id -> name tables) remembered, at most
+NAMES_TTL_S = 30.0  # seconds a sandbox's user and group names are trusted before they are read again
+_NAMES_MAX = 1 << 20  # bytes of /etc/passwd or /etc/group read, at most (the sandbox writes them)
+
+
+def _id_names(svc: Service, sid: str, path: str) -> dict[int, str]:
+    """id -> name from the sandbox's passwd-format file at `path` (read through its agent, bounded)."""
+    try:
+        with svc.rt.open_file(sid, path) as f:
+            text = f.read(_NAMES_MAX).decode("utf-8", "replace")
+    except SandboxError:
+        return {}
+    out: dict[int, str] = {}
+    for line in text.splitlines():
+        fields = line.split(":")
+        if len(fields) > 2 and fields[2].isdigit():
+            out.setdefault(int(fields[2]), fields[0])
+    return out
+
+
+async def names(svc: Service, state: EnvdState, sid: str) -> tuple[dict[int, str], dict[int, str]]:
+    """The sandbox's (users, groups) by id, read again after `NAMES_TTL_S`."""
+    now = time.monotonic()
+    cached = state.names.get(sid)
+    if cached is None or now - cached[0] > NAMES_TTL_S:
+        users = await svc.call("envd.names", _id_names, svc, sid, "/etc/passwd", io=True)
+        groups = await svc.call("envd.names", _id_names, svc, sid, "/etc/group", io=True)
+        if len(state.names) >= MAX_HOMES:
+            state.names.clear()
+        cached = state.names[sid] = (now, users, groups)
+    return cached[1], cached[2]
+
+
+def _home(svc: Service, sid: str, user: str | None) -> str:
+    """`user`'s home in the sandbox ($HOME as the agent sets it for the user)."""
+    result = svc.rt.wait_command(svc.rt.start_process(sid, "cd && pwd", "/", {}, user), 10)
+    home = result.stdout.strip()[:4096] if result.exit_code == 0 else ""
+    return home if home.startswith("/") else "/"
+
+
+async def home(svc: Service, state: EnvdState, sid: str, user: str | None) -> str:
+    """`user`'s home in sandbox `sid`, asked once per sandbox and user (through the agent)."""
+    found = state.homes.get((sid, user))
+    if found is None:
+        found = await svc.call("envd.home", _home, svc, sid, user, io=True)
+        if len(state.homes) >= MAX_HOMES:
+            state.homes.clear()
+        state.homes[(sid, user)] = found
+    return found
+
+
+async def absolute(svc: Service, state: EnvdState, sid: str, user: str | None, path: str) -> str:
+    """`path` made absolute as envd does: a relative one starts at the user's home."""
+    if not isinstance(path, str) or path.startswith("/") or not path:
+        return path  # the runtime checks what is left
+    return f"{(await home(svc, state, sid, user)).rstrip('/')}/{path}"
 
 
 @dataclass

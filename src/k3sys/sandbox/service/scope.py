@@ -1,0 +1,140 @@
+"""What one request may see and reach: the caller (`Principal`: a tenant, or the admin) and the
+filter every route goes through (`Scope`), so tenant isolation lives here and nowhere else.
+
+A tenant sees only its own sandboxes and checkpoints. Another tenant's id answers exactly as an id
+that does not exist (404, same message), so ids do not leak; the admin sees everything. Ownership
+itself is kept by `tenants.Tenants` (see its docstring for the rules).
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Protocol
+
+from k3sys.sandbox.errors import AuthError, CheckpointNotFoundError, InvalidArgumentError, NotFoundError
+from k3sys.sandbox.service.tenants import Tenant, Tenants, Usage, check_quota, disk_mb
+from k3sys.sandbox.spec import SandboxSpec
+from k3sys.sandbox.types import CheckpointInfo, SandboxInfo
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who a request acts for: `tenant`, or the admin when None (the service's own key)."""
+
+    tenant: Tenant | None = None
+
+    @property
+    def name(self) -> str | None:
+        return None if self.tenant is None else self.tenant.name
+
+
+ADMIN = Principal()
+
+
+def authenticate(admin_key: str | None, tenants: Tenants | None, given: str | None) -> Principal:
+    """The caller a key stands for: the admin for `admin_key` (constant-time comparison), else the
+    tenant owning it. With no admin key and no tenant keys the service is open (loopback only) and
+    every caller is the admin; once a tenant key exists, every request needs a key."""
+    if given:
+        if admin_key is not None and hmac.compare_digest(given.strip().encode(), admin_key.encode()):
+            return ADMIN
+        if tenants is not None and (t := tenants.authenticate(given.strip())) is not None:
+            return Principal(t)
+        raise AuthError("wrong API key")
+    if admin_key is None and (tenants is None or not tenants.has_keys()):
+        return ADMIN
+    raise AuthError("missing API key: send `X-API-Key: <key>`")
+
+
+class Runtimeish(Protocol):
+    """The part of the runtime a scope reads (the Runtime, or anything with its methods)."""
+
+    def list(self) -> list[SandboxInfo]: ...
+    def info(self, sid: str) -> SandboxInfo: ...
+    def get_checkpoint(self, ck: str) -> CheckpointInfo: ...
+
+
+_IDLE = ("hibernated", "lost")  # states that hold no memory (as limits.Admission counts)
+
+
+class Scope:
+    """The sandboxes and checkpoints `who` may see and reach, over `rt`; `tenants` None: no tenants."""
+
+    def __init__(self, rt: Runtimeish, tenants: Tenants | None, who: Principal) -> None:
+        self.rt = rt
+        self.tenants = tenants
+        self.who = who
+
+    def _owner(self, sid: str) -> str | None:
+        return None if self.tenants is None else self.tenants.owner(sid)
+
+    def owns(self, sid: str) -> bool:
+        """Whether the caller owns sandbox id `sid` (the admin: without asking the owners table)."""
+        return self.who.tenant is None or self._owner(sid) == self.who.name
+
+    def sandbox(self, sid: str) -> SandboxInfo:
+        """The sandbox `sid` if the caller may reach it; else NotFoundError, as for an unknown id."""
+        info = self.rt.info(sid)
+        if not self.owns(sid):
+            raise NotFoundError(f"no sandbox {sid!r}")
+        return info
+
+    def checkpoint(self, ck: str) -> CheckpointInfo:
+        """The checkpoint `ck` if the caller owns its sandbox; else CheckpointNotFoundError, the same for
+        an unknown id (the store's message, which names the host's store path, is not passed on)."""
+        try:
+            info = self.rt.get_checkpoint(ck)
+        except CheckpointNotFoundError:
+            info = None
+        if info is None or not self.owns(info.sandbox_id):
+            raise CheckpointNotFoundError(f"no checkpoint {ck!r}")
+        return info
+
+    def sandboxes(self, infos: Iterable[SandboxInfo]) -> list[SandboxInfo]:
+        if self.who.tenant is None:
+            return list(infos)
+        mine = self.tenants.owned(self.who.name)
+        return [i for i in infos if i.id in mine]
+
+    def checkpoints(self, infos: Iterable[CheckpointInfo]) -> list[CheckpointInfo]:
+        if self.who.tenant is None:
+            return list(infos)
+        mine = self.tenants.owned(self.who.name)
+        return [c for c in infos if c.sandbox_id in mine]
+
+    def name_key(self, name: str) -> str:
+        """How a snapshot name the caller gives is stored: a tenant's names live under its own prefix
+        (tenant names have no "/"), so two tenants' "base" are two names and neither moves the other's."""
+        return name if self.who.tenant is None else f"{self.who.name}/{name}"
+
+    def own_names(self, stored: Iterable[str]) -> list[str]:
+        """The names (as stored) the caller gave, as it gave them; the admin sees every name."""
+        if self.who.tenant is None:
+            return list(stored)
+        prefix = f"{self.who.name}/"
+        return [n[len(prefix):] for n in stored if n.startswith(prefix)]
+
+    def check_new_id(self, sid: str | None) -> None:
+        """Refuse a chosen id that another tenant owns (live, or named by its checkpoints): ownership
+        never moves. Answered as the runtime answers any id in use, which says it is taken, no more."""
+        if sid is not None and self.tenants is not None and self._owner(sid) not in (None, self.who.name):
+            raise InvalidArgumentError(f"id: sandbox {sid!r} already exists")
+
+    def usage(self) -> Usage:
+        """What the caller's tenant holds now (see `tenants.Quota` for what counts)."""
+        mine = self.sandboxes(self.rt.list())
+        held = [i for i in mine if i.state not in _IDLE]
+        return Usage(len(held), sum(i.spec.memory_mb for i in held), sum(disk_mb(i.spec) for i in mine))
+
+    def check_quota(self, n: int, spec: SandboxSpec, pending: Usage) -> None:
+        """QuotaError unless `n` more sandboxes of `spec` fit the caller's quota, counting `pending`
+        (the tenant's operations in flight); the admin has no quota."""
+        if self.who.tenant is not None and self.tenants is not None:
+            check_quota(self.who.tenant, self.usage() + pending, n, spec)
+
+    def claim(self, infos: Iterable[SandboxInfo]) -> None:
+        """Record the caller as the owner of sandboxes it just made (restores, forks: children too)."""
+        if self.tenants is not None:
+            self.tenants.claim([i.id for i in infos], self.who.name)

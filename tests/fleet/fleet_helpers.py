@@ -1,0 +1,40 @@
+"""Helpers of the fleet's tests: sandboxes running a counter, to show a process runs on across moves."""
+
+from __future__ import annotations
+
+import os
+import time
+
+from k3sys.sandbox.spec import SandboxSpec
+
+COUNTER = "i=0; while true; do i=$((i+1)); echo $i > /tmp/c; sleep 0.05; done"
+
+
+def count(fleet, sid: str) -> int:
+    deadline = time.monotonic() + 10
+    while True:
+        text = fleet.run(sid, "cat /tmp/c 2>/dev/null").stdout.strip()
+        if text:
+            return int(text)
+        assert time.monotonic() < deadline, f"no counter in {sid}"
+        time.sleep(0.05)
+
+
+def runs_on(fleet, sid: str, after: int) -> int:
+    """The counter of `sid` now, checked to have gone on from `after` (no restart from 0)."""
+    now = count(fleet, sid)
+    assert now >= after, (sid, after, now)
+    deadline = time.monotonic() + 10
+    while count(fleet, sid) <= now:
+        assert time.monotonic() < deadline, f"counter of {sid} stopped at {now}"
+        time.sleep(0.05)
+    return now
+
+
+def counting_sandbox(fleet, node: str, payload_mb: int = 0) -> str:
+    sid = fleet.create(SandboxSpec(memory_mb=128), node=node).id
+    fleet.start_command(sid, COUNTER)
+    if payload_mb:
+        fleet.write_file(sid, "/payload.bin", os.urandom(payload_mb << 20))
+    count(fleet, sid)
+    return sid
