@@ -136,8 +136,11 @@ def test_quotas_refuse_with_429_naming_the_quota(svc, record_property):
     record_property("attack", "pids: 4194304 accepted at create")
     with client(svc, "carol") as carol, httpx.Client(base_url=svc.url, timeout=30,
                                                      headers={"x-api-key": svc.keys["carol"]}) as h:
-        with pytest.raises(QuotaError, match=r"quota pids: .*at most 100 .*pids=4194304"):
-            carol.create(SandboxSpec(memory_mb=64, pids=4194304))
+        # Past every spec's bound (spec.MAX_PIDS) it is refused before any call; within it, by the quota.
+        with pytest.raises(InvalidArgumentError, match=r"pids: .*2048.*got 4194304"):
+            SandboxSpec(memory_mb=64, pids=4194304)
+        with pytest.raises(QuotaError, match=r"quota pids: .*at most 100 .*pids=2048"):
+            carol.create(SandboxSpec(memory_mb=64, pids=2048))
         r = h.post("/sandboxes", json={"templateID": "busybox", "memoryMB": 64, "pids": 101})
         assert r.status_code == 429 and "quota_exceeded" in r.text and "pids" in r.text
         with pytest.raises(QuotaError, match=r"quota memory_mb: .*at most 160 MiB"):
@@ -157,7 +160,8 @@ def test_quotas_refuse_with_429_naming_the_quota(svc, record_property):
         with client(svc, "alice") as alice:
             other = alice.create(SMALL)
             alice.kill(other.id)
-        record_property("figure", "pids 4194304 / 101 > 100, memory 192 > 160 MiB, 3rd sandbox of 2: 429")
+        record_property("figure", "pids 4194304 > 2048 (spec bound); 2048 / 101 > 100, memory 192 > 160 MiB, "
+                                  "3rd sandbox of 2: 429")
         for sid in (first.id, second.id, third.id):
             carol.kill(sid)
 
