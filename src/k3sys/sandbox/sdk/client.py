@@ -129,7 +129,8 @@ class _Routes(EnvdCalls):
 
     def create(self, spec: SandboxSpec, id: str | None = None) -> SandboxInfo:
         body = {"templateID": spec.template, "timeout": spec.timeout_s, "sandboxID": id, "cpu": spec.cpu,
-                "memoryMB": spec.memory_mb, "pids": spec.pids, "allow_internet_access": spec.network}
+                "memoryMB": spec.memory_mb, "diskSizeMB": spec.disk_mb, "pids": spec.pids,
+                "allow_internet_access": spec.network}
         if spec.egress is not None:
             e = spec.egress
             body["network"] = {"allowOut": list(e.allow_out), "denyOut": list(e.deny_out)} | (

@@ -48,7 +48,7 @@ def unsupported(name: str, why: str) -> InvalidArgumentError:
 
 class NewSandbox(BaseModel):
     """POST /sandboxes and /v2/sandboxes. `timeout` omitted: 300 s; null (ours): none. `autoPause`
-    omitted: the service's `--on-timeout`. Ours: `sandboxID`, `cpu` (cores), `memoryMB`, `pids`."""
+    omitted: the service's `--on-timeout`. Ours: `sandboxID`, `cpu` (cores), `memoryMB`, `diskSizeMB`, `pids`."""
 
     model_config = _STRICT
     templateID: str = Field(min_length=1, max_length=255)
@@ -67,6 +67,7 @@ class NewSandbox(BaseModel):
     sandboxID: str | None = None
     cpu: float | None = None
     memoryMB: int | None = None
+    diskSizeMB: int | None = None
     pids: int | None = None
 
     @field_validator("metadata", "envVars")
@@ -156,7 +157,7 @@ def sandbox_body(info: SandboxInfo, attrs: SandboxAttrs, token: str | None, defa
         "templateID": attrs.template_id or spec.template, "alias": spec.template, "sandboxID": info.id,
         "clientID": CLIENT_ID, "envdVersion": ENVD_VERSION, "domain": None,
         "startedAt": iso(info.created), "endAt": iso(info.deadline) if info.deadline is not None else NO_END,
-        "cpuCount": cpu_count(spec), "memoryMB": spec.memory_mb, "diskSizeMB": 0,
+        "cpuCount": cpu_count(spec), "memoryMB": spec.memory_mb, "diskSizeMB": spec.disk_mb,
         "state": E2B_STATE.get(info.state, "paused"), "metadata": attrs.metadata,
         "allowInternetAccess": spec.network,
         "lifecycle": {"autoResume": False, "onTimeout": "pause" if on_timeout == "hibernate" else "kill"},
