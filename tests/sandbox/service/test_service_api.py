@@ -58,8 +58,14 @@ def remote(service):
 
 @pytest.fixture
 def rsbx(remote):
-    with Sandbox.create(runtime=remote, memory_mb=128) as s:
+    with Sandbox.create(runtime=remote, memory_mb=128, disk_mb=256) as s:
         yield s
+
+
+def test_create_sizes_travel_over_http(rsbx):
+    assert (rsbx.info.spec.memory_mb, rsbx.info.spec.disk_mb) == (128, 256)  # as the service answers
+    size_kb = int(rsbx.commands.run("df -k / | tail -1").stdout.split()[1])
+    assert 200 << 10 < size_kb <= 256 << 10  # the sandbox's own disk (ext4's overhead below 256 MiB)
 
 
 def assert_error(r: httpx.Response, status: int, type_: str) -> str:
