@@ -11,7 +11,6 @@ import pytest
 
 from k3sys.sandbox import (
     FilesystemEvent,
-    InvalidArgumentError,
     Sandbox,
     SandboxFileNotFoundError,
     WrongFileTypeError,
@@ -169,10 +168,3 @@ def test_watch_refuses_a_missing_path_or_a_file(sbx):
     sbx.files.write("/root/file", "x")
     with pytest.raises(WrongFileTypeError):
         sbx.files.watch_dir("/root/file")
-
-
-def test_watch_over_http_is_refused_clearly(rt, sbx):
-    if hasattr(rt, "store"):
-        pytest.skip("the embedded runtime serves watches (the tests above)")
-    with pytest.raises(InvalidArgumentError, match="not served over HTTP"):
-        sbx.files.watch_dir("/tmp")
