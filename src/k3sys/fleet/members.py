@@ -89,10 +89,12 @@ class Members:
         return m
 
     def charge(self, name: str, mb: int) -> None:
-        """Count `mb` MiB placed on node `name` until its next stats (negative: give back)."""
+        """Count `mb` MiB placed on node `name` until its next stats (negative: give back). Never
+        below 0: stats that arrived in between already absorbed the charge, and giving it back then
+        would make the node look emptier than its stats say."""
         with self._mu:
             if name in self._live:
-                self._live[name].charged += mb
+                self._live[name].charged = max(0, self._live[name].charged + mb)
 
     def call(self, name: str, method: str, *args: Any) -> Any:
         """`Runtime.<method>(*args)` on node `name`; a dead node is marked lost at once."""
@@ -132,7 +134,7 @@ class Members:
             answered.add(m.name)
             with self._mu:
                 m.stats, m.seen = stats, now
-                m.charged -= sent[m.name]
+                m.charged = max(0, m.charged - sent[m.name])
         for m in live:
             if m.name not in answered and now - m.seen > self.lost_after_s:
                 self.lose(m.name, f"no answer for {now - m.seen:.1f} s")

@@ -36,15 +36,16 @@ ADMIN = Principal()
 def authenticate(admin_key: str | None, tenants: Tenants | None, given: str | None) -> Principal:
     """The caller a key stands for: the admin for `admin_key` (constant-time comparison), else the
     tenant owning it. With no admin key and no tenant keys the service is open (loopback only) and
-    every caller is the admin; once a tenant key exists, every request needs a key."""
+    every caller is the admin, whatever key it sends (the e2b SDK always sends one); once a tenant
+    key exists, every request needs a key."""
+    if admin_key is None and (tenants is None or not tenants.has_keys()):
+        return ADMIN
     if given:
         if admin_key is not None and hmac.compare_digest(given.strip().encode(), admin_key.encode()):
             return ADMIN
         if tenants is not None and (t := tenants.authenticate(given.strip())) is not None:
             return Principal(t)
         raise AuthError("wrong API key")
-    if admin_key is None and (tenants is None or not tenants.has_keys()):
-        return ADMIN
     raise AuthError("missing API key: send `X-API-Key: <key>`")
 
 
