@@ -29,6 +29,7 @@ from k3sys.sandbox.runtime import layers
 from k3sys.sandbox.runtime.agent import Agent
 from k3sys.sandbox.runtime.drivers.base import SandboxDirs
 from k3sys.sandbox.runtime.drivers.cgroups import Cgroups
+from k3sys.sandbox.runtime.drivers.criu import LazyPages, criu_seconds, log_excerpt
 from k3sys.sandbox.runtime.drivers.network import Network
 from k3sys.sandbox.runtime.system import SystemPaths, system_paths
 from k3sys.sandbox.spec import SandboxSpec
@@ -45,34 +46,6 @@ _PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # PID 1 of every sandbox: k3sys-agent (agent/, docs/sandbox-agent.md), bind-mounted read-only. It
 # drops the host-side stdio runc hands it (CRIU cannot dump host files) once its socket listens.
 _AGENT = "/.k3sys/agent"
-
-
-def _criu_seconds(log: Path) -> float:
-    """CRIU's own run time: the timestamp of the last line of its log (`(00.048150) ...`)."""
-    try:
-        return float(_tail(log, 200).rstrip().rsplit("\n", 1)[-1].split(")", 1)[0].lstrip("("))
-    except ValueError:
-        return float("nan")
-
-
-def _log_excerpt(path: Path) -> str:
-    """CRIU's error lines and the last lines of its log, for an error message."""
-    try:
-        lines = path.read_text(errors="replace").splitlines()
-    except OSError:
-        return ""
-    errors = [line for line in lines if "Error (" in line]
-    return "\n".join(errors[:10] + ["..."] + lines[-5:])
-
-
-def _tail(path: Path, n: int) -> str:
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - n))
-            return f.read().decode(errors="replace")
-    except OSError:
-        return ""
 
 
 class RuncDriver:
@@ -98,6 +71,7 @@ class RuncDriver:
         self.empty = self.state_dir / "empty"
         self.empty.mkdir(mode=0o555, exist_ok=True)
         self.cgroups = Cgroups()
+        self.lazy = LazyPages(self.system.criu, self._env, self.cgroups.kill)  # lazy restores (criu.py)
         self.network = Network()  # network=True: own namespace, veth, NAT, egress policy (network.py)
         self._agents: dict[str, Agent] = {}
         self._agents_mu = threading.Lock()
@@ -121,7 +95,7 @@ class RuncDriver:
         if p.returncode != 0:
             detail = (p.stderr or p.stdout).strip()
             if log is not None and log.exists():
-                detail += f"\n--- {log} ---\n" + _log_excerpt(log)
+                detail += f"\n--- {log} ---\n" + log_excerpt(log)
             raise DriverError(f"runc {args[0]} failed ({p.returncode}): {detail}")
         return p
 
@@ -204,7 +178,9 @@ class RuncDriver:
             a.cut("the sandbox was killed")
 
     def restore(self, sid: str, dirs: SandboxDirs, spec: SandboxSpec, lowers: list[Path],
-                images: Path) -> dict[str, float]:
+                images: Path, lazy: bool = False) -> dict[str, float]:
+        """Start `sid` from the CRIU images in `images`; `lazy` (where supported): before its memory
+        is all back (criu.py; `settle` before deleting `images`)."""
         t0 = time.perf_counter()
         self._prepare(sid, dirs, spec, lowers)
         work = dirs.logs / "restore"
@@ -215,13 +191,18 @@ class RuncDriver:
                 "--tcp-established", "--file-locks"]
         if not spec.network:
             args += ["--empty-ns", "network"]
-        self._run([*args, sid], log=work / "restore.log")
+        lazy = lazy and self.lazy.supported
+        with self.lazy.serving(sid, images, work) if lazy else contextlib.nullcontext():
+            self._run([*args, *(["--lazy-pages"] if lazy else []), sid], log=work / "restore.log")
         t["runc+criu"] = time.perf_counter() - t1
-        t["criu"] = _criu_seconds(work / "restore.log")
+        t["criu"] = criu_seconds(work / "restore.log")
         self.agent(sid, dirs).open_gate()  # a new PID 1 (host pid) behind the same socket path
         # Running: every checkpoint is taken frozen, but CRIU leaves cgroups (the freezer's state
         # included) to runc, which restores into fresh, thawed ones.
         return t
+
+    def settle(self, sid: str) -> None:
+        self.lazy.settle(sid)
 
     def exec(self, sid: str, argv: list[str], cwd: str, env: dict[str, str],
              stdin: bool) -> tuple[subprocess.Popen, int]:
@@ -254,6 +235,7 @@ class RuncDriver:
     def snapshot(self, sid: str, dirs: SandboxDirs, images: Path, fs: Path, layer: Path | None,
                  *, thaw: bool, network: bool) -> dict[str, float]:
         t: dict[str, float] = {}
+        self.lazy.settle(sid)  # no dump of memory a lazy restore is still bringing back
         # Before the freeze: nothing that can fail may run between it and the try that thaws.
         work = dirs.logs / "dump"
         work.mkdir(parents=True, exist_ok=True)
@@ -292,7 +274,7 @@ class RuncDriver:
             t1 = time.perf_counter()
             self._run([*args, sid], log=work / "dump.log")
             t["runc+criu"] = time.perf_counter() - t1
-            t["criu"] = _criu_seconds(work / "dump.log")
+            t["criu"] = criu_seconds(work / "dump.log")
             t1 = time.perf_counter()
             layers.seal(dirs.upper, fs, layer)
             t["seal"] = time.perf_counter() - t1
@@ -312,6 +294,7 @@ class RuncDriver:
         # `delete --force` alone kills too, but then retries removing the cgroups with growing sleeps
         # while the tasks exit (~150 ms here instead of a few).
         self.cgroups.kill(sid)
+        self.lazy.stop(sid)
         if (self.runc_root / sid).exists():
             self._run(["delete", "--force", sid], timeout=60)
         self.cgroups.remove(sid)
