@@ -3,7 +3,8 @@
 
     python bench/hibernate_profile.py [--sizes 256,1024] [--repeats 2]
 
-Prints one table of median seconds per phase and writes bench/results/hibernate_profile.json.
+Also a resume after `prefetch`. Prints one table of median seconds per phase and writes
+bench/results/hibernate_profile.json.
 Needs root, runc and our CRIU (scripts/install-sandbox.sh).
 """
 
@@ -31,8 +32,20 @@ BALLAST = ("python3 -c 'import random, time; b = [random.randbytes(1 << 20) for 
            "while [ ! -e /tmp/ready ]; do sleep 0.05; done")
 
 
+def timed_resume(rt: Runtime, sid: str, tag: str) -> dict[str, float]:
+    """Phase seconds of resuming hibernated `sid` (`<tag>.*`), and of its first command after."""
+    t0 = time.perf_counter()
+    rt.resume(sid)
+    out = {f"{tag}.wall": time.perf_counter() - t0, **{f"{tag}.{k}": v for k, v in rt.timings(sid).items()}}
+    t0 = time.perf_counter()
+    assert rt.run(sid, "test -e /tmp/ready").exit_code == 0
+    out[f"{tag}.first_command"] = time.perf_counter() - t0
+    return out
+
+
 def profile(rt: Runtime, mib: int) -> dict[str, float]:
-    """Phase seconds of one hibernate (`h.*`) and the resume after it (`r.*`), wall times included."""
+    """Phase seconds of one hibernate (`h.*`) and the resume after it (`r.*`), then of a hibernate,
+    `prefetch` (`p.*`) and resume (`rp.*`); wall times included."""
     info = rt.create(SandboxSpec(template="base", memory_mb=mib + 512))
     sid = info.id
     try:
@@ -40,11 +53,13 @@ def profile(rt: Runtime, mib: int) -> dict[str, float]:
         t0 = time.perf_counter()
         rt.hibernate(sid)
         out = {"h.wall": time.perf_counter() - t0, **{f"h.{k}": v for k, v in rt.timings(sid).items()}}
+        out |= timed_resume(rt, sid, "r")
+        # Again, with the images staged ahead (`prefetch`, e.g. while the policy thinks).
+        rt.hibernate(sid)
         t0 = time.perf_counter()
-        rt.resume(sid)
-        out |= {"r.wall": time.perf_counter() - t0, **{f"r.{k}": v for k, v in rt.timings(sid).items()}}
-        assert rt.run(sid, "test -e /tmp/ready").exit_code == 0
-        return out
+        assert rt.prefetch(sid)
+        out["p.prefetch"] = time.perf_counter() - t0
+        return out | timed_resume(rt, sid, "rp")
     finally:
         rt.kill(sid)
         for c in rt.checkpoints():
