@@ -179,8 +179,8 @@ class RuncDriver:
 
     def restore(self, sid: str, dirs: SandboxDirs, spec: SandboxSpec, lowers: list[Path],
                 images: Path, lazy: bool = False) -> dict[str, float]:
-        """Start `sid` from the CRIU images in `images`; `lazy` (where supported): before its memory
-        is all back (criu.py; `settle` before deleting `images`)."""
+        """Start `sid` from the CRIU images in `images`; `lazy` (where supported and worth it): before
+        its memory is all back (criu.py; `settle` before deleting `images`)."""
         t0 = time.perf_counter()
         self._prepare(sid, dirs, spec, lowers)
         work = dirs.logs / "restore"
@@ -191,7 +191,7 @@ class RuncDriver:
                 "--tcp-established", "--file-locks"]
         if not spec.network:
             args += ["--empty-ns", "network"]
-        lazy = lazy and self.lazy.supported
+        lazy = lazy and self.lazy.worth(images)
         with self.lazy.serving(sid, images, work) if lazy else contextlib.nullcontext():
             self._run([*args, *(["--lazy-pages"] if lazy else []), sid], log=work / "restore.log")
         t["runc+criu"] = time.perf_counter() - t1
