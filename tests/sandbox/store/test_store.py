@@ -219,6 +219,25 @@ def test_follower_packs_page_images_while_they_grow(store: Store, shm: Path):
     assert snapshot(shm / "out") == snapshot(images)
 
 
+def test_follower_hands_over_its_pack_writer_at_full_priority(store: Store, shm: Path):
+    """The follower runs niced during the dump, and so does the pack's writer thread it starts; once
+    `take` hands the pack to the commit, that thread writes the rest at the default priority."""
+    images = shm / "images"
+    images.mkdir()
+    follower = store.follow(images)
+    with open(images / "pages-1.img", "wb") as f:  # more than ASYNC_BYTES: the writer thread starts
+        for i in range(6):
+            f.write(rand(256 * PAGE, i))
+            f.flush()
+            time.sleep(0.01)
+    packing = follower.take()
+    tid = packing.writer.thread_id
+    assert tid is not None, "the follower wrote without a writer thread"
+    assert os.getpriority(os.PRIO_PROCESS, tid) == 0
+    m = store.commit({"images": images}, follower=follower)
+    assert m.bytes_new == 6 * 256 * PAGE
+
+
 def test_follower_abort_and_changed_files(store: Store, shm: Path):
     images = shm / "images"
     write(images / "pages-1.img", rand(400 * PAGE, 1))

@@ -181,13 +181,21 @@ class Checkpoints(Table):
         t["store"] = time.perf_counter() - t0
         try:
             lowers = [self._layer_dir(ck), template_rootfs(rec.spec.template)]
-            t.update(self.driver.restore(rec.id, self._dirs(rec.id), rec.spec, lowers, images))
+            # Lazily where the images are ours: the sandbox runs while its memory streams in.
+            t.update(self.driver.restore(rec.id, self._dirs(rec.id), rec.spec, lowers, images, lazy=own))
         finally:
             if own:
-                self._cleaner.submit(_rmtree, images)
+                self._cleaner.submit(self._drop_images, rec.id, images)
         t["total"] = time.perf_counter() - t0
         self._timings[rec.id] = t
         return t
+
+    def _drop_images(self, sid: str, images: Path) -> None:
+        """Delete the images `sid` was restored from, once a lazy restore no longer reads them."""
+        try:
+            self.driver.settle(sid)
+        finally:
+            _rmtree(images)
 
     def restore(self, ck: str, id: str | None = None, timeout_s: float | None = None,
                 on_timeout: str | None = None) -> SandboxInfo:

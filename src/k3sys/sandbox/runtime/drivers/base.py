@@ -61,9 +61,13 @@ class Driver(Protocol):
         """Start a fresh sandbox over `lowers` (top first) with an empty upper."""
 
     def restore(self, sid: str, dirs: SandboxDirs, spec: SandboxSpec, lowers: list[Path],
-                images: Path) -> dict[str, float]:
+                images: Path, lazy: bool = False) -> dict[str, float]:
         """Start a sandbox from process images over `lowers` (the sealed layer first) with an empty
-        upper. Returns seconds spent per phase."""
+        upper. Returns seconds spent per phase. `lazy`: it may run before all of its memory is back
+        (the driver then needs `images` until `settle` returns)."""
+
+    def settle(self, sid: str) -> None:
+        """Wait until a lazy restore of `sid` has all its memory back (at once if none is under way)."""
 
     def exec(self, sid: str, argv: list[str], cwd: str, env: dict[str, str],
              stdin: bool) -> tuple[subprocess.Popen, int]:

@@ -34,6 +34,7 @@ from k3sys.sandbox.runtime.agent import Agent
 from k3sys.sandbox.runtime.drivers import confine, criulog, disk, idmap
 from k3sys.sandbox.runtime.drivers.base import SandboxDirs
 from k3sys.sandbox.runtime.drivers.cgroups import Cgroups
+from k3sys.sandbox.runtime.drivers.lazypages import LazyPages
 from k3sys.sandbox.runtime.drivers.network import Network
 from k3sys.sandbox.runtime.drivers.reach import Reachable
 from k3sys.sandbox.runtime.system import SystemPaths, system_paths
@@ -79,6 +80,7 @@ class RuncDriver:
         self.hardened = hardened
         self.ranges = idmap.Ranges()
         self._userns: dict[int, int] = {}  # range base -> descriptor of a user namespace with its mapping
+        self.lazy = LazyPages(self.system.criu, self._env, self.cgroups.kill)  # lazy restores (lazypages.py)
         self.network = Network()  # network=True: own namespace, veth, NAT, egress policy (network.py)
         self._agents: dict[str, Agent] = {}
         self._agents_mu = threading.Lock()
@@ -211,22 +213,28 @@ class RuncDriver:
             a.cut("the sandbox was killed")
 
     def restore(self, sid: str, dirs: SandboxDirs, spec: SandboxSpec, lowers: list[Path],
-                images: Path) -> dict[str, float]:
+                images: Path, lazy: bool = False) -> dict[str, float]:
+        """Start `sid` from the CRIU images in `images`; `lazy` (where supported and worth it): before
+        its memory is all back (lazypages.py; `settle` before deleting `images`)."""
         t0 = time.perf_counter()
         self._prepare(sid, dirs, spec, lowers)
         work = dirs.logs / "restore"
         work.mkdir(exist_ok=True)
         t1 = time.perf_counter()
         t = {"mount": t1 - t0}
-        own = images.with_name(f"{images.name}.{sid}")
+        own, src = images.with_name(f"{images.name}.{sid}"), images
         if self.hardened:  # into this sandbox's own range (idmap.rebased_images)
             images = idmap.rebased_images(images, own, self._uid_base(dirs))
         args = ["restore", "-d", "--image-path", str(images), "--work-path", str(work), "--bundle", str(dirs.bundle),
                 "--tcp-established", "--file-locks"]
         if not spec.network:
             args += ["--empty-ns", "network"]
+        lazy = lazy and self.lazy.worth(src)
         try:
-            self._run([*args, sid], log=work / "restore.log")
+            # The daemon serves the pages from `src`: `own` differs only in its user namespace image
+            # (hard links to the same pages) and is removed as soon as the restore returns.
+            with self.lazy.serving(sid, src, work) if lazy else contextlib.nullcontext():
+                self._run([*args, *(["--lazy-pages"] if lazy else []), sid], log=work / "restore.log")
         finally:
             if images == own:
                 shutil.rmtree(own, ignore_errors=True)
@@ -236,6 +244,9 @@ class RuncDriver:
         # Running: every checkpoint is taken frozen, but CRIU leaves cgroups (the freezer's state
         # included) to runc, which restores into fresh, thawed ones.
         return t
+
+    def settle(self, sid: str) -> None:
+        self.lazy.settle(sid)
 
     def exec(self, sid: str, argv: list[str], cwd: str, env: dict[str, str],
              stdin: bool) -> tuple[subprocess.Popen, int]:
@@ -268,6 +279,7 @@ class RuncDriver:
     def snapshot(self, sid: str, dirs: SandboxDirs, images: Path, fs: Path, layer: Path | None,
                  *, thaw: bool, network: bool) -> dict[str, float]:
         t: dict[str, float] = {}
+        self.lazy.settle(sid)  # no dump of memory a lazy restore is still bringing back
         # Before the freeze: nothing that can fail may run between it and the try that thaws.
         work = dirs.logs / "dump"
         work.mkdir(parents=True, exist_ok=True)
@@ -326,6 +338,7 @@ class RuncDriver:
         # `delete --force` alone kills too, but then retries removing the cgroups with growing sleeps
         # while the tasks exit (~150 ms here instead of a few).
         self.cgroups.kill(sid)
+        self.lazy.stop(sid)
         if (self.runc_root / sid).exists():
             self._run(["delete", "--force", sid], timeout=60)
         self.cgroups.remove(sid)

@@ -45,7 +45,8 @@ class Follower:
     another size is chunked again by the commit; bytes rewritten in place are not noticed, which
     is why nothing but append-only writers may be followed. Holds the store's lock shared (as a
     commit does) from the start, so `gc` cannot take the pack it writes. Until `take()` the thread
-    runs at `NICE`: where cores are short, the writer (CRIU dumping a frozen sandbox) comes first.
+    (and the pack's writer thread it starts) runs at `NICE`: where cores are short, the writer
+    (CRIU dumping a frozen sandbox) comes first.
     """
 
     POLL = 0.001
@@ -83,10 +84,11 @@ class Follower:
 
     def _finish(self) -> None:
         self._stop.set()
-        if self._tid is not None:  # what is left is on the commit's path now
-            with contextlib.suppress(OSError):
-                os.setpriority(os.PRIO_PROCESS, self._tid, 0)
+        _unnice(self._tid)  # what is left is on the commit's path now
         self._thread.join()
+        # The pack's writer thread, when this one started it, inherited its NICE: it writes the rest
+        # of the commit, so it must not keep it.
+        _unnice(self._packing.writer.thread_id)
         self._lock.close()
 
     def _run(self) -> None:
@@ -139,6 +141,13 @@ class Follower:
             p.writer.then(p.ring.give, buf)
             done += data.size
         return done
+
+
+def _unnice(tid: int | None) -> None:
+    """Back to the default priority for kernel thread `tid` (if any)."""
+    if tid is not None:
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, tid, 0)
 
 
 def _identity(path: str) -> tuple[int, int] | None:

@@ -177,6 +177,11 @@ class PackWriter:
             self._thread.start()
         self._queue.put(batch)
 
+    @property
+    def thread_id(self) -> int | None:
+        """The writer thread's kernel thread id (None while this thread writes itself)."""
+        return self._thread.native_id if self._thread is not None else None
+
     def _drain(self) -> None:
         if self._thread is not None:
             self._queue.put(None)
