@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 from counting import wait_for
 
-from k3sys.sandbox import DriverError, Sandbox
+from k3sys.sandbox import DriverError, Runtime, Sandbox
 from k3sys.sandbox.runtime.drivers.lazypages import LazyPages
+from k3sys.sandbox.runtime.drivers.runc import RuncDriver
 from k3sys.sandbox.runtime.system import system_paths
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.embedded]
@@ -39,11 +40,28 @@ def memory_sum(s: Sandbox) -> str:
     return s.files.read_text("/tmp/sum")
 
 
-@pytest.fixture
-def lazy_rt(rt):
+@pytest.fixture(scope="module")
+def lazy_rt(tmp_path_factory):
+    """A runtime whose sandboxes run without a user namespace: only those restore lazily (the
+    kernel refuses a userfaultfd to a restorer inside one, runc.py says why)."""
+    root = tmp_path_factory.mktemp("lazy")
+    rt = Runtime(root, driver=RuncDriver(root, hardened=False))
     if not rt.driver.lazy.supported:
+        rt.close()
         pytest.skip("this kernel or CRIU cannot restore lazily (no userfaultfd)")
-    return rt
+    yield rt
+    rt.kill_all()
+    rt.close()
+
+
+def test_a_sandbox_in_a_user_namespace_resumes_eagerly_and_whole(rt):
+    with Sandbox.create("base", runtime=rt, memory_mb=MIB + 256) as s:
+        assert s.commands.run(HOLDER, timeout=120).exit_code == 0
+        want = memory_sum(s)
+        s.hibernate()
+        s.resume()
+        assert s.id not in rt.driver.lazy._daemons
+        assert memory_sum(s) == want
 
 
 def test_resume_restore_and_checkpoint_keep_every_byte(lazy_rt):

@@ -229,7 +229,10 @@ class RuncDriver:
                 "--tcp-established", "--file-locks"]
         if not spec.network:
             args += ["--empty-ns", "network"]
-        lazy = lazy and self.lazy.worth(src)
+        # Not into a user namespace: the kernel refuses its restorer a userfaultfd
+        # (vm.unprivileged_userfaultfd=0 wants CAP_SYS_PTRACE in the host's namespace), and we do
+        # not loosen that host-wide setting for it.
+        lazy = lazy and not self._uid_base(dirs) and self.lazy.worth(src)
         try:
             # The daemon serves the pages from `src`: `own` differs only in its user namespace image
             # (hard links to the same pages) and is removed as soon as the restore returns.
