@@ -47,7 +47,7 @@ from k3sys.fleet import Fleet, FleetConfig, start_node, stop_node
 from k3sys.rollout.tasks import start_service as hold_memory
 from k3sys.sandbox import HTTPBackend, Sandbox
 from k3sys.sandbox.spec import SandboxSpec
-from sandbox_service import SRC, start_service, wait_healthy
+from sandbox_service import SRC, overhead_table, start_service, wait_healthy
 
 RESULTS = Path(__file__).resolve().parent / "results"
 NODES = ("n0", "n1", "n2")
@@ -223,13 +223,8 @@ def main() -> None:
                 rt.kill_all()
         shutil.rmtree(work, ignore_errors=True)
 
-    t = Table(title=f"Per-call latency, median of {args.repeats} (ms): gateway vs a node's own service")
-    for col in ("call", "node service", "gateway", "overhead", "ratio"):
-        t.add_column(col, justify="right")
-    for call in CALLS:
-        d, g = lat["node service"][call], lat["gateway"][call]
-        t.add_row(call, f"{d:.2f}", f"{g:.2f}", f"{g - d:+.2f}", f"{g / d:.2f}x")
-    console.print(t)
+    console.print(overhead_table(f"Per-call latency, median of {args.repeats} (ms): gateway vs a node's own service",
+                                 ("node service", "gateway"), lat["node service"], lat["gateway"]))
     console.print(f"bare hops (ms): Ray actor call {bare['ray_actor_call']:.2f}, "
                   f"HTTP GET {bare['http_get_health']:.2f}")
     t = Table(title=f"Create throughput ({args.creates} sandboxes, 6 threads; one machine's cores for all nodes)")

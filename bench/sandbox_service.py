@@ -83,6 +83,17 @@ def start_service(data_dir: Path, key: str) -> tuple[subprocess.Popen, str]:
     return proc, url
 
 
+def overhead_table(title: str, names: tuple[str, str], base: dict[str, float], other: dict[str, float]) -> Table:
+    """Per call (ms): `base`, `other`, what `other` adds, and their ratio (shared with bench/fleet.py)."""
+    table = Table(title=title)
+    for col in ("call", *names, "overhead", f"{names[1]} / {names[0]}"):
+        table.add_column(col, justify="right")
+    for call, b in base.items():
+        o = other[call]
+        table.add_row(call, f"{b:.2f}", f"{o:.2f}", f"{o - b:+.2f}", f"{o / b:.2f}x")
+    return table
+
+
 def wait_healthy(proc: subprocess.Popen, url: str, seconds: float) -> None:
     """Wait until the service `proc` answers GET /health at `url` at all (killed if not within `seconds`)."""
     deadline = time.monotonic() + seconds
@@ -337,13 +348,8 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
 
     if lat:
-        table = Table(title=f"Life-cycle latency, median of {args.repeats} (ms): embedded vs over HTTP")
-        for col in ("call", "embedded", "HTTP", "overhead", "HTTP / embedded"):
-            table.add_column(col, justify="right")
-        for op in OPS:
-            e, h = lat["embedded"][op], lat["http"][op]
-            table.add_row(op, f"{e:.2f}", f"{h:.2f}", f"{h - e:+.2f}", f"{h / e:.2f}x")
-        console.print(table)
+        console.print(overhead_table(f"Life-cycle latency, median of {args.repeats} (ms): embedded vs over HTTP",
+                                     ("embedded", "HTTP"), lat["embedded"], lat["http"]))
         out |= {"latency_ms": lat, "http_overhead_ms": {op: lat["http"][op] - lat["embedded"][op] for op in OPS}}
     if tput:
         table = Table(title=f"Throughput (calls/s over {args.seconds:g} s; one sandbox per client)")
