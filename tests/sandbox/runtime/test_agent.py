@@ -355,6 +355,26 @@ def test_a_file_whose_size_says_0_is_read_to_its_end_within_max(agent):
     assert len(agent.read("/proc/self/status", max_bytes=10)) == 10
 
 
+def test_concurrent_writes_are_never_cut(agent, tmp_path):
+    """A connection's events must never reach a newer one: closing the agent's copy of a socket left
+    it in the epoll set while a worker forked that instant held it too, and a freed connection's
+    address, reused by the next, took its client's hang-up (its worker killed, the write reset)."""
+    errors: list[Exception] = []
+
+    def writer(t: int) -> None:
+        for i in range(150):
+            try:
+                assert agent.write(f"{tmp_path}/f{t}_{i}", b"content") == 7
+            except Exception as e:  # noqa: BLE001 (collected, asserted below)
+                errors.append(e)
+    threads = [threading.Thread(target=writer, args=(t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and len(list(tmp_path.glob("f*_*"))) == 600
+
+
 def test_deep_tree_is_removed_without_recursion(agent, tmp_path):
     p = tmp_path / "deep"
     os.mkdir(p)
