@@ -11,6 +11,7 @@ import subprocess
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -367,11 +368,8 @@ def test_concurrent_writes_are_never_cut(agent, tmp_path):
                 assert agent.write(f"{tmp_path}/f{t}_{i}", b"content") == 7
             except Exception as e:  # noqa: BLE001 (collected, asserted below)
                 errors.append(e)
-    threads = [threading.Thread(target=writer, args=(t,)) for t in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(writer, range(4)))
     assert errors == [] and len(list(tmp_path.glob("f*_*"))) == 600
 
 

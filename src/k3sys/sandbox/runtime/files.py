@@ -196,13 +196,6 @@ class Files(Table):
         self._files(sid, "remove files of")
         self._retrying(sid, lambda a: a.remove(path, user=user))
 
-    def set_xattrs(self, sid: str, path: str, xattrs: dict[str, bytes], user: str | None = None) -> None:
-        """Set user.* extended attributes of the file `path` (bounds: agent_protocol)."""
-        path = sandbox_path(path)
-        xattr_fields(xattrs)
-        self._files(sid, "set attributes of files of")
-        self._retrying(sid, lambda a: a.setxattr(path, xattrs, user=user))
-
     def make_dir(self, sid: str, path: str, user: str | None = None) -> None:
         """Create directory `path` and any missing parents (`mkdir -p`)."""
         path = sandbox_path(path)
