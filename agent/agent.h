@@ -41,7 +41,20 @@ void names_push(struct names *s, const char *name);
 /* Stream changes under directory `path` to the connection `fd` until the client leaves (watch.c). */
 int op_watch(int fd, struct obuf *o, const char *path, int recursive);
 
-/* Run one file request (read, write, stat, list, mkdir, move, remove) on the connection `fd`. */
+/* User extended attributes (xattr.c): at most XATTR_COUNT_MAX per request or entry, names up to
+ * XATTR_NAME_LEN_MAX bytes, values up to XATTR_VALUE_LEN_MAX, XATTR_ANSWER_MAX bytes in one answer. */
+#define XATTR_COUNT_MAX 32
+#define XATTR_NAME_LEN_MAX 255
+#define XATTR_VALUE_LEN_MAX 4096
+#define XATTR_ANSWER_MAX (1 << 20)
+/* Check the request's xattr fields (`*count` of them): 0, or -1 with `o` holding the error. */
+int xattrs_check(struct obuf *o, const struct fields *req, int *count);
+/* Set them on `fd` (or on `path` when fd < 0): 0, or -1 with `o` holding the error. */
+int xattrs_apply(struct obuf *o, int fd, const char *path, const struct fields *req);
+/* Append the user.* xattrs of `path` (its target with `follow`) to the fields being written to `o`. */
+void xattrs_fields(struct obuf *o, const char *path, int follow);
+
+/* Run one file request (read, write, setxattr, stat, list, mkdir, move, remove) on the connection `fd`. */
 int file_op(int fd, const char *op, const struct fields *req);
 
 #endif

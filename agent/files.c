@@ -53,7 +53,7 @@ static void entry_fields(struct obuf *o, int dirfd, const char *name, const char
 	}
 }
 
-static int op_stat(struct obuf *o, const char *path, int follow)
+static int op_stat(struct obuf *o, const char *path, int follow, int xattrs)
 {
 	struct stat st;
 	size_t mark;
@@ -64,12 +64,15 @@ static int op_stat(struct obuf *o, const char *path, int follow)
 	}
 	ob_fields_begin(o, F_RESULT, &mark);
 	entry_fields(o, AT_FDCWD, path, path, &st);
+	if (xattrs)
+		xattrs_fields(o, path, follow);
 	ob_fields_end(o, mark);
 	return 0;
 }
 
 /* Stream a file's bytes: a regular file up to the size it had when opened, anything else (a FIFO,
- * /dev/zero) until end of file or `max` bytes. A device node the sandbox may not use fails with the
+ * /dev/zero) and a regular file of size 0 (procfs makes its files up as they are read) until end
+ * of file or `max` bytes. A device node the sandbox may not use fails with the
  * EPERM the device cgroup gives. */
 static int op_read(int fd, struct obuf *o, const char *path, long long offset, long long max)
 {
@@ -84,7 +87,7 @@ static int op_read(int fd, struct obuf *o, const char *path, long long offset, l
 		ob_error(o, EISDIR, "%s is a directory", path);
 		return -1;
 	}
-	long long left = S_ISREG(st.st_mode) ? st.st_size : max;
+	long long left = S_ISREG(st.st_mode) && st.st_size > 0 ? st.st_size : max;
 	if (offset > 0 && S_ISREG(st.st_mode)) { /* a reader resuming after a checkpoint cut it */
 		if (lseek(f, offset, SEEK_SET) < 0) {
 			ob_error(o, errno, "seek %s: %s", path, strerror(errno));
@@ -214,7 +217,8 @@ static int follow_links(const char *path, char out[PATH_MAX])
  * then rename), keeping the old file's mode and owner; an existing FIFO or device is opened and
  * written as the sandbox would (a FIFO blocks this request until a reader comes or the timeout). A
  * symlink is followed inside the sandbox. */
-static int op_write(int fd, struct obuf *o, const char *path, long long mode, int parents)
+static int op_write(int fd, struct obuf *o, const char *path, long long mode, int parents,
+		    const struct fields *req, int xattrs)
 {
 	char real[PATH_MAX], tmp[PATH_MAX + 32];
 	struct stat st;
@@ -237,6 +241,10 @@ static int op_write(int fd, struct obuf *o, const char *path, long long mode, in
 		return -1;
 	}
 	if (have && !S_ISREG(st.st_mode)) {
+		if (xattrs) {
+			ob_error(o, EINVAL, "write %s: xattrs are for regular files only", path);
+			return -1;
+		}
 		int f = open(path, O_WRONLY | O_NOCTTY | O_CLOEXEC);
 		if (f < 0) {
 			ob_error(o, errno, "open %s: %s", path, strerror(errno));
@@ -259,7 +267,8 @@ static int op_write(int fd, struct obuf *o, const char *path, long long mode, in
 			ob_error(o, errno, "write %s: %s", path, strerror(errno));
 			return -1;
 		}
-		if (receive_into(fd, f, o, path, &total) < 0) {
+		/* The attributes go on before the rename: the new file appears with them, or not at all. */
+		if (receive_into(fd, f, o, path, &total) < 0 || xattrs_apply(o, f, path, req) < 0) {
 			unlink(tmp);
 			return -1;
 		}
@@ -398,9 +407,20 @@ static int op_move(struct obuf *o, const char *from, const char *to)
 	return 0;
 }
 
+/* Set the request's user.* xattrs on `path` (a symlink followed, inside the sandbox). */
+static int op_setxattr(struct obuf *o, const char *path, const struct fields *req)
+{
+	if (xattrs_apply(o, -1, path, req) < 0)
+		return -1;
+	size_t mark;
+	ob_fields_begin(o, F_RESULT, &mark);
+	ob_fields_end(o, mark);
+	return 0;
+}
+
 /* List `path` breadth first down to `depth` levels (1 = its entries), one I frame per entry. Not
  * following symlinks; iterative (a queue of directory paths). */
-static int op_list(int fd, struct obuf *o, const char *path, long long depth)
+static int op_list(int fd, struct obuf *o, const char *path, long long depth, int xattrs)
 {
 	struct names queue = {0};
 	size_t head = 0, count = 0;
@@ -438,6 +458,8 @@ static int op_list(int fd, struct obuf *o, const char *path, long long depth)
 				ob_fields_begin(o, F_INFO, &mark);
 				ob_field(o, "name", "%s", e->d_name);
 				entry_fields(o, dirfd(d), e->d_name, child, &st);
+				if (xattrs)
+					xattrs_fields(o, child, 0);
 				ob_fields_end(o, mark);
 				count++;
 				if (S_ISDIR(st.st_mode) && level < depth)
@@ -459,19 +481,23 @@ int file_op(int fd, const char *op, const struct fields *req)
 {
 	struct obuf o = {0};
 	const char *path = field_get(req, "path", NULL);
-	int r;
+	int r, xattrs = 0, want_xattrs = field_num(req, "xattrs", 0) != 0;
 
 	if (!path || path[0] != '/') {
 		ob_error(&o, EINVAL, "%s: path must be absolute, got %s", op, path ? path : "(none)");
 		r = -1;
-	} else if (!strcmp(op, "read"))
+	} else if (xattrs_check(&o, req, &xattrs) < 0) /* before a write takes any data */
+		r = -1;
+	else if (!strcmp(op, "read"))
 		r = op_read(fd, &o, path, field_num(req, "offset", 0), field_num(req, "max", -1));
 	else if (!strcmp(op, "write"))
-		r = op_write(fd, &o, path, field_num(req, "mode", -1), field_num(req, "parents", 0) != 0);
+		r = op_write(fd, &o, path, field_num(req, "mode", -1), field_num(req, "parents", 0) != 0, req, xattrs);
+	else if (!strcmp(op, "setxattr"))
+		r = op_setxattr(&o, path, req);
 	else if (!strcmp(op, "stat"))
-		r = op_stat(&o, path, field_num(req, "follow", 0) != 0);
+		r = op_stat(&o, path, field_num(req, "follow", 0) != 0, want_xattrs);
 	else if (!strcmp(op, "list"))
-		r = op_list(fd, &o, path, field_num(req, "depth", 1));
+		r = op_list(fd, &o, path, field_num(req, "depth", 1), want_xattrs);
 	else if (!strcmp(op, "mkdir"))
 		r = op_mkdir(&o, path);
 	else if (!strcmp(op, "move"))

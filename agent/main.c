@@ -68,6 +68,10 @@ struct proc *find_proc(pid_t pid)
 
 /* --- connections -------------------------------------------------------------------------- */
 
+/* Connections closed during the current batch of events, freed after it: a connection accepted
+ * later in the batch must not get a closed one's address, or the closed one's pending events (its
+ * client leaving: kill the worker) would be taken for the new one's. */
+static struct conn *closed;
 
 void conn_close(struct conn *c)
 {
@@ -76,10 +80,23 @@ void conn_close(struct conn *c)
 			*l = c->next;
 			break;
 		}
-	close(c->fd); /* also drops it from the epoll set */
-	free(c->req);
-	free(c->out.buf);
-	free(c);
+	/* Dropped from the epoll set by name: close alone would not while a worker forked just now
+	 * still holds a copy of the socket, and its events would keep coming with `c`'s address. */
+	epoll_ctl(ep, EPOLL_CTL_DEL, c->fd, NULL);
+	close(c->fd);
+	c->next = closed;
+	closed = c;
+}
+
+static void free_closed(void)
+{
+	while (closed) {
+		struct conn *c = closed;
+		closed = c->next;
+		free(c->req);
+		free(c->out.buf);
+		free(c);
+	}
 }
 
 void conn_want(struct conn *c, unsigned events)
@@ -346,6 +363,7 @@ int main(int argc, char **argv)
 				}
 			}
 		}
+		free_closed();
 		housekeeping();
 	}
 }

@@ -227,10 +227,11 @@ class Fleet(Commands, Moves):
         h, size = unwrap(lambda: ray.get(m.handle.open_file.remote(sid, path, user)), node)
         return _Remote(m.handle, node, h, size=size)
 
-    def write_file(self, sid: str, path: str, data: bytes | str | BinaryIO, user: str | None = None) -> int:
+    def write_file(self, sid: str, path: str, data: bytes | str | BinaryIO, user: str | None = None,
+                   xattrs: dict[str, bytes] | None = None) -> int:
         # A stream (the service's spool, bounded by its body limit) goes to the node as bytes.
         body = data.read() if hasattr(data, "read") else data
-        return self.members.call(self.node_of(sid), "write_file", sid, path, body, user)
+        return self.members.call(self.node_of(sid), "write_file", sid, path, body, user, xattrs)
 
     def watch_dir(self, sid: str, path: str, recursive: bool = False, *more: Any) -> _Remote:
         node = self.node_of(sid)

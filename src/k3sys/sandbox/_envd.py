@@ -43,6 +43,10 @@ _EVENTS = {"create": "EVENT_TYPE_CREATE", "write": "EVENT_TYPE_WRITE", "remove":
 _EVENT_KINDS = {v: k for k, v in _EVENTS.items()}
 
 
+# envd keeps a file's metadata as its xattrs in this namespace (the key follows the prefix).
+METADATA_XATTR = "user.e2b."
+
+
 def entry_json(e: EntryInfo, users: dict[int, str] | None = None, groups: dict[int, str] | None = None
                ) -> dict[str, Any]:
     """An EntryInfo message; owner and group by name where `users` / `groups` (the sandbox's
@@ -54,6 +58,9 @@ def entry_json(e: EntryInfo, users: dict[int, str] | None = None, groups: dict[i
                            "owner": (users or {}).get(e.uid, str(e.uid)),
                            "group": (groups or {}).get(e.gid, str(e.gid)), "modifiedTime": mtime,
                            "k3sysUid": e.uid, "k3sysGid": e.gid}
+    meta = {n[len(METADATA_XATTR):]: v.decode("ascii", "replace") for n, v in e.xattrs if n.startswith(METADATA_XATTR)}
+    if meta:
+        out["metadata"] = meta
     if e.type == "symlink":  # envd names the target absolutely (lexically: the sandbox resolves it)
         target = posixpath.normpath(posixpath.join(posixpath.dirname(e.path), e.target or ""))
         out |= {"symlinkTarget": target, "isSymlink": True, "k3sysTarget": e.target}
@@ -65,7 +72,8 @@ def entry_of(m: dict[str, Any]) -> EntryInfo:
     kind = "symlink" if m.get("isSymlink") else _KINDS.get(m.get("type", ""), "other")
     mtime = datetime.fromisoformat(m["modifiedTime"].replace("Z", "+00:00")).timestamp() if "modifiedTime" in m else 0.0
     return EntryInfo(m.get("name", ""), m.get("path", ""), kind, int(m.get("size", 0)), int(m.get("mode", 0)), mtime,
-                     int(m.get("k3sysUid", 0)), int(m.get("k3sysGid", 0)), m.get("k3sysTarget", m.get("symlinkTarget")))
+                     int(m.get("k3sysUid", 0)), int(m.get("k3sysGid", 0)), m.get("k3sysTarget", m.get("symlinkTarget")),
+                     tuple(sorted((METADATA_XATTR + k, str(v).encode()) for k, v in (m.get("metadata") or {}).items())))
 
 
 def event_json(e: FilesystemEvent, root: str) -> dict[str, Any]:

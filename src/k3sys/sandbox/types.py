@@ -74,7 +74,8 @@ class FilesystemEvent:
 @dataclass(frozen=True)
 class EntryInfo:
     """One entry of `files.list`: `size` in bytes, `mtime` in seconds since the epoch, `uid`/`gid`
-    its owner's ids inside the sandbox, `target` a symlink's target (else None)."""
+    its owner's ids inside the sandbox, `target` a symlink's target (else None), `xattrs` its user.*
+    extended attributes as sorted (name, value) pairs."""
 
     name: str
     path: str
@@ -85,3 +86,4 @@ class EntryInfo:
     uid: int = 0
     gid: int = 0
     target: str | None = None
+    xattrs: tuple[tuple[str, bytes], ...] = ()

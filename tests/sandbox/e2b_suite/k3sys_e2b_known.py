@@ -32,6 +32,9 @@ CANNOT_PASS: dict[str, str] = {
     "*/sandbox_*/test_connect.py::test_connect_normalizes_unset_tokens":
         "version mismatch: the test mocks post_sandboxes_sandbox_id_connect, the 2.63.0 wheel calls "
         "post_v2_sandboxes_sandbox_id_connect, so a real request with the placeholder key gets 401",
+    "*/sandbox_*/files/test_info.py::test_file_symlink":
+        "version mismatch: the test (2.45) expects a symlink's get_info type to be its target's (FILE); the "
+        "2.63.0 wheel reports FileType.SYMLINK for any entry envd marks is_symlink (map_entry_info), as ours is",
     "*/sandbox_*/commands/test_env_vars.py::test_bash_command_scoped_env_vars":
         "runs `sudo`: E2B's base gives `user` password-less sudo; our sandboxes run with no_new_privileges "
         "(no setuid elevation, by design), so root is asked for with user='root'",

@@ -87,6 +87,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--report", type=Path, default=REPO / ".cache" / "e2b-report",
                     help="where results.json, table.md and the service's log go")
     args, pytest_args = ap.parse_known_args(argv)
+    args.report = args.report.resolve()  # the plugin runs in the suite's folder
     tests = args.tests.resolve()
     ini = tests.parent / "pytest.ini"
     for need in (tests / "sync", tests / "async", tests / "conftest.py", ini):

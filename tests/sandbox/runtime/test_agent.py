@@ -8,8 +8,10 @@ import contextlib
 import os
 import shutil
 import subprocess
+import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -24,7 +26,15 @@ from k3sys.sandbox.errors import (
     WrongFileTypeError,
 )
 from k3sys.sandbox.runtime.agent import SOCKET, Agent
-from k3sys.sandbox.runtime.agent_protocol import Exit, Gap, Output
+from k3sys.sandbox.runtime.agent_protocol import (
+    XATTR_COUNT_MAX,
+    XATTR_NAME_LEN_MAX,
+    XATTR_VALUE_LEN_MAX,
+    Exit,
+    Gap,
+    Output,
+    xattrs_of,
+)
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -272,6 +282,95 @@ def test_file_errors_are_typed(agent, tmp_path):
         agent.read("relative/path")
     with pytest.raises(InvalidArgumentError):
         agent.read("/" + "a" * 5000)
+
+
+def test_xattrs_set_by_write_and_setxattr_are_listed_by_stat_and_list(agent, tmp_path):
+    d = tmp_path / "files"
+    d.mkdir()
+    f = d / "m.txt"
+    # (ext4 keeps a file's xattrs in one 4 KiB block: the values here fit; tmpfs below takes more)
+    meta = {"user.e2b.author": b"mish", "user.raw=name": bytes(range(256)), "user.big": b"v" * 2048}
+    agent.write(str(f), b"x", xattrs=meta)
+    assert {n: os.getxattr(f, n) for n in os.listxattr(f)} == meta  # stored on the file itself
+    assert dict(xattrs_of(agent.stat(str(f), xattrs=True))) == meta
+    assert xattrs_of(agent.stat(str(f))) == ()  # only when asked
+    (entry,) = agent.list(str(d), xattrs=True)
+    assert dict(xattrs_of(entry)) == meta
+    os.setxattr(f, "trusted.k3sys-test", b"hidden")  # only the user namespace is shown
+    assert dict(xattrs_of(agent.stat(str(f), xattrs=True))) == meta
+    agent.setxattr(str(f), {"user.e2b.author": b"other"})
+    assert os.getxattr(f, "user.e2b.author") == b"other" and f.read_bytes() == b"x"
+    agent.move(str(f), f"{d}/n.txt")  # a rename keeps the inode and its attributes
+    assert os.getxattr(d / "n.txt", "user.e2b.author") == b"other"
+    agent.write(f"{d}/n.txt", b"y")  # a replacement is a new file: no stale attributes
+    assert os.listxattr(d / "n.txt") == []
+
+
+def test_xattrs_over_the_caps_are_left_out_and_counted(agent):
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as d:  # tmpfs: values up to 64 KiB, any count
+        f = Path(d, "f")
+        f.write_bytes(b"")
+        os.setxattr(f, "user.max", b"m" * XATTR_VALUE_LEN_MAX)
+        os.setxattr(f, "user.huge", b"h" * (XATTR_VALUE_LEN_MAX + 1))
+        st = agent.stat(str(f), xattrs=True)
+        assert dict(xattrs_of(st)) == {"user.max": b"m" * XATTR_VALUE_LEN_MAX} and st["xattrs_dropped"] == "1"
+        for i in range(XATTR_COUNT_MAX):
+            os.setxattr(f, f"user.n{i:02}", b"")
+        st = agent.stat(str(f), xattrs=True)
+        assert len(xattrs_of(st)) == XATTR_COUNT_MAX and st["xattrs_dropped"] == "2"
+
+
+@pytest.mark.parametrize("xattrs", [
+    {"trusted.overlay.opaque": b"y"}, {"security.capability": b""}, {"user.": b"v"}, {"user": b"v"},
+    {"user." + "n" * XATTR_NAME_LEN_MAX: b"v"}, {"user.nul\0": b"v"}, {"user.a": b"v" * (XATTR_VALUE_LEN_MAX + 1)},
+    {"user.a": "not bytes"}, {f"user.{i}": b"" for i in range(XATTR_COUNT_MAX + 1)}, [("user.a", b"v")],
+])
+def test_bad_xattrs_are_refused_by_name_before_any_write(agent, tmp_path, xattrs):
+    with pytest.raises(InvalidArgumentError, match="xattrs"):
+        agent.write(f"{tmp_path}/f", b"data", xattrs=xattrs)
+    assert not (tmp_path / "f").exists()
+
+
+@pytest.mark.parametrize(("field", "why"), [
+    ("xattr." + b"trusted.x".hex(), "only user"), ("xattr." + b"security.capability".hex(), "only user"),
+    ("xattr." + b"user.a".hex() + "0", "not hex name"), ("xattr.zz", "not hex"), ("xattr.7573", "only user"),
+    ("xattr." + b"user.a\0b".hex(), "only user"), ("xattr." + b"user.A".hex().upper(), "not hex"),
+    ("xattr." + b"user.a".hex() + "=" + "00" * (XATTR_VALUE_LEN_MAX + 1), "value over"),
+])
+def test_the_agent_itself_refuses_bad_xattr_fields(agent, tmp_path, field, why):
+    """Fields the host client would never send (checked again inside: the agent trusts no client)."""
+    name, _, value = field.partition("=")
+    for op in ("write", "setxattr"):
+        with pytest.raises(InvalidArgumentError, match=why):
+            agent._request(op, [("path", f"{tmp_path}/f"), (name, value or "00")])
+    assert not (tmp_path / "f").exists()
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(InvalidArgumentError, match="regular files only"):
+        agent.write(str(fifo), b"x", xattrs={"user.a": b"v"}, timeout=2)
+
+
+def test_a_file_whose_size_says_0_is_read_to_its_end_within_max(agent):
+    status = agent.read("/proc/self/status", max_bytes=1 << 20)
+    assert b"Name:" in status and os.stat("/proc/self/status").st_size == 0
+    assert len(agent.read("/proc/self/status", max_bytes=10)) == 10
+
+
+def test_concurrent_writes_are_never_cut(agent, tmp_path):
+    """A connection's events must never reach a newer one: closing the agent's copy of a socket left
+    it in the epoll set while a worker forked that instant held it too, and a freed connection's
+    address, reused by the next, took its client's hang-up (its worker killed, the write reset)."""
+    errors: list[Exception] = []
+
+    def writer(t: int) -> None:
+        for i in range(150):
+            try:
+                assert agent.write(f"{tmp_path}/f{t}_{i}", b"content") == 7
+            except Exception as e:  # noqa: BLE001 (collected, asserted below)
+                errors.append(e)
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(writer, range(4)))
+    assert errors == [] and len(list(tmp_path.glob("f*_*"))) == 600
 
 
 def test_deep_tree_is_removed_without_recursion(agent, tmp_path):

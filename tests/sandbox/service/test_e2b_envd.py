@@ -339,3 +339,48 @@ def test_a_command_outlived_by_its_sandbox_ends_as_e2b_says(envd_service):
         c.kill(sid)
     with pytest.raises(SandboxNotRunningException, match="killed or reached its end of life"):
         h.wait()
+
+
+def _xattrs(box: E2B, path: str) -> str:
+    """The user.* xattrs of `path` as the sandbox itself reads them (Python's os module, in it)."""
+    code = f"import os; print(sorted((n, os.getxattr({path!r}, n)) for n in os.listxattr({path!r})))"
+    return box.commands.run(f'python3 -c "{code}"').stdout
+
+
+def test_upload_metadata_is_kept_as_xattrs_through_a_checkpoint(envd_service, box):
+    meta = {"author": "mish", "purpose": "upload"}
+    assert box.files.write("/tmp/meta/a.txt", "content", metadata=meta).metadata == meta
+    assert box.files.get_info("/tmp/meta/a.txt").metadata == meta
+    assert _xattrs(box, "/tmp/meta/a.txt") == "[('user.e2b.author', b'mish'), ('user.e2b.purpose', b'upload')]\n"
+    # Set inside the sandbox, other user.* ones aside: the user.e2b.* ones are the metadata, in a list too.
+    box.commands.run("""python3 -c "import os; os.setxattr('/tmp/meta/a.txt', 'user.e2b.extra', b'x'); """
+                     """os.setxattr('/tmp/meta/a.txt', 'user.other', b'y')" """)
+    assert [e.metadata for e in box.files.list("/tmp/meta")] == [{**meta, "extra": "x"}]
+    # Replacing the file replaces its attributes; a rename keeps them.
+    box.files.write("/tmp/meta/b.txt", "1", metadata={"k": "v"})
+    assert box.files.write("/tmp/meta/b.txt", "2").metadata is None
+    assert box.files.get_info("/tmp/meta/b.txt").metadata is None
+    assert box.files.rename("/tmp/meta/a.txt", "/tmp/meta/c.txt").metadata == {**meta, "extra": "x"}
+    # A checkpoint seals the sandbox's files into the store; a sandbox restored from it has them back.
+    with envd_service.client() as c:
+        ck = c.checkpoint(box.sandbox_id)
+        new = c.restore(ck.id).id
+        try:
+            copy = _handle(envd_service, new)
+            assert copy.files.get_info("/tmp/meta/c.txt").metadata == {**meta, "extra": "x"}
+            assert "('user.other', b'y')" in _xattrs(copy, "/tmp/meta/c.txt")
+        finally:
+            c.kill(new)
+    # A value that is not printable US-ASCII is refused by name, and nothing is written.
+    h = {"E2b-Sandbox-Id": box.sandbox_id, "X-Access-Token": access_token(envd_service.key, box.sandbox_id)}
+    r = httpx.post(f"{envd_service.url}/files", params={"path": "/tmp/meta/bad"}, content=b"x",
+                   headers={**h, "content-type": "application/octet-stream", "x-metadata-k": b"caf\xe9"})
+    assert r.status_code == 400 and "'k'" in r.json()["message"] and not box.files.exists("/tmp/meta/bad")
+
+
+def test_a_file_whose_size_says_0_is_read_to_its_end(box):
+    assert box.files.read("/proc/version").startswith("Linux version ")
+    status = box.files.read("/proc/self/status")
+    assert "Name:" in status and "VmRSS:" in status
+    box.files.write("/tmp/empty", "")
+    assert box.files.read("/tmp/empty") == ""

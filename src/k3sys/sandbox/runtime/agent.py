@@ -1,5 +1,4 @@
-"""Client of `k3sys-agent`, the sandbox's PID 1 (agent/ in the repository; docs/sandbox-agent.md);
-its wire format is in agent_protocol.py.
+"""Client of `k3sys-agent`, the sandbox's PID 1 (agent/; docs/sandbox-agent.md); wire format: agent_protocol.py.
 
 `Agent` adds the gate the life cycle needs: `close_gate` (before a CRIU dump: a connection to the
 host is a resource CRIU cannot save) lets calls in flight finish for a grace period and cuts the
@@ -31,7 +30,7 @@ from k3sys.sandbox.errors import (
     InvalidArgumentError,
     SandboxError,
 )
-from k3sys.sandbox.runtime.agent_protocol import Exit, Gap, Output, Stream, encode, parse_fields
+from k3sys.sandbox.runtime.agent_protocol import Exit, Gap, Output, Stream, encode, parse_fields, xattr_fields
 
 SOCKET = ".k3sys/agent.sock"  # relative to the sandbox's root
 
@@ -124,8 +123,7 @@ class Agent:
                 raise AgentInterruptedError("sandbox agent: call cut by a checkpoint of the sandbox; retry") from None
             if isinstance(e, TimeoutError):
                 raise CommandTimeoutError(f"sandbox agent: no answer within {timeout} s") from None
-            raise AgentError(f"sandbox agent: the connection broke ({e or 'closed'}); "
-                             "the agent may have died") from None
+            raise AgentError(f"sandbox agent: the connection broke ({e or 'closed'}); the agent may be dead") from None
         finally:
             with self._cv:
                 self._live.discard(s)
@@ -140,8 +138,7 @@ class Agent:
             if s in self._live:
                 self._streams.add(s)
                 if not self._open:
-                    with contextlib.suppress(OSError):
-                        s.shutdown(socket.SHUT_RDWR)
+                    _shutdown({s})
                 self._cv.notify_all()
 
     def _request(self, op: str, fields: Iterable[tuple[str, object]] = (),
@@ -360,24 +357,29 @@ class Agent:
         return b"".join(self.read_chunks(path, **kw))  # type: ignore[arg-type]
 
     def write(self, path: str, data: bytes | Iterable[bytes], *, user: str | None = None, mode: int | None = None,
-              parents: bool = False, timeout: float | None = None) -> int:
+              parents: bool = False, timeout: float | None = None, xattrs: dict[str, bytes] | None = None) -> int:
         """Replace the file at `path` (atomically; a FIFO or device is written as the sandbox would),
-        with `parents` creating missing directories first; returns the bytes written."""
+        with `parents` creating missing directories first, `xattrs` (user.*) set on the new file before
+        it replaces the old one; returns the bytes written."""
+        fields = [*self._file_fields(path, user, timeout), ("mode", mode), ("parents", parents), *xattr_fields(xattrs)]
         with self._call((timeout or self.timeout) + 5) as st:
-            st.send(encode("write", [*self._file_fields(path, user, timeout), ("mode", mode),
-                                      ("parents", parents)]))
+            st.send(encode("write", fields))
             for chunk in [data] if isinstance(data, bytes | bytearray | memoryview) else data:
                 st.data(bytes(chunk))
             st.end()
             return int(st.result()["size"])
 
-    def stat(self, path: str, *, user: str | None = None, follow: bool = False) -> dict[str, str]:
-        """The entry fields of `path` (of a symlink's target with `follow`)."""
-        return self._request("stat", [*self._file_fields(path, user, None), ("follow", follow)])
+    def setxattr(self, path: str, xattrs: dict[str, bytes], *, user: str | None = None) -> None:
+        """Set user.* extended attributes of `path` (a symlink's target) inside the sandbox."""
+        self._request("setxattr", [*self._file_fields(path, user, None), *xattr_fields(xattrs)])
 
-    def list(self, path: str, *, depth: int = 1, user: str | None = None) -> list[dict[str, str]]:
+    def stat(self, path: str, *, user: str | None = None, follow: bool = False, xattrs: bool = False) -> dict[str, str]:
+        """The entry fields of `path` (of a symlink's target with `follow`), its user.* `xattrs` if asked."""
+        return self._request("stat", [*self._file_fields(path, user, None), ("follow", follow), ("xattrs", xattrs)])
+
+    def list(self, path: str, *, depth: int = 1, user: str | None = None, xattrs: bool = False) -> list[dict[str, str]]:
         with self._call(self.timeout + 5) as st:
-            st.send(encode("list", [*self._file_fields(path, user, None), ("depth", depth)]))
+            st.send(encode("list", [*self._file_fields(path, user, None), ("depth", depth), ("xattrs", xattrs)]))
             return [parse_fields(p) for t, p in st.frames() if t == "I"]
 
     def mkdir(self, path: str, *, user: str | None = None) -> None:

@@ -36,8 +36,15 @@ _ERRORS: dict[str, type[SandboxError]] = {
     "EPERM": PermissionDeniedError, "EACCES": PermissionDeniedError, "EROFS": PermissionDeniedError,
     "EINVAL": InvalidArgumentError, "ENAMETOOLONG": InvalidArgumentError, "ELOOP": InvalidArgumentError,
     "EEXIST": InvalidArgumentError, "ENOTEMPTY": InvalidArgumentError, "EXDEV": InvalidArgumentError,
-    "ESRCH": NotFoundError, "ETIMEDOUT": CommandTimeoutError,
+    "ESRCH": NotFoundError, "ETIMEDOUT": CommandTimeoutError, "E2BIG": InvalidArgumentError,
 }
+
+# User extended attributes (agent/xattr.c has the same bounds): at most XATTR_COUNT_MAX per file,
+# names (with their `user.` prefix) up to XATTR_NAME_LEN_MAX bytes, values up to XATTR_VALUE_LEN_MAX.
+XATTR_COUNT_MAX = 32
+XATTR_NAME_LEN_MAX = 255
+XATTR_VALUE_LEN_MAX = 4096
+_XATTR = "xattr."
 
 
 @dataclass(frozen=True)
@@ -92,6 +99,32 @@ def parse_fields(payload: bytes) -> dict[str, str]:
             k, _, v = f.decode("utf-8", "surrogateescape").partition("=")
             out.setdefault(k, v)
     return out
+
+
+def xattr_fields(xattrs: dict[str, bytes] | None) -> list[tuple[str, object]]:
+    """`xattrs` checked and as request fields (`xattr.<hex name>=<hex value>`): names `user.<x>`
+    without NUL, within the bounds above; InvalidArgumentError names the offending one."""
+    if not xattrs:
+        return []
+    if not isinstance(xattrs, dict) or len(xattrs) > XATTR_COUNT_MAX:
+        raise InvalidArgumentError(f"xattrs: expected a dict of at most {XATTR_COUNT_MAX}, got {xattrs!r:.200}")
+    out: list[tuple[str, object]] = []
+    for name, value in xattrs.items():
+        raw = name.encode("utf-8", "surrogateescape") if isinstance(name, str) else b""
+        if not raw.startswith(b"user.") or len(raw) == 5 or len(raw) > XATTR_NAME_LEN_MAX or b"\0" in raw:
+            raise InvalidArgumentError(f"xattrs: expected a name user.<x> of at most {XATTR_NAME_LEN_MAX} bytes "
+                                       f"without NUL, got {name!r:.300}")
+        if not isinstance(value, bytes) or len(value) > XATTR_VALUE_LEN_MAX:
+            raise InvalidArgumentError(f"xattrs[{name!r}]: expected at most {XATTR_VALUE_LEN_MAX} bytes, "
+                                       f"got {value!r:.100}")
+        out.append((_XATTR + raw.hex(), value.hex()))
+    return out
+
+
+def xattrs_of(f: dict[str, str]) -> tuple[tuple[str, bytes], ...]:
+    """The user.* xattrs an entry's fields carry, sorted by name."""
+    return tuple(sorted((bytes.fromhex(k[len(_XATTR):]).decode("utf-8", "surrogateescape"), bytes.fromhex(v))
+                        for k, v in f.items() if k.startswith(_XATTR)))
 
 
 def encode(op: str, fields: Iterable[tuple[str, object]]) -> bytes:

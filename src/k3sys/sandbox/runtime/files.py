@@ -14,9 +14,11 @@ from k3sys.sandbox.errors import (
     InvalidArgumentError,
     PathEscapeError,
     SandboxFileNotFoundError,
+    TooLargeError,
     WrongFileTypeError,
 )
 from k3sys.sandbox.runtime.agent import Agent
+from k3sys.sandbox.runtime.agent_protocol import xattr_fields, xattrs_of
 from k3sys.sandbox.runtime.state import State
 from k3sys.sandbox.runtime.table import Table
 from k3sys.sandbox.runtime.watch import MAX_EVENTS, WatchHandle
@@ -24,6 +26,9 @@ from k3sys.sandbox.types import EntryInfo
 
 _KINDS = {"file", "dir", "symlink"}
 _CHUNK = 1 << 20
+# Bytes read from a regular file whose size says 0 (procfs makes its files up as they are read, so
+# only reading to the end tells their length): at most this much, held in memory.
+SIZELESS_MAX = 4 << 20
 
 
 def sandbox_path(path: object) -> str:
@@ -48,7 +53,7 @@ def sandbox_path(path: object) -> str:
 def _entry(f: dict[str, str]) -> EntryInfo:
     kind = f["type"] if f["type"] in _KINDS else "other"
     return EntryInfo(f["name"], f["path"], kind, int(f["size"]), int(f["mode"], 8), int(f["mtime_ns"]) / 1e9,
-                     int(f.get("uid", 0)), int(f.get("gid", 0)), f.get("target"))
+                     int(f.get("uid", 0)), int(f.get("gid", 0)), f.get("target"), xattrs_of(f))
 
 
 class _Reader(io.RawIOBase):
@@ -89,6 +94,14 @@ class _Reader(io.RawIOBase):
         super().close()
 
 
+class _Sized(io.BytesIO):
+    """Bytes read already, with the `size` a `_Reader` has."""
+
+    def __init__(self, data: bytes) -> None:
+        super().__init__(data)
+        self.size = len(data)
+
+
 class Files(Table):
     """`Runtime`'s file operations (see the module docstring)."""
 
@@ -115,12 +128,20 @@ class Files(Table):
             self._retrying(sid, lambda a: a.read(path, user=user, max_bytes=0))  # PermissionDeniedError if refused
         if st["type"] != "file":
             raise WrongFileTypeError(f"not a regular file in the sandbox ({st['type']}): {path!r}")
+        if st["size"] == "0":  # empty, or a procfs file: read to its end, bounded
+            data = self._retrying(sid, lambda a: a.read(path, user=user, max_bytes=SIZELESS_MAX + 1))
+            if len(data) > SIZELESS_MAX:
+                raise TooLargeError(f"{path!r}: its size says 0 but it reads past {SIZELESS_MAX} bytes")
+            return _Sized(data)  # type: ignore[return-value]
         return _Reader(self, sid, path, int(st["size"]), user)  # type: ignore[return-value]
 
-    def write_file(self, sid: str, path: str, data: bytes | str | BinaryIO, user: str | None = None) -> int:
+    def write_file(self, sid: str, path: str, data: bytes | str | BinaryIO, user: str | None = None,
+                   xattrs: dict[str, bytes] | None = None) -> int:
         """Create or replace the file at `path` (missing directories are created) as `user` (None:
         the agent's default, root); returns the bytes written. `data` may be a binary file object,
-        sent in chunks."""
+        sent in chunks. `xattrs` (user.* names; agent_protocol has the bounds) are set on the new
+        file before it replaces the old one, whose attributes go with it."""
+        xattr_fields(xattrs)  # bad names or sizes refused before anything is sent
         path = sandbox_path(path)
         if isinstance(data, str):
             data = data.encode()
@@ -129,14 +150,15 @@ class Files(Table):
         self._files(sid, "write files of")
         if not hasattr(data, "read"):
             # Replacing a file is idempotent: a write cut by a checkpoint is simply made again.
-            return self._retrying(sid, lambda a: a.write(path, data, parents=True, user=user))  # type: ignore[arg-type]
+            return self._retrying(sid, lambda a: a.write(path, data, parents=True, user=user,  # type: ignore[arg-type]
+                                                         xattrs=xattrs))
         start = data.tell() if data.seekable() else None  # type: ignore[union-attr]
 
         def send(a: Agent) -> int:
             if start is not None:
                 data.seek(start)  # type: ignore[union-attr]
             return a.write(path, iter(lambda: data.read(_CHUNK), b""), parents=True,  # type: ignore[union-attr]
-                           user=user)
+                           user=user, xattrs=xattrs)
         # A stream that cannot be rewound is sent once; a checkpoint cutting it raises the retryable
         # AgentInterruptedError to the caller.
         return self._retrying(sid, send) if start is not None else send(self._agent(sid))
@@ -149,7 +171,7 @@ class Files(Table):
             raise InvalidArgumentError(f"depth: expected an integer from 1, got {depth!r}")
         self._files(sid, "list files of")
         try:
-            entries = self._retrying(sid, lambda a: a.list(path, depth=depth, user=user))
+            entries = self._retrying(sid, lambda a: a.list(path, depth=depth, user=user, xattrs=True))
         except WrongFileTypeError:
             raise WrongFileTypeError(f"not a directory in the sandbox: {path!r}") from None
         return sorted((_entry(f) for f in entries), key=lambda e: e.path)
@@ -158,7 +180,7 @@ class Files(Table):
         """The entry at `path` (a symlink itself, not its target); SandboxFileNotFoundError if none."""
         path = sandbox_path(path)
         self._files(sid, "look up files of")
-        f = self._retrying(sid, lambda a: a.stat(path, user=user))
+        f = self._retrying(sid, lambda a: a.stat(path, user=user, xattrs=True))
         return _entry({"name": path.rstrip("/").rpartition("/")[2] or "/", "path": path, **f})
 
     def move(self, sid: str, src: str, dst: str, user: str | None = None) -> None:

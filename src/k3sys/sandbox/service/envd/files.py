@@ -5,7 +5,9 @@ gzip allowed, or `multipart/form-data` with one part per file, its file name the
 An upload is spooled on the host first (memory up to 1 MiB, then a temporary file; the service's
 body limit applies to what arrives, and to what a gzip body inflates to), so a slow client never
 holds the sandbox; then each file goes to the sandbox's agent in chunks. Upload metadata
-(`X-Metadata-*`) is echoed in the answer but not stored: the agent has no extended attributes.
+(`X-Metadata-<key>: <value>`) is stored as envd does, as the file's extended attribute
+`user.e2b.<key>` (set by the agent before the new file replaces the old one), which stat and list
+return as the entry's metadata (_envd.py).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from k3sys.sandbox._connect import ERROR_TYPE
+from k3sys.sandbox._envd import METADATA_XATTR
 from k3sys.sandbox.errors import (
     InvalidArgumentError,
     SandboxError,
@@ -34,6 +37,7 @@ _IN_MEMORY = 1 << 20  # bytes of a spooled upload (or part) kept in memory befor
 _HEADERS_MAX = 16 << 10  # bytes of one multipart part's headers
 _FILENAME = re.compile(r'filename="((?:[^"\\]|\\.)*)"')
 _METADATA = "x-metadata-"
+_METADATA_VALUE = re.compile(r"[\x20-\x7e]*")  # printable US-ASCII, as the e2b SDK checks it too
 
 
 def http_error(exc: BaseException) -> JSONResponse:
@@ -149,6 +153,15 @@ def multipart_parts(src: IO[bytes], boundary: bytes) -> list[tuple[str, IO[bytes
         raise
 
 
+def _metadata(request: Request) -> dict[str, str]:
+    """The upload's `X-Metadata-*` headers as {key (lowercase): value}; a bad value is refused."""
+    meta = {k[len(_METADATA):]: v for k, v in request.headers.items() if k.startswith(_METADATA)}
+    for k, v in meta.items():
+        if not k or not _METADATA_VALUE.fullmatch(v):
+            raise InvalidArgumentError(f"metadata {k!r}: expected a key and a printable US-ASCII value, got {v!r}")
+    return meta
+
+
 async def upload(request: Request) -> Response:
     svc, sid = request.app.state.service, request.headers["e2b-sandbox-id"]
     files: list[tuple[str, IO[bytes]]] = []
@@ -167,13 +180,14 @@ async def upload(request: Request) -> Response:
                 files = [(path, files[0][1])]
         else:
             files = [(request.query_params.get("path"), body)]
-        meta = {k[len(_METADATA):]: v for k, v in request.headers.items() if k.startswith(_METADATA)}
+        meta = _metadata(request)
+        xattrs = {METADATA_XATTR + k: v.encode() for k, v in meta.items()}
         out: list[dict[str, Any]] = []
         for name, data in files:
             if not name:
                 raise InvalidArgumentError("path: none given (the `path` parameter, or a part's file name)")
             name = await _absolute(request, name)
-            n = await svc.call("envd.write_file", svc.rt.write_file, sid, name, data, user, io=True)
+            n = await svc.call("envd.write_file", svc.rt.write_file, sid, name, data, user, xattrs, io=True)
             out.append({"name": name.rstrip("/").rpartition("/")[2], "type": "file", "path": name, "size": n,
                         **({"metadata": meta} if meta else {})})
         return JSONResponse(out)
