@@ -144,6 +144,26 @@ def test_python_processes_keep_memory_and_tcp_connection(rt, debian):
             assert ask(old, 7) == (2, 12)
 
 
+def test_a_shell_that_vforks_all_the_time_checkpoints_every_time(rt, debian):
+    """dash vforks every command, and the parent waits in D state until its child execs: a dump that
+    catches that instant fails after CRIU's 10 s timeout ("Unseizable non-zombie ... state D"; about
+    1 in 8 dumps did with one such loop). With three loops, 20 checkpoints of the sandbox running
+    and paused all succeed, fast."""
+    with Sandbox.create("debian", runtime=rt) as s:
+        loop = "sh -c 'while :; do /bin/true; done' </dev/null >/dev/null 2>&1 &"
+        s.commands.run(f"{loop} {loop} {loop} echo $! > /tmp/loop.pid")
+        pid = s.files.read_text("/tmp/loop.pid").strip()
+        for i in range(20):
+            if i % 2:
+                s.pause()
+            t0 = time.perf_counter()
+            s.checkpoint()
+            assert time.perf_counter() - t0 < 5, f"checkpoint {i} took {time.perf_counter() - t0:.1f} s"
+            if i % 2:
+                s.resume()
+        assert s.commands.run(f"kill -0 {pid}").exit_code == 0  # the loop runs on
+
+
 @pytest.mark.embedded
 def test_failed_dump_leaves_the_sandbox_as_it_was(private_root, tmp_path, monkeypatch):
     """A CRIU failure in checkpoint, hibernate or fork (here: its image directory fills up) raises

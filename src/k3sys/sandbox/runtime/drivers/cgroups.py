@@ -8,7 +8,9 @@ and frozen tasks never die of SIGKILL, so `kill` thaws while it kills.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
+import platform
 import signal
 import time
 from pathlib import Path
@@ -16,6 +18,9 @@ from pathlib import Path
 from k3sys.sandbox.errors import DriverError
 
 _FREEZE_TRY = 0.1  # seconds one freeze attempt may take before it is undone and retried
+_libc = ctypes.CDLL(None, use_errno=True)
+_SYS_KCMP = {"x86_64": 312, "aarch64": 272}.get(platform.machine())
+_KCMP_VM = 1
 
 
 class Cgroups:
@@ -98,6 +103,23 @@ class Cgroups:
             time.sleep(0.002)
             path.write_text("FROZEN")
 
+    def freeze_for_dump(self, sid: str) -> None:
+        """Freeze the sandbox at a point CRIU can dump: no process in the middle of a vfork.
+
+        A vfork parent (dash runs every command so) waits in D state until its child execs or exits;
+        CRIU seizes the child too, so it never does, and the dump fails after its 10 s timeout
+        ("Unseizable non-zombie ... state D"). Such a freeze is undone and tried again once the
+        child had a moment to exec; only after 10 s does it fail (thawed).
+        """
+        deadline = time.monotonic() + 10
+        self.set_frozen(sid, True)
+        while pairs := _vforks(self.freezer(sid).with_name("cgroup.procs")):
+            self.set_frozen(sid, False)
+            if time.monotonic() > deadline:
+                raise DriverError(f"sandbox {sid}: processes stayed in vfork for 10 s (parent, child): {pairs[:5]}")
+            time.sleep(0.002)
+            self.set_frozen(sid, True)
+
     def dirs(self, sid: str) -> list[Path]:
         base = Path("/sys/fs/cgroup")
         if self.v1:
@@ -144,6 +166,26 @@ class Cgroups:
                     if time.monotonic() > deadline:
                         raise DriverError(f"cannot remove cgroup {d}: {e.strerror}") from e
                     time.sleep(0.005)
+
+
+def _vforks(procs: Path) -> list[tuple[int, int]]:
+    """(parent, child) pids of the cgroup's processes that share their parent's memory: a vfork
+    (or a CLONE_VM process) not yet past its exec. Needs kcmp(2), as CRIU does; [] without it."""
+    if _SYS_KCMP is None:
+        return []
+    try:
+        pids = {int(p) for p in procs.read_text().split()}
+    except (OSError, ValueError):
+        return []
+    out = []
+    for pid in pids:
+        try:  # the comm field may hold ")" and spaces: the fields after it start after the last ")"
+            ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue  # exited meanwhile
+        if ppid in pids and _libc.syscall(_SYS_KCMP, ppid, pid, _KCMP_VM, 0, 0) == 0:
+            out.append((ppid, pid))
+    return out
 
 
 def _task_states(procs: Path) -> str:

@@ -309,7 +309,13 @@ class RuncDriver:
         # Frozen across the dump and the seal: CRIU leaves a frozen cgroup frozen, so no process runs
         # between the memory dump and the copy of the upper, and the two agree.
         t_freeze = time.perf_counter()
-        self.pause(sid)
+        try:
+            self.cgroups.freeze_for_dump(sid)
+        except BaseException:  # a process kept in vfork for 10 s: the sandbox goes on as it was
+            if was_frozen:
+                self.pause(sid)
+            agent.open_gate()
+            raise
         t["freeze"] = time.perf_counter() - t_freeze
         # Always --leave-running: a hibernating sandbox is killed only once its checkpoint is durable.
         args = ["checkpoint", "--leave-running", "--image-path",
