@@ -300,18 +300,12 @@ class RuncDriver:
             self.resume(sid)
         try:
             agent.quiesce()
-        except BaseException:
-            if was_frozen:
-                self.pause(sid)
-            agent.open_gate()
-            raise
-        t["agent"] = time.perf_counter() - t0
-        # Frozen across the dump and the seal: CRIU leaves a frozen cgroup frozen, so no process runs
-        # between the memory dump and the copy of the upper, and the two agree.
-        t_freeze = time.perf_counter()
-        try:
-            self.cgroups.freeze_for_dump(sid)
-        except BaseException:  # a process kept in vfork for 10 s: the sandbox goes on as it was
+            t["agent"] = time.perf_counter() - t0
+            # Frozen across the dump and the seal: CRIU leaves a frozen cgroup frozen, so no process
+            # runs between the memory dump and the copy of the upper, and the two agree.
+            t_freeze = time.perf_counter()
+            self.cgroups.freeze_for_dump(sid)  # with no process mid-vfork (cgroups.py says why)
+        except BaseException:  # a quiesce that failed, or a vfork held 10 s: the sandbox goes on as it was
             if was_frozen:
                 self.pause(sid)
             agent.open_gate()
