@@ -52,7 +52,7 @@ def server(tmp_path_factory):
 
 @pytest.fixture
 def ours(server):
-    """The k3sys client of the same service (commands and files until envd serves them)."""
+    """The k3sys client of the same service."""
     with server.client() as c:
         yield c
 
