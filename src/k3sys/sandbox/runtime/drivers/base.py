@@ -9,6 +9,7 @@ a restore takes the same two back.
 from __future__ import annotations
 
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -61,10 +62,11 @@ class Driver(Protocol):
         """Start a fresh sandbox over `lowers` (top first) with an empty upper."""
 
     def restore(self, sid: str, dirs: SandboxDirs, spec: SandboxSpec, lowers: list[Path],
-                images: Path, lazy: bool = False) -> dict[str, float]:
+                images: Callable[[], Path], lazy: bool = False) -> dict[str, float]:
         """Start a sandbox from process images over `lowers` (the sealed layer first) with an empty
-        upper. Returns seconds spent per phase. `lazy`: it may run before all of its memory is back
-        (the driver then needs `images` until `settle` returns)."""
+        upper; `images()` returns their directory, called once the sandbox's own set-up is done (a
+        checkout of them may run meanwhile). Returns seconds spent per phase. `lazy`: it may run
+        before all of its memory is back (the driver then needs the images until `settle` returns)."""
 
     def settle(self, sid: str) -> None:
         """Wait until a lazy restore of `sid` has all its memory back (at once if none is under way)."""

@@ -16,6 +16,7 @@ import os
 import shutil
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from k3sys.sandbox.runtime import layers
@@ -28,20 +29,26 @@ class CriuOps:
     """`restore`, `settle`, `snapshot` and `cleanup_stale` of `RuncDriver` (see the module docstring)."""
 
     def restore(self, sid: str, dirs: SandboxDirs, spec: SandboxSpec, lowers: list[Path],
-                images: Path, lazy: bool = False) -> dict[str, float]:
-        """Start `sid` from the CRIU images in `images`; `lazy` (where supported and worth it): before
-        its memory is all back (lazypages.py; `settle` before deleting `images`)."""
+                images: Callable[[], Path], lazy: bool = False) -> dict[str, float]:
+        """Start `sid` from the CRIU images `images()` returns, called once the sandbox's mounts are
+        up (so a checkout of them can run meanwhile); `lazy` (where supported and worth it): before
+        its memory is all back (lazypages.py; `settle` before deleting the images)."""
         t0 = time.perf_counter()
-        self._prepare(sid, dirs, spec, lowers)
+        t = self._prepare(sid, dirs, spec, lowers)
         work = dirs.logs / "restore"
         work.mkdir(exist_ok=True)
         t1 = time.perf_counter()
-        t = {"mount": t1 - t0}
-        own, src = images.with_name(f"{images.name}.{sid}"), images
+        t["mount"] = t1 - t0
+        src = images()
+        t2 = time.perf_counter()
+        t["images"] = t2 - t1  # waiting for the images beyond the mounts
+        own, images_dir = src.with_name(f"{src.name}.{sid}"), src
         if self.hardened:  # into this sandbox's own range (idmap.rebased_images)
-            images = idmap.rebased_images(images, own, self._uid_base(dirs))
-        args = ["restore", "-d", "--image-path", str(images), "--work-path", str(work), "--bundle", str(dirs.bundle),
-                "--tcp-established", "--file-locks"]
+            images_dir = idmap.rebased_images(src, own, self._uid_base(dirs))
+        t1 = time.perf_counter()
+        t["rebase"] = t1 - t2
+        args = ["restore", "-d", "--image-path", str(images_dir), "--work-path", str(work),
+                "--bundle", str(dirs.bundle), "--tcp-established", "--file-locks"]
         if not spec.network:
             args += ["--empty-ns", "network"]
         # Not into a user namespace: the kernel refuses its restorer a userfaultfd
@@ -54,7 +61,7 @@ class CriuOps:
             with self.lazy.serving(sid, src, work) if lazy else contextlib.nullcontext():
                 self._run([*args, *(["--lazy-pages"] if lazy else []), sid], log=work / "restore.log")
         finally:
-            if images == own:
+            if images_dir == own:
                 shutil.rmtree(own, ignore_errors=True)
         t["runc+criu"] = time.perf_counter() - t1
         t["criu"] = criulog.criu_seconds(work / "restore.log")

@@ -152,9 +152,12 @@ class RuncDriver(CriuOps):
             },
         }
 
-    def _prepare(self, sid: str, dirs: SandboxDirs, spec: SandboxSpec, lowers: list[Path]) -> None:
+    def _prepare(self, sid: str, dirs: SandboxDirs, spec: SandboxSpec, lowers: list[Path]) -> dict[str, float]:
+        """Mounts, bundle and uid range of a sandbox about to start; seconds per step (`prepare.*`)."""
+        t, t0 = {}, time.perf_counter()
         if self.hardened:
             disk.create(self.state_dir / "disks", dirs.root / "disk.img", dirs.disk, spec.disk_mb)
+        t["prepare.disk"], t0 = time.perf_counter() - t0, time.perf_counter()
         for d in (dirs.upper, dirs.work, dirs.rootfs, dirs.logs):
             d.mkdir(parents=True, exist_ok=True)
         net = self.network.setup(dirs.root, spec.egress) if spec.network else None
@@ -164,13 +167,17 @@ class RuncDriver(CriuOps):
         uid_base = self.ranges.claim(dirs.root) if self.hardened and not spec.network else None
         if self.hardened:
             confine.confine(config, uid_base)
+        t["prepare.config"], t0 = time.perf_counter() - t0, time.perf_counter()
         if uid_base is not None:
             lowers = self._idmapped_lowers(dirs, [*lowers[:-1], idmap.dev_mask(self.state_dir), lowers[-1]], uid_base)
             os.chown(dirs.upper, uid_base, uid_base)  # the root directory belongs to root inside
+        t["prepare.idmap"], t0 = time.perf_counter() - t0, time.perf_counter()
         (dirs.bundle / "config.json").write_text(json.dumps(config))
         (dirs.bundle / "criu.conf").write_text(confine.criu_options(self.system.criu_override, spec))
         layers.mount_overlay(lowers, dirs.upper, dirs.work, dirs.rootfs)
         self.reach.add(sid, dirs.rootfs)
+        t["prepare.overlay"] = time.perf_counter() - t0
+        return t
 
     def _idmapped_lowers(self, dirs: SandboxDirs, lowers: list[Path], uid_base: int) -> list[Path]:
         with self._agents_mu:  # one user namespace per range, kept for the driver's life
