@@ -34,7 +34,7 @@ from k3sys.sandbox.runtime.agent import Agent
 from k3sys.sandbox.runtime.drivers import confine, criulog, disk, idmap
 from k3sys.sandbox.runtime.drivers.base import SandboxDirs
 from k3sys.sandbox.runtime.drivers.cgroups import Cgroups
-from k3sys.sandbox.runtime.drivers.lazypages import LazyPages
+from k3sys.sandbox.runtime.drivers.lazypages import UFFD_DEVICE, LazyPages
 from k3sys.sandbox.runtime.drivers.network import Network
 from k3sys.sandbox.runtime.drivers.reach import Reachable
 from k3sys.sandbox.runtime.system import SystemPaths, system_paths
@@ -108,7 +108,8 @@ class RuncDriver:
             raise DriverError(f"runc {args[0]} failed ({p.returncode}): {detail}")
         return p
 
-    def _config(self, sid: str, dirs: SandboxDirs, spec: SandboxSpec, net: tuple[dict, dict] | None) -> dict:
+    def _config(self, sid: str, dirs: SandboxDirs, spec: SandboxSpec, net: tuple[dict, dict] | None,
+                uffd: bool) -> dict:
         namespaces = [{"type": t} for t in ("pid", "ipc", "uts", "mount")] + [net[0] if net else {"type": "network"}]
         mounts = [
             {"destination": "/proc", "type": "proc", "source": "proc", "options": ["nosuid", "noexec", "nodev"]},
@@ -146,7 +147,7 @@ class RuncDriver:
             "hooks": {"prestart": [{"path": str(self.system.lo_up)}]} if not spec.network else {},
             "linux": {
                 "resources": {
-                    "devices": [{"allow": False, "access": "rwm"}],
+                    "devices": [{"allow": False, "access": "rwm"}] + ([UFFD_DEVICE] if uffd else []),
                     "memory": {"limit": memory, "swap": memory},
                     "pids": {"limit": spec.pids},
                     "cpu": {"quota": max(1000, int(spec.cpu * 100_000)), "period": 100_000},
@@ -158,13 +159,13 @@ class RuncDriver:
             },
         }
 
-    def _prepare(self, sid: str, dirs: SandboxDirs, spec: SandboxSpec, lowers: list[Path]) -> None:
+    def _prepare(self, sid: str, dirs: SandboxDirs, spec: SandboxSpec, lowers: list[Path], uffd: bool = False) -> None:
         if self.hardened:
             disk.create(self.state_dir / "disks", dirs.root / "disk.img", dirs.disk, spec.disk_mb)
         for d in (dirs.upper, dirs.work, dirs.rootfs, dirs.logs):
             d.mkdir(parents=True, exist_ok=True)
         net = self.network.setup(dirs.root, spec.egress) if spec.network else None
-        config = self._config(sid, dirs, spec, net)
+        config = self._config(sid, dirs, spec, net, uffd)
         # No user namespace with network=True: its namespace (network.py's, joined by path) belongs to
         # the host's user namespace, and CRIU dumps only namespaces the sandbox's own one owns.
         uid_base = self.ranges.claim(dirs.root) if self.hardened and not spec.network else None
@@ -217,7 +218,8 @@ class RuncDriver:
         """Start `sid` from the CRIU images in `images`; `lazy` (where supported and worth it): before
         its memory is all back (lazypages.py; `settle` before deleting `images`)."""
         t0 = time.perf_counter()
-        self._prepare(sid, dirs, spec, lowers)
+        lazy = lazy and self.lazy.worth(images)
+        self._prepare(sid, dirs, spec, lowers, uffd=lazy)
         work = dirs.logs / "restore"
         work.mkdir(exist_ok=True)
         t1 = time.perf_counter()
@@ -229,10 +231,6 @@ class RuncDriver:
                 "--tcp-established", "--file-locks"]
         if not spec.network:
             args += ["--empty-ns", "network"]
-        # Not into a user namespace: the kernel refuses its restorer a userfaultfd
-        # (vm.unprivileged_userfaultfd=0 wants CAP_SYS_PTRACE in the host's namespace), and we do
-        # not loosen that host-wide setting for it.
-        lazy = lazy and not self._uid_base(dirs) and self.lazy.worth(src)
         try:
             # The daemon serves the pages from `src`: `own` differs only in its user namespace image
             # (hard links to the same pages) and is removed as soon as the restore returns.
@@ -241,6 +239,8 @@ class RuncDriver:
         finally:
             if images == own:
                 shutil.rmtree(own, ignore_errors=True)
+            if lazy:  # only CRIU needed it, and only while it restored
+                self.cgroups.deny_device(sid, UFFD_DEVICE)
         t["runc+criu"] = time.perf_counter() - t1
         t["criu"] = criulog.criu_seconds(work / "restore.log")
         self.agent(sid, dirs).open_gate()  # a new PID 1 (host pid) behind the same socket path
