@@ -11,11 +11,12 @@ failure, so the caller sees the sandbox in its previous state.
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import os
 import secrets
 import time
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,12 +24,18 @@ from k3sys.sandbox.errors import (
     InvalidStateError,
     SandboxError,
 )
+from k3sys.sandbox.runtime.drivers.base import Images
 from k3sys.sandbox.runtime.state import LIVE, Record, State
 from k3sys.sandbox.runtime.store import Follower, Manifest
 from k3sys.sandbox.runtime.table import Table, _new_id, _rmtree
 from k3sys.sandbox.runtime.templates import template_rootfs
 from k3sys.sandbox.spec import MAX_FORK, SandboxSpec, check_number
 from k3sys.sandbox.types import CheckpointInfo, SandboxInfo
+
+
+def _page_bytes(files: Iterable[tuple[str, int]]) -> int:
+    """Bytes of memory pages among CRIU image `files` (name, size)."""
+    return sum(size for name, size in files if fnmatch.fnmatch(name, "pages-*.img"))
 
 
 def _seconds(fn: Callable[..., object], *args: object) -> float:
@@ -178,30 +185,29 @@ class Checkpoints(Table):
         t0 = time.perf_counter()
         self._ensure_layer(ck)
         own = images is None
+        staged = self._unstage(rec.id, keep=True) if own else None
+        if staged is not None and staged.ck == ck:
+            images = staged.path
+        elif staged is not None:
+            _rmtree(staged.path)
         pool = ThreadPoolExecutor(1, thread_name_prefix="k3sys-checkout")
-        checkout: Future[float] | None = None
-        if own:
-            staged = self._unstage(rec.id, keep=True)
-            if staged is not None and staged.ck == ck:
-                images = staged.path
-            else:
-                if staged is not None:
-                    _rmtree(staged.path)
-                images, _ = self._staging(f"{ck}-{rec.id}")
-                checkout = pool.submit(_seconds, self.store.checkout, ck, {"images": images})
-        assert images is not None
+        if images is not None:
+            ready = Images(images, _page_bytes((p.name, p.stat().st_size) for p in images.iterdir()))
+        else:
+            files = self.store.get(ck).trees["images"]
+            images, _ = self._staging(f"{ck}-{rec.id}")
+            checkout = pool.submit(_seconds, self.store.checkout, ck, {"images": images})
 
-        def ready() -> Path:
-            if checkout is not None:
-                t["store"] = checkout.result()  # seconds of the checkout, which began before the mounts
-            return images
+            def wait() -> None:
+                t["store"] = checkout.result()  # the checkout's own seconds; it began before the mounts
 
+            ready = Images(images, _page_bytes((e.path, e.size) for e in files), wait)
         try:
             lowers = [self._layer_dir(ck), template_rootfs(rec.spec.template)]
             # Lazily where the images are ours: the sandbox runs while its memory streams in.
             t.update(self.driver.restore(rec.id, self._dirs(rec.id), rec.spec, lowers, ready, lazy=own))
         finally:
-            pool.shutdown()  # a restore that failed before `ready` leaves the checkout to finish
+            pool.shutdown()  # a restore that failed before waiting for the checkout lets it finish first
             if own:
                 self._cleaner.submit(self._drop_images, rec.id, images)
         t["total"] = time.perf_counter() - t0

@@ -53,6 +53,18 @@ class SandboxDirs:
         return self.root / "logs"
 
 
+@dataclass(frozen=True)
+class Images:
+    """The CRIU images a restore starts from: their directory, how many bytes of memory pages they
+    hold (known before they are all there: a driver may prepare for a lazy restore), and `wait()`,
+    which returns once they are all in `path` (a checkout may still be writing them; it raises if
+    that failed)."""
+
+    path: Path
+    page_bytes: int
+    wait: Callable[[], None] = lambda: None
+
+
 class Driver(Protocol):
     """Life cycle of one sandbox's processes; every method may raise `DriverError`."""
 
@@ -62,11 +74,11 @@ class Driver(Protocol):
         """Start a fresh sandbox over `lowers` (top first) with an empty upper."""
 
     def restore(self, sid: str, dirs: SandboxDirs, spec: SandboxSpec, lowers: list[Path],
-                images: Callable[[], Path], lazy: bool = False) -> dict[str, float]:
-        """Start a sandbox from process images over `lowers` (the sealed layer first) with an empty
-        upper; `images()` returns their directory, called once the sandbox's own set-up is done (a
-        checkout of them may run meanwhile). Returns seconds spent per phase. `lazy`: it may run
-        before all of its memory is back (the driver then needs the images until `settle` returns)."""
+                images: Images, lazy: bool = False) -> dict[str, float]:
+        """Start a sandbox from process `images` over `lowers` (the sealed layer first) with an empty
+        upper; the driver waits for the images only once its own set-up is done. Returns seconds spent
+        per phase. `lazy`: it may run before all of its memory is back (the driver then needs the
+        images until `settle` returns)."""
 
     def settle(self, sid: str) -> None:
         """Wait until a lazy restore of `sid` has all its memory back (at once if none is under way)."""

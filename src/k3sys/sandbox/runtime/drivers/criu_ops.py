@@ -16,12 +16,12 @@ import os
 import shutil
 import signal
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 from k3sys.sandbox.runtime import layers
 from k3sys.sandbox.runtime.drivers import criulog, idmap
-from k3sys.sandbox.runtime.drivers.base import SandboxDirs
+from k3sys.sandbox.runtime.drivers.base import Images, SandboxDirs
+from k3sys.sandbox.runtime.drivers.lazypages import UFFD_DEVICE
 from k3sys.sandbox.spec import SandboxSpec
 
 
@@ -29,19 +29,21 @@ class CriuOps:
     """`restore`, `settle`, `snapshot` and `cleanup_stale` of `RuncDriver` (see the module docstring)."""
 
     def restore(self, sid: str, dirs: SandboxDirs, spec: SandboxSpec, lowers: list[Path],
-                images: Callable[[], Path], lazy: bool = False) -> dict[str, float]:
-        """Start `sid` from the CRIU images `images()` returns, called once the sandbox's mounts are
-        up (so a checkout of them can run meanwhile); `lazy` (where supported and worth it): before
-        its memory is all back (lazypages.py; `settle` before deleting the images)."""
+                images: Images, lazy: bool = False) -> dict[str, float]:
+        """Start `sid` from CRIU `images`, waited for once the sandbox's mounts are up (a checkout of
+        them can run meanwhile); `lazy` (where supported and worth it): before its memory is all back
+        (lazypages.py; `settle` before deleting the images)."""
         t0 = time.perf_counter()
-        t = self._prepare(sid, dirs, spec, lowers)
+        lazy = lazy and self.lazy.worth(images.page_bytes)
+        t = self._prepare(sid, dirs, spec, lowers, uffd=lazy)
         work = dirs.logs / "restore"
         work.mkdir(exist_ok=True)
         t1 = time.perf_counter()
         t["mount"] = t1 - t0
-        src = images()
+        images.wait()
         t2 = time.perf_counter()
         t["images"] = t2 - t1  # waiting for the images beyond the mounts
+        src = images.path
         own, images_dir = src.with_name(f"{src.name}.{sid}"), src
         if self.hardened:  # into this sandbox's own range (idmap.rebased_images)
             images_dir = idmap.rebased_images(src, own, self._uid_base(dirs))
@@ -51,10 +53,6 @@ class CriuOps:
                 "--bundle", str(dirs.bundle), "--tcp-established", "--file-locks"]
         if not spec.network:
             args += ["--empty-ns", "network"]
-        # Not into a user namespace: the kernel refuses its restorer a userfaultfd
-        # (vm.unprivileged_userfaultfd=0 wants CAP_SYS_PTRACE in the host's namespace), and we do
-        # not loosen that host-wide setting for it.
-        lazy = lazy and not self._uid_base(dirs) and self.lazy.worth(src)
         try:
             # The daemon serves the pages from `src`: `own` differs only in its user namespace image
             # (hard links to the same pages) and is removed as soon as the restore returns.
@@ -63,6 +61,8 @@ class CriuOps:
         finally:
             if images_dir == own:
                 shutil.rmtree(own, ignore_errors=True)
+            if lazy:  # only CRIU needed it, and only while it restored
+                self.cgroups.deny_device(sid, UFFD_DEVICE)
         t["runc+criu"] = time.perf_counter() - t1
         t["criu"] = criulog.criu_seconds(work / "restore.log")
         self.agent(sid, dirs).open_gate()  # a new PID 1 (host pid) behind the same socket path

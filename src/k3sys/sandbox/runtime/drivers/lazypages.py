@@ -26,6 +26,12 @@ from k3sys.sandbox.errors import DriverError
 
 SOCKET = "lazy-pages.socket"  # CRIU's name for the daemon's socket, in the work directory both share
 SETTLE_S = 300.0  # the longest a daemon may take to deliver a sandbox's memory (s)
+# Into a user namespace, CRIU's restorer gets its userfaultfd from /dev/userfaultfd (our patch
+# criu-4.1-5: userfaultfd(2) wants CAP_SYS_PTRACE in the host's namespace while
+# vm.unprivileged_userfaultfd=0, which we keep). runc moves CRIU into the sandbox's cgroups, so the
+# restore's device rules allow the device; the driver denies it again once CRIU is done (the sandbox
+# has no such node in its /dev and cannot make one either).
+UFFD_DEVICE = {"allow": True, "type": "c", "major": 10, "minor": 257, "access": "rw"}
 # Smaller memory images restore eagerly: copying them (~0.8 ms per MiB here) costs about what
 # starting a daemon and waiting for its socket does.
 MIN_BYTES = 32 << 20
@@ -46,9 +52,9 @@ class LazyPages:
         p = subprocess.run([self._criu, "check", "--feature", "uffd-noncoop"], capture_output=True, env=self._env)
         return p.returncode == 0
 
-    def worth(self, images: Path) -> bool:
-        """Whether restoring from `images` lazily pays: supported here, and memory of `MIN_BYTES` or more."""
-        return self.supported and sum(p.stat().st_size for p in images.glob("pages-*.img")) >= MIN_BYTES
+    def worth(self, page_bytes: int) -> bool:
+        """Whether restoring `page_bytes` of memory pages lazily pays: supported here, and `MIN_BYTES` or more."""
+        return page_bytes >= MIN_BYTES and self.supported
 
     def start(self, sid: str, images: Path, work: Path, timeout: float = 10.0) -> None:
         """Start the daemon for `sid`'s restore from `images`; returns once it listens in `work`."""

@@ -28,7 +28,7 @@ from k3sys.sandbox.runtime.drivers import confine, criulog, disk, idmap
 from k3sys.sandbox.runtime.drivers.base import SandboxDirs
 from k3sys.sandbox.runtime.drivers.cgroups import Cgroups
 from k3sys.sandbox.runtime.drivers.criu_ops import CriuOps
-from k3sys.sandbox.runtime.drivers.lazypages import LazyPages
+from k3sys.sandbox.runtime.drivers.lazypages import UFFD_DEVICE, LazyPages
 from k3sys.sandbox.runtime.drivers.network import Network
 from k3sys.sandbox.runtime.drivers.reach import Reachable
 from k3sys.sandbox.runtime.system import SystemPaths, system_paths
@@ -102,7 +102,8 @@ class RuncDriver(CriuOps):
             raise DriverError(f"runc {args[0]} failed ({p.returncode}): {detail}")
         return p
 
-    def _config(self, sid: str, dirs: SandboxDirs, spec: SandboxSpec, net: tuple[dict, dict] | None) -> dict:
+    def _config(self, sid: str, dirs: SandboxDirs, spec: SandboxSpec, net: tuple[dict, dict] | None,
+                uffd: bool) -> dict:
         namespaces = [{"type": t} for t in ("pid", "ipc", "uts", "mount")] + [net[0] if net else {"type": "network"}]
         mounts = [
             {"destination": "/proc", "type": "proc", "source": "proc", "options": ["nosuid", "noexec", "nodev"]},
@@ -140,7 +141,7 @@ class RuncDriver(CriuOps):
             "hooks": {"prestart": [{"path": str(self.system.lo_up)}]} if not spec.network else {},
             "linux": {
                 "resources": {
-                    "devices": [{"allow": False, "access": "rwm"}],
+                    "devices": [{"allow": False, "access": "rwm"}] + ([UFFD_DEVICE] if uffd else []),
                     "memory": {"limit": memory, "swap": memory},
                     "pids": {"limit": spec.pids},
                     "cpu": {"quota": max(1000, int(spec.cpu * 100_000)), "period": 100_000},
@@ -152,8 +153,10 @@ class RuncDriver(CriuOps):
             },
         }
 
-    def _prepare(self, sid: str, dirs: SandboxDirs, spec: SandboxSpec, lowers: list[Path]) -> dict[str, float]:
-        """Mounts, bundle and uid range of a sandbox about to start; seconds per step (`prepare.*`)."""
+    def _prepare(self, sid: str, dirs: SandboxDirs, spec: SandboxSpec, lowers: list[Path],
+                 uffd: bool = False) -> dict[str, float]:
+        """Mounts, bundle and uid range of a sandbox about to start (`uffd`: its CRIU restore may open
+        /dev/userfaultfd); seconds per step (`prepare.*`)."""
         t, t0 = {}, time.perf_counter()
         if self.hardened:
             disk.create(self.state_dir / "disks", dirs.root / "disk.img", dirs.disk, spec.disk_mb)
@@ -161,7 +164,7 @@ class RuncDriver(CriuOps):
         for d in (dirs.upper, dirs.work, dirs.rootfs, dirs.logs):
             d.mkdir(parents=True, exist_ok=True)
         net = self.network.setup(dirs.root, spec.egress) if spec.network else None
-        config = self._config(sid, dirs, spec, net)
+        config = self._config(sid, dirs, spec, net, uffd)
         # No user namespace with network=True: its namespace (network.py's, joined by path) belongs to
         # the host's user namespace, and CRIU dumps only namespaces the sandbox's own one owns.
         uid_base = self.ranges.claim(dirs.root) if self.hardened and not spec.network else None
