@@ -27,15 +27,21 @@ from k3sys.sandbox.errors import (
 from k3sys.sandbox.runtime.drivers.base import Images
 from k3sys.sandbox.runtime.state import LIVE, Record, State
 from k3sys.sandbox.runtime.store import Follower, Manifest
+from k3sys.sandbox.runtime.store.reader import FileReader
 from k3sys.sandbox.runtime.table import Table, _new_id, _rmtree
 from k3sys.sandbox.runtime.templates import template_rootfs
 from k3sys.sandbox.spec import MAX_FORK, SandboxSpec, check_number
 from k3sys.sandbox.types import CheckpointInfo, SandboxInfo
 
 
+def _is_pages(name: str) -> bool:
+    """Whether CRIU image `name` holds memory pages."""
+    return fnmatch.fnmatch(name, "pages-*.img")
+
+
 def _page_bytes(files: Iterable[tuple[str, int]]) -> int:
     """Bytes of memory pages among CRIU image `files` (name, size)."""
-    return sum(size for name, size in files if fnmatch.fnmatch(name, "pages-*.img"))
+    return sum(size for name, size in files if _is_pages(name))
 
 
 def _seconds(fn: Callable[..., object], *args: object) -> float:
@@ -185,41 +191,49 @@ class Checkpoints(Table):
         t0 = time.perf_counter()
         self._ensure_layer(ck)
         own = images is None
+        reader: FileReader | None = None
         staged = self._unstage(rec.id, keep=True) if own else None
         if staged is not None and staged.ck == ck:
             images = staged.path
         elif staged is not None:
             _rmtree(staged.path)
         pool = ThreadPoolExecutor(1, thread_name_prefix="k3sys-checkout")
-        if images is not None:
-            ready = Images(images, _page_bytes((p.name, p.stat().st_size) for p in images.iterdir()))
-        else:
-            files = self.store.get(ck).trees["images"]
-            images, _ = self._staging(f"{ck}-{rec.id}")
-            checkout = pool.submit(_seconds, self.store.checkout, ck, {"images": images})
-
-            def wait() -> None:
-                t["store"] = checkout.result()  # the checkout's own seconds; it began before the mounts
-
-            ready = Images(images, _page_bytes((e.path, e.size) for e in files), wait)
         try:
+            if images is not None:
+                ready = Images(images, _page_bytes((p.name, p.stat().st_size) for p in images.iterdir()))
+            else:
+                # Every image but the memory pages' bytes: the driver reads those by range from the
+                # packs (the few CRIU restores itself before the sandbox runs, the rest when wanted).
+                reader = FileReader(self.store, ck, "images")
+                images, _ = self._staging(f"{ck}-{rec.id}")
+                checkout = pool.submit(_seconds, self.store.checkout, ck, {"images": images}, _is_pages)
+
+                def wait() -> None:
+                    t["store"] = checkout.result()  # the checkout's own seconds; it began before the mounts
+
+                ready = Images(images, _page_bytes(reader.sizes()), wait, reader.read)
             lowers = [self._layer_dir(ck), template_rootfs(rec.spec.template)]
             # Lazily where the images are ours: the sandbox runs while its memory streams in.
             t.update(self.driver.restore(rec.id, self._dirs(rec.id), rec.spec, lowers, ready, lazy=own))
         finally:
             pool.shutdown()  # a restore that failed before waiting for the checkout lets it finish first
-            if own:
-                self._cleaner.submit(self._drop_images, rec.id, images)
+            if own and images is not None:
+                self._cleaner.submit(self._drop_images, rec.id, images, reader)
+            elif reader is not None:
+                reader.close()
         t["total"] = time.perf_counter() - t0
         self._timings[rec.id] = t
         return t
 
-    def _drop_images(self, sid: str, images: Path) -> None:
-        """Delete the images `sid` was restored from, once a lazy restore no longer reads them."""
+    def _drop_images(self, sid: str, images: Path, reader: FileReader | None) -> None:
+        """Delete the images `sid` was restored from (and let go of the packs its pages were read
+        from), once a lazy restore no longer reads them."""
         try:
             self.driver.settle(sid)
         finally:
             _rmtree(images)
+            if reader is not None:
+                reader.close()
 
     def restore(self, ck: str, id: str | None = None, timeout_s: float | None = None,
                 on_timeout: str | None = None) -> SandboxInfo:

@@ -63,6 +63,9 @@ class Images:
     path: Path
     page_bytes: int
     wait: Callable[[], None] = lambda: None
+    # Where given, the page images in `path` are files of their size without data, and
+    # `read(name, offset, length)` returns their bytes (drivers/pageserver.py serves them from it).
+    read: Callable[[str, int, int], bytes | bytearray] | None = None
 
 
 class Driver(Protocol):

@@ -22,6 +22,7 @@ from k3sys.sandbox.runtime import layers
 from k3sys.sandbox.runtime.drivers import criulog, idmap
 from k3sys.sandbox.runtime.drivers.base import Images, SandboxDirs
 from k3sys.sandbox.runtime.drivers.lazypages import UFFD_DEVICE
+from k3sys.sandbox.runtime.drivers.pageserver import PageServer
 from k3sys.sandbox.spec import SandboxSpec
 
 
@@ -54,9 +55,15 @@ class CriuOps:
         if not spec.network:
             args += ["--empty-ns", "network"]
         try:
+            # Page images read by range: write what CRIU restores itself, serve the rest to the daemon.
+            server = PageServer(src, images.read) if images.read is not None else None
+            if server is not None:
+                server.fill(lazy)
+                t["pages"], t1 = time.perf_counter() - t1, time.perf_counter()
             # The daemon serves the pages from `src`: `own` differs only in its user namespace image
             # (hard links to the same pages) and is removed as soon as the restore returns.
-            with self.lazy.serving(sid, src, work) if lazy else contextlib.nullcontext():
+            pages = server.serve() if lazy and server is not None else None
+            with self.lazy.serving(sid, src, work, pages) if lazy else contextlib.nullcontext():
                 self._run([*args, *(["--lazy-pages"] if lazy else []), sid], log=work / "restore.log")
         finally:
             if images_dir == own:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import socket
 import subprocess
 import threading
 import time
@@ -56,11 +57,22 @@ class LazyPages:
         """Whether restoring `page_bytes` of memory pages lazily pays: supported here, and `MIN_BYTES` or more."""
         return page_bytes >= MIN_BYTES and self.supported
 
-    def start(self, sid: str, images: Path, work: Path, timeout: float = 10.0) -> None:
-        """Start the daemon for `sid`'s restore from `images`; returns once it listens in `work`."""
-        d = subprocess.Popen([self._criu, "lazy-pages", "--images-dir", str(images), "--work-dir", str(work),
-                              "--log-file", "lazy-pages.log"], stdin=subprocess.DEVNULL,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=self._env)
+    def start(self, sid: str, images: Path, work: Path, pages: socket.socket | None = None,
+              timeout: float = 10.0) -> None:
+        """Start the daemon for `sid`'s restore from `images`; returns once it listens in `work`.
+        `pages`: its end of a socket to a page server (pageserver.py) that has the lazy pages, which
+        the page images then lack; closed here once the daemon holds it."""
+        # Errors only with a page server: CRIU warns on every request that a Unix socket has no
+        # TCP_NODELAY, which would grow the log by a line per page fault.
+        args = ["--page-server", "--ps-socket", str(pages.fileno()), "-v1"] if pages is not None else []
+        try:
+            d = subprocess.Popen([self._criu, "lazy-pages", "--images-dir", str(images), "--work-dir", str(work),
+                                  "--log-file", "lazy-pages.log", *args], stdin=subprocess.DEVNULL,
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=self._env,
+                                 pass_fds=(pages.fileno(),) if pages is not None else ())
+        finally:
+            if pages is not None:
+                pages.close()
         deadline = time.monotonic() + timeout
         while not (work / SOCKET).exists():
             if d.poll() is not None or time.monotonic() > deadline:
@@ -93,9 +105,9 @@ class LazyPages:
             raise DriverError(f"sandbox {sid}: criu lazy-pages failed (status {rc}); its processes were killed")
 
     @contextlib.contextmanager
-    def serving(self, sid: str, images: Path, work: Path) -> Iterator[None]:
+    def serving(self, sid: str, images: Path, work: Path, pages: socket.socket | None = None) -> Iterator[None]:
         """A daemon for `sid` around a `runc restore --lazy-pages` (stopped if the restore fails)."""
-        self.start(sid, images, work)
+        self.start(sid, images, work, pages)
         try:
             yield
         except BaseException:
