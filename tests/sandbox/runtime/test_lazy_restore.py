@@ -4,8 +4,10 @@ and a daemon that fails takes the sandbox's processes with it."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -13,6 +15,7 @@ from counting import wait_for
 
 from k3sys.sandbox import DriverError, Runtime, Sandbox
 from k3sys.sandbox.runtime.drivers.lazypages import LazyPages
+from k3sys.sandbox.runtime.drivers.pageserver import PageServer
 from k3sys.sandbox.runtime.drivers.runc import RuncDriver
 from k3sys.sandbox.runtime.system import system_paths
 
@@ -90,6 +93,87 @@ def test_resume_restore_and_checkpoint_keep_every_byte(which, request):
             assert memory_sum(r) == want
         # Once delivered, the daemons are gone and their images deleted.
         wait_for(lambda: not rt.driver.lazy._daemons and not list(rt.scratch.iterdir()), timeout=60, step=0.05)
+
+
+# Anonymous shared memory (CRIU restores it eagerly, from the page image the resume writes before
+# the sandbox runs): 8 MiB of random bytes; each time /tmp/shcheck appears, their SHA-256 -> /tmp/shsum.
+SHARED = ("python3 -c 'import hashlib, mmap, os, random, time\n"
+          "m = mmap.mmap(-1, 8 << 20, mmap.MAP_SHARED)\n"
+          "m[:] = random.randbytes(8 << 20)\n"
+          "open(\"/tmp/shready\", \"w\").close()\n"
+          "while True:\n"
+          "    if os.path.exists(\"/tmp/shcheck\"):\n"
+          "        open(\"/tmp/shsum.tmp\", \"w\").write(hashlib.sha256(m).hexdigest()); "
+          "os.rename(\"/tmp/shsum.tmp\", \"/tmp/shsum\")\n"
+          "        os.unlink(\"/tmp/shcheck\")\n"
+          "    time.sleep(0.02)' >/dev/null 2>&1 & while [ ! -e /tmp/shready ]; do sleep 0.05; done")
+
+
+def shared_sum(s: Sandbox) -> str:
+    assert s.commands.run("rm -f /tmp/shsum; touch /tmp/shcheck").exit_code == 0
+    wait_for(lambda: s.commands.run("test -e /tmp/shsum").exit_code == 0, timeout=60, step=0.05)
+    return s.files.read_text("/tmp/shsum")
+
+
+def test_a_lazy_resume_reads_its_pages_from_the_store(rt):
+    """A hardened sandbox resumed from the store: its page images are not checked out (the pages
+    CRIU restores itself are written, the rest served from the packs), its private and shared
+    memory come back whole, and a fork and a checkpoint right away (the daemon may still be
+    serving) keep every byte."""
+    if not rt.driver.lazy.supported:
+        pytest.skip("this kernel or CRIU cannot restore lazily (no userfaultfd)")
+    with Sandbox.create("base", runtime=rt, memory_mb=MIB + 256) as s:
+        assert s.commands.run(HOLDER, timeout=120).exit_code == 0
+        assert s.commands.run(SHARED, timeout=120).exit_code == 0
+        want, want_shared = memory_sum(s), shared_sum(s)
+        s.hibernate()
+        s.resume()
+        t = rt.timings(s.id)
+        assert "pages" in t and t["criu"] < 1.0  # page images filled by range, the memory lazily
+        (kid,) = s.fork(1)
+        with kid:
+            assert memory_sum(kid) == want and shared_sum(kid) == want_shared
+        ck = s.checkpoint()
+        assert memory_sum(s) == want and shared_sum(s) == want_shared
+        with Sandbox.restore(ck.id, runtime=rt) as r:
+            assert memory_sum(r) == want and shared_sum(r) == want_shared
+
+
+def test_a_failing_page_source_kills_the_sandbox(rt, monkeypatch):
+    """The store cannot give the daemon a page (a read fails): the daemon fails on the closed
+    socket and the sandbox's processes are killed, never left running on pages that did not come."""
+    if not rt.driver.lazy.supported:
+        pytest.skip("this kernel or CRIU cannot restore lazily (no userfaultfd)")
+    serve = PageServer.serve
+
+    def failing(self: PageServer) -> object:
+        def read(name: str, offset: int, n: int) -> bytes:
+            raise OSError("the store's disk went away")
+
+        self._read = read  # after `fill`: the eager pages are in place, every lazy one fails
+        return serve(self)
+
+    with Sandbox.create("base", runtime=rt, memory_mb=MIB + 256) as s:
+        assert s.commands.run(HOLDER, timeout=120).exit_code == 0
+        want = memory_sum(s)
+        s.hibernate()
+        monkeypatch.setattr(PageServer, "serve", failing)
+        t0 = time.monotonic()
+        try:
+            s.resume()
+        except DriverError:
+            # The daemon failed while CRIU still restored: the restore fails at once (its processes
+            # are killed, not left waiting on a fault) and the sandbox stays hibernated, intact.
+            monkeypatch.undo()
+            assert time.monotonic() - t0 < 60 and s.info.state == "hibernated"
+            s.resume()
+            assert memory_sum(s) == want
+            return
+        monkeypatch.undo()
+        # It failed once the sandbox ran: its processes are killed.
+        with contextlib.suppress(DriverError):  # raised to whichever settles first (the runtime's cleanup, or us)
+            rt.driver.settle(s.id)
+        wait_for(lambda: rt.driver.memory_bytes(s.id) < 32 << 20, timeout=60, step=0.05)
 
 
 def test_failed_daemon_kills_the_sandbox(lazy_rt):

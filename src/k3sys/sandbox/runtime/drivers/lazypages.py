@@ -106,13 +106,30 @@ class LazyPages:
 
     @contextlib.contextmanager
     def serving(self, sid: str, images: Path, work: Path, pages: socket.socket | None = None) -> Iterator[None]:
-        """A daemon for `sid` around a `runc restore --lazy-pages` (stopped if the restore fails)."""
+        """A daemon for `sid` around a `runc restore --lazy-pages` (stopped if the restore fails).
+        A daemon that fails while the restore runs has the sandbox's processes killed as they
+        appear: they would otherwise wait forever on a page fault, and the restore with them."""
         self.start(sid, images, work, pages)
+        with self._mu:
+            d = self._daemons[sid]
+        restored = threading.Event()
+
+        def watch() -> None:
+            while not restored.wait(0.01):
+                if d.poll() not in (None, 0):
+                    with contextlib.suppress(DriverError):
+                        self._kill(sid)
+
+        watcher = threading.Thread(target=watch, name=f"k3sys-lazy-{sid}", daemon=True)
+        watcher.start()
         try:
             yield
         except BaseException:
             self.stop(sid)
             raise
+        finally:
+            restored.set()
+            watcher.join()
 
     def stop(self, sid: str) -> None:
         """End `sid`'s daemon, if any (its processes are gone or going)."""

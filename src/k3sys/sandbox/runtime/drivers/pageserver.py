@@ -34,7 +34,7 @@ PE_PARENT, PE_LAZY, PE_PRESENT = 1, 2, 4  # pagemap entry flags (CRIU's pagemap.
 PS_IOV_ADD_F, PS_IOV_GET, PS_IOV_CLOSE, PS_IOV_FORCE_CLOSE = 6, 7, 0x1023, 0x1024
 _IOV = struct.Struct("<IIQQ")  # struct page_server_iov: cmd, nr_pages, vaddr, dst_id
 _FILL = 8 << 20  # bytes read and written per step of `fill`
-_MAX_REQUEST = 1 << 20  # pages in one request: far more than CRIU's 4 MiB transfers
+_MAX_REQUEST = (16 << 20) // PAGE  # pages in one request (CRIU asks for at most 4 MiB): bounds our buffer
 _TASK_PAGEMAP = re.compile(r"pagemap-(\d+)\.img")
 
 # (page image name, offset, length) -> its bytes; raises on failure.
