@@ -5,8 +5,12 @@ and a daemon that fails takes the sandbox's processes with it."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
+import subprocess
+import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -14,7 +18,7 @@ import pytest
 from counting import wait_for
 
 from k3sys.sandbox import DriverError, Runtime, Sandbox
-from k3sys.sandbox.runtime.drivers.lazypages import LazyPages
+from k3sys.sandbox.runtime.drivers.lazypages import LazyPages, guard, release
 from k3sys.sandbox.runtime.drivers.pageserver import PageServer
 from k3sys.sandbox.runtime.drivers.runc import RuncDriver
 from k3sys.sandbox.runtime.system import system_paths
@@ -200,9 +204,66 @@ def test_daemon_that_cannot_start_is_a_driver_error(tmp_path: Path):
     criu = system_paths().criu
     if not criu.exists():
         pytest.skip("no CRIU")
-    lazy = LazyPages(criu, dict(os.environ), lambda sid: None)
+    lazy = LazyPages(criu, dict(os.environ), lambda sid: None, lambda sid: tmp_path / "procs")
     work = tmp_path / "work"
     work.mkdir()
     with pytest.raises(DriverError, match=r"sandbox s1: criu lazy-pages did not start"):
         lazy.start("s1", tmp_path / "no-images", work, timeout=5)
     lazy.settle("s1")  # nothing was registered
+
+
+def test_guard_kills_unless_settled(tmp_path: Path):
+    """The guard of a lazy restore kills what its cgroup lists when its stdin closes without
+    "settled" (the runtime died), and nothing once told."""
+    victims = [subprocess.Popen(["sleep", "60"]) for _ in range(2)]
+    try:
+        procs = tmp_path / "cgroup.procs"
+        procs.write_text(f"{victims[0].pid}\n")
+        release(guard(procs))
+        time.sleep(0.2)
+        assert victims[0].poll() is None  # settled: spared
+        procs.write_text(f"{victims[0].pid}\n{victims[1].pid}\n")
+        g = guard(procs)
+        g.stdin.close()  # what the runtime's death does
+        assert [v.wait(10) for v in victims] == [-signal.SIGKILL] * 2
+        procs.write_text("")  # the cgroup is empty: the guard is done
+        assert g.wait(10) == 0
+    finally:
+        for v in victims:
+            v.kill()
+            v.wait()
+
+
+# A runtime that resumes a hardened 512 MiB sandbox lazily and dies the moment the resume returns:
+# its page server dies with it, so the daemon cannot finish.
+DOOMED = textwrap.dedent("""
+    import json, os, sys
+    from k3sys.sandbox import Runtime, Sandbox
+    rt = Runtime(sys.argv[1])
+    s = Sandbox.create("base", runtime=rt, memory_mb=768)
+    assert s.commands.run(sys.argv[2], timeout=120).exit_code == 0
+    s.hibernate()
+    s.resume()
+    print(json.dumps({"sandbox": s.id, "daemon": rt.driver.lazy._daemons.get(s.id) is not None}), flush=True)
+    os.kill(os.getpid(), 9)
+""")
+
+
+def test_a_runtime_that_dies_mid_delivery_takes_the_sandbox_with_it(tmp_path: Path):
+    """Pages the daemon had not delivered would read as zeros once it exits: the sandbox's
+    processes are killed instead (lazypages.guard), and a new runtime finds it without them."""
+    src = str(Path(__file__).resolve().parents[3] / "src")
+    holder = HOLDER.replace(f"range({MIB})", "range(512)")
+    p = subprocess.run([sys.executable, "-c", DOOMED, str(tmp_path / "rt"), holder], capture_output=True,
+                       text=True, env={**os.environ, "PYTHONPATH": src}, timeout=240)
+    assert p.returncode == -signal.SIGKILL, p.stderr[-2000:]
+    info = json.loads(p.stdout)
+    if not info["daemon"]:
+        pytest.skip("the restore was not lazy here (no userfaultfd)")
+    procs = Path(f"/sys/fs/cgroup/freezer/k3sys-{info['sandbox']}/cgroup.procs")
+    if not procs.exists():
+        procs = Path(f"/sys/fs/cgroup/k3sys-{info['sandbox']}/cgroup.procs")
+    wait_for(lambda: not procs.exists() or not procs.read_text().strip(), timeout=30, step=0.05)
+    with Runtime(tmp_path / "rt") as rt:
+        assert rt.info(info["sandbox"]).state != "running"
+        rt.kill_all()

@@ -127,6 +127,10 @@ class Cgroups:
         if self.v1 and path.exists():
             path.write_text(f"{rule['type']} {rule['major']}:{rule['minor']} rwm")
 
+    def procs_file(self, sid: str) -> Path:
+        """The file listing the sandbox's processes (the freezer's on v1), whether or not it exists yet."""
+        return Path(f"/sys/fs/cgroup/{'freezer/' if self.v1 else ''}k3sys-{sid}/cgroup.procs")
+
     def dirs(self, sid: str) -> list[Path]:
         base = Path("/sys/fs/cgroup")
         if self.v1:

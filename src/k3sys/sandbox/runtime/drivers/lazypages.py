@@ -33,18 +33,42 @@ SETTLE_S = 300.0  # the longest a daemon may take to deliver a sandbox's memory 
 # restore's device rules allow the device; the driver denies it again once CRIU is done (the sandbox
 # has no such node in its /dev and cannot make one either).
 UFFD_DEVICE = {"allow": True, "type": "c", "major": 10, "minor": 257, "access": "rw"}
+# The guard of a lazy restore (`guard`), a shell of its own: unless told "settled" on its stdin
+# before the runtime closes it, it kills every process of the sandbox.
+_GUARD = ('read -r word; [ "$word" = settled ] && exit 0; '
+          'while pids=$(cat "$1" 2>/dev/null) && [ -n "$pids" ]; do kill -9 $pids 2>/dev/null; sleep 0.05; done')
 # Smaller memory images restore eagerly: copying them (~0.8 ms per MiB here) costs about what
 # starting a daemon and waiting for its socket does.
 MIN_BYTES = 32 << 20
 
 
+def guard(procs: Path) -> subprocess.Popen:
+    """A process that kills every process listed in `procs` (a cgroup's) when its stdin closes
+    without "settled\\n" written to it first: when the runtime dies while a lazy restore delivers, the
+    page source goes with it (pageserver.py), the daemon exits, and undelivered pages would read as
+    zeros. In a session of its own, so a signal to the runtime's process group spares it."""
+    return subprocess.Popen(["/bin/sh", "-c", _GUARD, "k3sys-lazy-guard", str(procs)], stdin=subprocess.PIPE,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+
+
+def release(g: subprocess.Popen) -> None:
+    """Tell guard `g` that the memory is all back (or its processes gone): it exits, killing nothing."""
+    with contextlib.suppress(OSError):
+        g.stdin.write(b"settled\n")
+        g.stdin.close()
+    g.wait()
+
+
 class LazyPages:
     """The `criu lazy-pages` daemons of sandboxes being restored, by sandbox id."""
 
-    def __init__(self, criu: Path, env: dict[str, str], kill: Callable[[str], None]) -> None:
-        """`criu`: CRIU's binary; `env`: its environment; `kill(sid)`: kill a sandbox's processes."""
-        self._criu, self._env, self._kill = str(criu), env, kill
+    def __init__(self, criu: Path, env: dict[str, str], kill: Callable[[str], None],
+                 procs: Callable[[str], Path]) -> None:
+        """`criu`: CRIU's binary; `env`: its environment; `kill(sid)`: kill a sandbox's processes;
+        `procs(sid)`: the file that lists them (its cgroup's, for `guard`)."""
+        self._criu, self._env, self._kill, self._procs = str(criu), env, kill, procs
         self._daemons: dict[str, subprocess.Popen] = {}
+        self._guards: dict[str, subprocess.Popen] = {}
         self._mu = threading.Lock()
 
     @functools.cached_property
@@ -65,11 +89,15 @@ class LazyPages:
         # Errors only with a page server: CRIU warns on every request that a Unix socket has no
         # TCP_NODELAY, which would grow the log by a line per page fault.
         args = ["--page-server", "--ps-socket", str(pages.fileno()), "-v1"] if pages is not None else []
+        g = guard(self._procs(sid))  # before any page can go missing
         try:
             d = subprocess.Popen([self._criu, "lazy-pages", "--images-dir", str(images), "--work-dir", str(work),
                                   "--log-file", "lazy-pages.log", *args], stdin=subprocess.DEVNULL,
                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=self._env,
                                  pass_fds=(pages.fileno(),) if pages is not None else ())
+        except BaseException:
+            release(g)
+            raise
         finally:
             if pages is not None:
                 pages.close()
@@ -78,11 +106,12 @@ class LazyPages:
             if d.poll() is not None or time.monotonic() > deadline:
                 d.kill()
                 d.wait()
+                release(g)
                 raise DriverError(f"sandbox {sid}: criu lazy-pages did not start (status {d.returncode}); "
                                   f"see {work / 'lazy-pages.log'}")
             time.sleep(0.001)
         with self._mu:
-            self._daemons[sid] = d
+            self._daemons[sid], self._guards[sid] = d, g
 
     def settle(self, sid: str) -> None:
         """Wait until `sid`'s memory is all delivered (a no-op without a daemon). A failed daemon
@@ -100,9 +129,15 @@ class LazyPages:
             mine = self._daemons.get(sid) is d
             if mine:
                 del self._daemons[sid]
-        if mine and rc != 0:  # not stopped on purpose: some pages may never have arrived
-            self._kill(sid)
-            raise DriverError(f"sandbox {sid}: criu lazy-pages failed (status {rc}); its processes were killed")
+                g = self._guards.pop(sid)
+        if not mine:
+            return
+        try:
+            if rc != 0:  # not stopped on purpose: some pages may never have arrived
+                self._kill(sid)
+                raise DriverError(f"sandbox {sid}: criu lazy-pages failed (status {rc}); its processes were killed")
+        finally:
+            release(g)
 
     @contextlib.contextmanager
     def serving(self, sid: str, images: Path, work: Path, pages: socket.socket | None = None) -> Iterator[None]:
@@ -135,6 +170,9 @@ class LazyPages:
         """End `sid`'s daemon, if any (its processes are gone or going)."""
         with self._mu:
             d = self._daemons.pop(sid, None)
+            g = self._guards.pop(sid, None)
         if d is not None:
             d.kill()
             d.wait()
+        if g is not None:
+            release(g)

@@ -74,7 +74,8 @@ class RuncDriver(CriuOps):
         self.hardened = hardened
         self.ranges = idmap.Ranges()
         self._userns: dict[int, int] = {}  # range base -> descriptor of a user namespace with its mapping
-        self.lazy = LazyPages(self.system.criu, self._env, self.cgroups.kill)  # lazy restores (lazypages.py)
+        # Lazy restores (lazypages.py)
+        self.lazy = LazyPages(self.system.criu, self._env, self.cgroups.kill, self.cgroups.procs_file)
         self.network = Network()  # network=True: own namespace, veth, NAT, egress policy (network.py)
         self._agents: dict[str, Agent] = {}
         self._agents_mu = threading.Lock()
