@@ -26,25 +26,37 @@ from k3sys.sandbox.runtime.system import system_paths
 pytestmark = [pytest.mark.timeout(300), pytest.mark.embedded]
 
 MIB = 96
-# A process holding MIB MiB of random bytes; each time /tmp/check appears it writes their SHA-256
-# to /tmp/sum (and removes the trigger). /tmp/ready: the bytes are resident.
-HOLDER = ("python3 -c 'import hashlib, os, random, time\n"
-          f"b = [random.randbytes(1 << 20) for _ in range({MIB})]\n"
-          "open(\"/tmp/ready\", \"w\").close()\n"
-          "while True:\n"
-          "    if os.path.exists(\"/tmp/check\"):\n"
-          "        h = hashlib.sha256()\n"
-          "        [h.update(x) for x in b]\n"
-          "        open(\"/tmp/sum.tmp\", \"w\").write(h.hexdigest()); os.rename(\"/tmp/sum.tmp\", \"/tmp/sum\")\n"
-          "        os.unlink(\"/tmp/check\")\n"
-          "    time.sleep(0.02)' >/dev/null 2>&1 & while [ ! -e /tmp/ready ]; do sleep 0.05; done")
 
 
-def memory_sum(s: Sandbox) -> str:
-    """The holder's SHA-256 of its bytes, computed now."""
-    assert s.commands.run("rm -f /tmp/sum; touch /tmp/check").exit_code == 0
-    wait_for(lambda: s.commands.run("test -e /tmp/sum").exit_code == 0, timeout=60, step=0.05)
-    return s.files.read_text("/tmp/sum")
+def holder(make: str, tag: str = "") -> str:
+    """A shell command that starts a process keeping what the Python lines `make` build resident
+    (they define `digest()`, its SHA-256); each time /tmp/<tag>check appears it writes `digest()` to
+    /tmp/<tag>sum (and removes the trigger). Returns once /tmp/<tag>ready says all is resident."""
+    return ("python3 -c 'import hashlib, mmap, os, random, time\n"
+            f"{make}\n"
+            f"open(\"/tmp/{tag}ready\", \"w\").close()\n"
+            "while True:\n"
+            f"    if os.path.exists(\"/tmp/{tag}check\"):\n"
+            f"        open(\"/tmp/{tag}sum.tmp\", \"w\").write(digest()); "
+            f"os.rename(\"/tmp/{tag}sum.tmp\", \"/tmp/{tag}sum\")\n"
+            f"        os.unlink(\"/tmp/{tag}check\")\n"
+            f"    time.sleep(0.02)' >/dev/null 2>&1 & while [ ! -e /tmp/{tag}ready ]; do sleep 0.05; done")
+
+
+# MIB MiB of random bytes in private memory.
+HOLDER = holder(f"b = [random.randbytes(1 << 20) for _ in range({MIB})]\n"
+                "def digest():\n    h = hashlib.sha256()\n    [h.update(x) for x in b]\n    return h.hexdigest()")
+# 8 MiB of random bytes in anonymous shared memory (CRIU restores it eagerly, from the page image
+# the resume writes before the sandbox runs).
+SHARED = holder("m = mmap.mmap(-1, 8 << 20, mmap.MAP_SHARED)\nm[:] = random.randbytes(8 << 20)\n"
+                "def digest():\n    return hashlib.sha256(m).hexdigest()", "sh")
+
+
+def memory_sum(s: Sandbox, tag: str = "") -> str:
+    """The SHA-256 the holder tagged `tag` computes of its bytes now."""
+    assert s.commands.run(f"rm -f /tmp/{tag}sum; touch /tmp/{tag}check").exit_code == 0
+    wait_for(lambda: s.commands.run(f"test -e /tmp/{tag}sum").exit_code == 0, timeout=60, step=0.05)
+    return s.files.read_text(f"/tmp/{tag}sum")
 
 
 @pytest.fixture(scope="module")
@@ -99,26 +111,6 @@ def test_resume_restore_and_checkpoint_keep_every_byte(which, request):
         wait_for(lambda: not rt.driver.lazy._daemons and not list(rt.scratch.iterdir()), timeout=60, step=0.05)
 
 
-# Anonymous shared memory (CRIU restores it eagerly, from the page image the resume writes before
-# the sandbox runs): 8 MiB of random bytes; each time /tmp/shcheck appears, their SHA-256 -> /tmp/shsum.
-SHARED = ("python3 -c 'import hashlib, mmap, os, random, time\n"
-          "m = mmap.mmap(-1, 8 << 20, mmap.MAP_SHARED)\n"
-          "m[:] = random.randbytes(8 << 20)\n"
-          "open(\"/tmp/shready\", \"w\").close()\n"
-          "while True:\n"
-          "    if os.path.exists(\"/tmp/shcheck\"):\n"
-          "        open(\"/tmp/shsum.tmp\", \"w\").write(hashlib.sha256(m).hexdigest()); "
-          "os.rename(\"/tmp/shsum.tmp\", \"/tmp/shsum\")\n"
-          "        os.unlink(\"/tmp/shcheck\")\n"
-          "    time.sleep(0.02)' >/dev/null 2>&1 & while [ ! -e /tmp/shready ]; do sleep 0.05; done")
-
-
-def shared_sum(s: Sandbox) -> str:
-    assert s.commands.run("rm -f /tmp/shsum; touch /tmp/shcheck").exit_code == 0
-    wait_for(lambda: s.commands.run("test -e /tmp/shsum").exit_code == 0, timeout=60, step=0.05)
-    return s.files.read_text("/tmp/shsum")
-
-
 def test_a_lazy_resume_reads_its_pages_from_the_store(rt):
     """A hardened sandbox resumed from the store: its page images are not checked out (the pages
     CRIU restores itself are written, the rest served from the packs), its private and shared
@@ -129,18 +121,18 @@ def test_a_lazy_resume_reads_its_pages_from_the_store(rt):
     with Sandbox.create("base", runtime=rt, memory_mb=MIB + 256) as s:
         assert s.commands.run(HOLDER, timeout=120).exit_code == 0
         assert s.commands.run(SHARED, timeout=120).exit_code == 0
-        want, want_shared = memory_sum(s), shared_sum(s)
+        want, want_shared = memory_sum(s), memory_sum(s, "sh")
         s.hibernate()
         s.resume()
         t = rt.timings(s.id)
         assert "pages" in t and t["criu"] < 1.0  # page images filled by range, the memory lazily
         (kid,) = s.fork(1)
         with kid:
-            assert memory_sum(kid) == want and shared_sum(kid) == want_shared
+            assert memory_sum(kid) == want and memory_sum(kid, "sh") == want_shared
         ck = s.checkpoint()
-        assert memory_sum(s) == want and shared_sum(s) == want_shared
+        assert memory_sum(s) == want and memory_sum(s, "sh") == want_shared
         with Sandbox.restore(ck.id, runtime=rt) as r:
-            assert memory_sum(r) == want and shared_sum(r) == want_shared
+            assert memory_sum(r) == want and memory_sum(r, "sh") == want_shared
 
 
 def test_a_failing_page_source_kills_the_sandbox(rt, monkeypatch):
