@@ -187,31 +187,6 @@ def test_zero_chunks_come_back_as_holes(store: Store, tmp_path: Path, shm: Path)
     assert os.stat(shm / "out/blob.bin").st_blocks * 512 <= PAGE
 
 
-def test_a_new_pack_stays_in_the_page_cache(store: Store, tmp_path: Path, shm: Path):
-    """A resume soon after a hibernate checks out of memory, not the disk: every byte of the pack a
-    commit wrote reads back without I/O (RWF_NOWAIT fails with EAGAIN on a page the cache lacks)."""
-    data = rand(24 << 20, 7)  # past the writer thread's and the writeback's thresholds
-    write(tmp_path / "t/pages-1.img", data)
-    m = store.commit({"t": tmp_path / "t"})
-    (pack,) = (store.root / "packs").iterdir()
-    size = pack.stat().st_size
-    assert size > len(data)
-    fd = os.open(pack, os.O_RDONLY)
-    try:
-        buf, done = bytearray(1 << 20), 0
-        while done < size:
-            try:
-                n = os.preadv(fd, [buf], done, os.RWF_NOWAIT)
-            except BlockingIOError:
-                n = 0
-            assert n > 0, f"byte {done} of the pack is not in the page cache"
-            done += n
-    finally:
-        os.close(fd)
-    store.checkout(m.id, {"t": shm / "out"})
-    assert (shm / "out/pages-1.img").read_bytes() == data
-
-
 # ------------------------------------------------------------------ following images as CRIU writes them
 
 

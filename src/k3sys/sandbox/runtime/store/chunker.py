@@ -49,7 +49,8 @@ def chunk_size_for(name: str) -> int:
 
 class BufferRing:
     """`n` reusable `[WINDOW]` uint8 read buffers, so a commit touches `n * WINDOW` bytes of fresh
-    memory however large its files. `take` blocks until a buffer is free again."""
+    memory however large its files. `take` blocks until a buffer is free again. The buffers are
+    page-aligned (anonymous mappings), so runs of pages in them can be written with O_DIRECT."""
 
     def __init__(self, n: int = 4) -> None:
         self._free: queue.SimpleQueue[np.ndarray] = queue.SimpleQueue()
