@@ -116,11 +116,19 @@ class PageServer:
         ones); returns the bytes written."""
         total = 0
         for name, spans in self._present.items():
+            runs: list[list[int]] = []  # [offset, length], adjacent spans merged: fewer, larger reads
+            for off, n, is_lazy in spans:
+                if lazy and is_lazy:
+                    continue
+                if runs and runs[-1][0] + runs[-1][1] == off:
+                    runs[-1][1] += n
+                else:
+                    runs.append([off, n])
+            if not runs:
+                continue
             fd = os.open(self.images / name, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
             try:
-                for off, n, is_lazy in spans:
-                    if lazy and is_lazy:
-                        continue
+                for off, n in runs:
                     for at in range(off, off + n, _FILL):
                         data = self._read(name, at, min(_FILL, off + n - at))
                         if os.pwrite(fd, data, at) != len(data):
