@@ -226,6 +226,28 @@ def test_guard_kills_unless_settled(tmp_path: Path):
             v.wait()
 
 
+def test_guard_kills_a_frozen_cgroup():
+    """A sandbox paused (frozen) while its memory streamed in: the guard thaws it to kill it."""
+    cg = Path(f"/sys/fs/cgroup/freezer/k3sys-test-guard-{os.getpid()}")
+    if not cg.parent.is_dir():
+        pytest.skip("no cgroup v1 freezer here")
+    cg.mkdir()
+    victim = subprocess.Popen(["sleep", "60"])
+    try:
+        (cg / "cgroup.procs").write_text(str(victim.pid))
+        (cg / "freezer.state").write_text("FROZEN")
+        wait_for(lambda: (cg / "freezer.state").read_text().strip() == "FROZEN", timeout=10, step=0.01)
+        g = guard(cg / "cgroup.procs")
+        g.stdin.close()
+        assert victim.wait(10) == -signal.SIGKILL
+        assert g.wait(10) == 0
+    finally:
+        victim.kill()
+        victim.wait()
+        (cg / "freezer.state").write_text("THAWED")
+        cg.rmdir()
+
+
 # A runtime that resumes a hardened 512 MiB sandbox lazily and dies the moment the resume returns:
 # its page server dies with it, so the daemon cannot finish.
 DOOMED = textwrap.dedent("""

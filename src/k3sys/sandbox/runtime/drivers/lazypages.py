@@ -34,9 +34,12 @@ SETTLE_S = 300.0  # the longest a daemon may take to deliver a sandbox's memory 
 # has no such node in its /dev and cannot make one either).
 UFFD_DEVICE = {"allow": True, "type": "c", "major": 10, "minor": 257, "access": "rw"}
 # The guard of a lazy restore (`guard`), a shell of its own: unless told "settled" on its stdin
-# before the runtime closes it, it kills every process of the sandbox.
-_GUARD = ('read -r word; [ "$word" = settled ] && exit 0; '
-          'while pids=$(cat "$1" 2>/dev/null) && [ -n "$pids" ]; do kill -9 $pids 2>/dev/null; sleep 0.05; done')
+# before the runtime closes it, it kills every process of the sandbox, thawing its cgroup (v1
+# freezer.state, v2 cgroup.freeze) as it does: frozen tasks never die.
+_GUARD = ('read -r word; [ "$word" = settled ] && exit 0; d=${1%/*}; '
+          'while pids=$(cat "$1" 2>/dev/null) && [ -n "$pids" ]; do kill -9 $pids 2>/dev/null; '
+          '[ -w "$d/freezer.state" ] && echo THAWED > "$d/freezer.state"; '
+          '[ -w "$d/cgroup.freeze" ] && echo 0 > "$d/cgroup.freeze"; sleep 0.05; done')
 # Smaller memory images restore eagerly: reading them from the store and copying them costs about
 # what starting a daemon (and its guard) does. With the pages served from the store, lazy pays from
 # a few MiB on (resume of a sandbox holding ~10 / 16 MiB: 0.15 s lazily against 0.17 / 0.19 s eagerly).
