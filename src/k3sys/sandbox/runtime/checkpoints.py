@@ -11,11 +11,9 @@ failure, so the caller sees the sandbox in its previous state.
 from __future__ import annotations
 
 import contextlib
-import fnmatch
 import os
 import secrets
 import time
-from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +22,7 @@ from k3sys.sandbox.errors import (
     InvalidStateError,
     SandboxError,
 )
-from k3sys.sandbox.runtime.drivers.base import Images
+from k3sys.sandbox.runtime.drivers.base import Images, is_page_image
 from k3sys.sandbox.runtime.state import LIVE, Record, State
 from k3sys.sandbox.runtime.store import Follower, Manifest
 from k3sys.sandbox.runtime.store.reader import FileReader
@@ -32,23 +30,6 @@ from k3sys.sandbox.runtime.table import Table, _new_id, _rmtree
 from k3sys.sandbox.runtime.templates import template_rootfs
 from k3sys.sandbox.spec import MAX_FORK, SandboxSpec, check_number
 from k3sys.sandbox.types import CheckpointInfo, SandboxInfo
-
-
-def _is_pages(name: str) -> bool:
-    """Whether CRIU image `name` holds memory pages."""
-    return fnmatch.fnmatch(name, "pages-*.img")
-
-
-def _page_bytes(files: Iterable[tuple[str, int]]) -> int:
-    """Bytes of memory pages among CRIU image `files` (name, size)."""
-    return sum(size for name, size in files if _is_pages(name))
-
-
-def _seconds(fn: Callable[..., object], *args: object) -> float:
-    """Seconds `fn(*args)` took."""
-    t0 = time.perf_counter()
-    fn(*args)
-    return time.perf_counter() - t0
 
 
 @dataclass(frozen=True)
@@ -186,12 +167,12 @@ class Checkpoints(Table):
 
     def _restore_into(self, rec: Record, ck: str, images: Path | None = None) -> dict[str, float]:
         """Start `rec`'s processes from checkpoint `ck` (images from `prefetch` or the store unless
-        given; a checkout from the store runs while the driver mounts the sandbox's file system)."""
+        given). From the store: every image but the memory pages' bytes, checked out while the driver
+        mounts; it reads the pages by range from the packs (those CRIU restores itself first)."""
         t: dict[str, float] = {}
         t0 = time.perf_counter()
         self._ensure_layer(ck)
-        own = images is None
-        reader: FileReader | None = None
+        own, reader = images is None, None
         staged = self._unstage(rec.id, keep=True) if own else None
         if staged is not None and staged.ck == ck:
             images = staged.path
@@ -199,19 +180,17 @@ class Checkpoints(Table):
             _rmtree(staged.path)
         pool = ThreadPoolExecutor(1, thread_name_prefix="k3sys-checkout")
         try:
-            if images is not None:
-                ready = Images(images, _page_bytes((p.name, p.stat().st_size) for p in images.iterdir()))
-            else:
-                # Every image but the memory pages' bytes: the driver reads those by range from the
-                # packs (the few CRIU restores itself before the sandbox runs, the rest when wanted).
+            ready = Images.complete(images) if images is not None else None
+            if ready is None:
                 reader = FileReader(self.store, ck, "images")
                 images, _ = self._staging(f"{ck}-{rec.id}")
-                checkout = pool.submit(_seconds, self.store.checkout, ck, {"images": images}, _is_pages)
+                checkout = pool.submit(self.store.checkout, ck, {"images": images}, is_page_image)
 
-                def wait() -> None:
-                    t["store"] = checkout.result()  # the checkout's own seconds; it began before the mounts
+                def wait() -> None:  # "store": until the checkout is done (it runs beside the mounts)
+                    checkout.result()
+                    t["store"] = time.perf_counter() - t0
 
-                ready = Images(images, _page_bytes(reader.sizes()), wait, reader.read)
+                ready = Images(images, Images.page_bytes_of(reader.sizes()), wait, reader.read)
             lowers = [self._layer_dir(ck), template_rootfs(rec.spec.template)]
             # Lazily where the images are ours: the sandbox runs while its memory streams in.
             t.update(self.driver.restore(rec.id, self._dirs(rec.id), rec.spec, lowers, ready, lazy=own))

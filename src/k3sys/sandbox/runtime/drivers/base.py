@@ -8,8 +8,9 @@ a restore takes the same two back.
 
 from __future__ import annotations
 
+import fnmatch
 import subprocess
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -53,6 +54,11 @@ class SandboxDirs:
         return self.root / "logs"
 
 
+def is_page_image(name: str) -> bool:
+    """Whether CRIU image `name` holds memory pages."""
+    return fnmatch.fnmatch(name, "pages-*.img")
+
+
 @dataclass(frozen=True)
 class Images:
     """The CRIU images a restore starts from: their directory, how many bytes of memory pages they
@@ -66,6 +72,16 @@ class Images:
     # Where given, the page images in `path` are files of their size without data, and
     # `read(name, offset, length)` returns their bytes (drivers/pageserver.py serves them from it).
     read: Callable[[str, int, int], bytes | bytearray] | None = None
+
+    @staticmethod
+    def page_bytes_of(files: Iterable[tuple[str, int]]) -> int:
+        """Bytes of memory pages among CRIU image `files` (name, size)."""
+        return sum(size for name, size in files if is_page_image(name))
+
+    @classmethod
+    def complete(cls, path: Path) -> Images:
+        """The images already all in `path`."""
+        return cls(path, cls.page_bytes_of((p.name, p.stat().st_size) for p in path.iterdir()))
 
 
 class Driver(Protocol):
