@@ -95,8 +95,8 @@ class Driver(Protocol):
     def restore(self, sid: str, dirs: SandboxDirs, spec: SandboxSpec, lowers: list[Path],
                 images: Images, lazy: bool = False) -> dict[str, float]:
         """Start a sandbox from process `images` over `lowers` (the sealed layer first) with an empty
-        upper; the driver waits for the images only once its own set-up is done. Returns seconds spent
-        per phase. `lazy`: it may run before all of its memory is back (the driver then needs the
+        upper; the driver may wait for the images beside its own set-up. Returns seconds spent per
+        phase. `lazy`: it may run before all of its memory is back (the driver then needs the
         images until `settle` returns)."""
 
     def settle(self, sid: str) -> None:

@@ -16,6 +16,7 @@ import os
 import shutil
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from k3sys.sandbox.runtime import layers
@@ -26,22 +27,37 @@ from k3sys.sandbox.runtime.drivers.pageserver import PageServer
 from k3sys.sandbox.spec import SandboxSpec
 
 
+def _stage(images: Images, lazy: bool) -> tuple[PageServer | None, float]:
+    """Wait for `images`; where their page images are read by range, write the pages CRIU restores
+    itself (all of them unless `lazy`). Returns the page server for the rest and the seconds the
+    writing took."""
+    images.wait()
+    if images.read is None:
+        return None, 0.0
+    t0 = time.perf_counter()
+    server = PageServer(images.path, images.read)
+    server.fill(lazy)
+    return server, time.perf_counter() - t0
+
+
 class CriuOps:
     """`restore`, `settle`, `snapshot` and `cleanup_stale` of `RuncDriver` (see the module docstring)."""
 
     def restore(self, sid: str, dirs: SandboxDirs, spec: SandboxSpec, lowers: list[Path],
                 images: Images, lazy: bool = False) -> dict[str, float]:
-        """Start `sid` from CRIU `images`, waited for once the sandbox's mounts are up (a checkout of
-        them can run meanwhile); `lazy` (where supported and worth it): before its memory is all back
-        (lazypages.py; `settle` before deleting the images)."""
+        """Start `sid` from CRIU `images`, made ready (a checkout finished, the pages CRIU restores
+        itself written) on a thread while the sandbox's mounts go up; `lazy` (where supported and
+        worth it): before its memory is all back (lazypages.py; `settle` before deleting them)."""
         t0 = time.perf_counter()
         lazy = lazy and self.lazy.worth(images.page_bytes)
-        t = self._prepare(sid, dirs, spec, lowers, uffd=lazy)
-        work = dirs.logs / "restore"
-        work.mkdir(exist_ok=True)
-        t1 = time.perf_counter()
-        t["mount"] = t1 - t0
-        images.wait()
+        with ThreadPoolExecutor(1, thread_name_prefix="k3sys-images") as pool:
+            staging = pool.submit(_stage, images, lazy)
+            t = self._prepare(sid, dirs, spec, lowers, uffd=lazy)
+            work = dirs.logs / "restore"
+            work.mkdir(exist_ok=True)
+            t1 = time.perf_counter()
+            t["mount"] = t1 - t0
+            server, t["pages"] = staging.result()
         t2 = time.perf_counter()
         t["images"] = t2 - t1  # waiting for the images beyond the mounts
         src = images.path
@@ -55,13 +71,9 @@ class CriuOps:
         if not spec.network:
             args += ["--empty-ns", "network"]
         try:
-            # Page images read by range: write what CRIU restores itself, serve the rest to the daemon.
-            server = PageServer(src, images.read) if images.read is not None else None
-            if server is not None:
-                server.fill(lazy)
-                t["pages"], t1 = time.perf_counter() - t1, time.perf_counter()
-            # The daemon serves the pages from `src`: `own` differs only in its user namespace image
-            # (hard links to the same pages) and is removed as soon as the restore returns.
+            # The daemon serves the pages from `src` (or the page server the lazy ones): `own` differs
+            # only in its user namespace image (hard links to the same pages) and is removed as soon
+            # as the restore returns.
             pages = server.serve() if lazy and server is not None else None
             with self.lazy.serving(sid, src, work, pages) if lazy else contextlib.nullcontext():
                 self._run([*args, *(["--lazy-pages"] if lazy else []), sid], log=work / "restore.log")
