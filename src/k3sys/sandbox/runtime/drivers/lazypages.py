@@ -3,13 +3,15 @@ An eager restore copies every page of the image into the new processes before th
 per 256 MiB here, ~1.4 s per GiB). With `criu lazy-pages` beside the restore, CRIU registers the
 memory with userfaultfd instead: the processes run at once (~0.05 s whatever their size), a page
 touched first is fetched on its fault, and the daemon pushes the rest in the background, then
-exits (~0.3 s per 256 MiB).
+exits (~0.3 s per 256 MiB). The daemon reads the pages from the image directory, or, when a
+resume reads them from the store, from our page server (pageserver.py) over a socket pair.
 
-Two rules keep it correct. The image directory must outlive the daemon (`settle` waits for it
-before the caller deletes the images), and memory a daemon did not deliver would read as zeros
-once its userfaultfd closes: a daemon that fails (or does not finish within `SETTLE_S`) has the
-sandbox's processes killed rather than left running on wrong memory. Every dump of the sandbox
-settles first, so CRIU never dumps memory still in flight.
+Two rules keep it correct. The image directory (and the page server) must outlive the daemon
+(`settle` waits for it before the caller lets go of them), and memory a daemon did not deliver
+would read as zeros once its userfaultfd closes: a daemon that fails (or does not finish within
+`SETTLE_S`) has the sandbox's processes killed rather than left running on wrong memory: after the
+restore by `settle`, during it by a watcher, and after the runtime's own death by a `guard`
+process. Every dump of the sandbox settles first, so CRIU never dumps memory still in flight.
 """
 
 from __future__ import annotations
