@@ -298,7 +298,9 @@ def test_async_life_cycle(server):
 # --- with envd: the same life cycle, commands and files through the SDK alone ---------------------------
 
 SHELL = "debian"  # the SDK runs commands with bash (busybox has none)
-COUNTER = "i=0; while :; do i=$((i+1)); echo $i; echo $i > /tmp/n; sleep 0.1; done"
+# /tmp/n written whole (a rename): a snapshot taken between a truncation and its write would keep an
+# empty file, which a cold boot (files kept, processes not) then shows.
+COUNTER = "i=0; while :; do i=$((i+1)); echo $i; echo $i > /tmp/n.new; mv /tmp/n.new /tmp/n; sleep 0.1; done"
 
 
 def _count(s: Sandbox) -> int:

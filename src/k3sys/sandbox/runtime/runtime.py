@@ -36,6 +36,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from k3sys.sandbox.errors import (
+    AgentError,
+    DriverError,
     InvalidArgumentError,
     NotFoundError,
     RuntimeLockedError,
@@ -58,6 +60,7 @@ _log = logging.getLogger(__name__)
 # Seconds between E2B's pause (a freeze) and the start of its background hibernation: a connect
 # within this is a thaw in milliseconds; after it, it waits for the CRIU dump in progress (~2 s/GiB).
 HIBERNATE_DELAY_S = 1.0
+DUMP_TRIES = 3  # a background hibernation's dump is tried this often (`_hibernate_tries`)
 
 
 def default_root() -> Path:
@@ -192,10 +195,26 @@ class Runtime(Recovery, Checkpoints, Files, Commands, Table):
         "hibernating", then "hibernated"; a `resume` before the end is a thaw (background.py)."""
         with self._locked(sid) as rec:
             self._require(rec, "pause", State.RUNNING)
+            if hibernate:
+                self._quiesce(rec)
             self.driver.pause(sid)
             self._set(rec, State.PAUSED, then_hibernate=hibernate, reason="")
             if hibernate:
                 self._hibernator.submit(sid)
+
+    def _quiesce(self, rec: Record) -> None:
+        """Before a freeze that a dump will follow: hold the agent's gate (until the thaw or the
+        restore opens it) and have the agent drop every connection whose host end is gone, while it
+        still runs. A connection the host closed just before a freeze stays open in the frozen agent,
+        and the dump's own quiesce after a thaw then finds the agent dead about one time in four
+        (file calls just before the pause; seen with `pause(); hibernate()` too)."""
+        agent = self.driver.agent(rec.id, self._dirs(rec.id))
+        agent.close_gate()
+        try:
+            agent.quiesce()
+        except BaseException:
+            agent.open_gate()
+            raise
 
     def _hibernate_job(self, job: Job) -> None:
         """A background worker's hibernation of `job.sid` (see `pause`)."""
@@ -204,7 +223,7 @@ class Runtime(Recovery, Checkpoints, Files, Commands, Table):
                 if not self._hibernator.active(job) or rec.state is not State.PAUSED or not rec.then_hibernate:
                     return  # resumed, killed, or hibernated by someone else meanwhile
                 try:
-                    self._hibernate_locked(rec, job)
+                    self._hibernate_tries(rec, job)
                 except Cancelled:
                     pass
                 except Exception as e:  # noqa: BLE001 - the sandbox stays paused; its record says why
@@ -212,6 +231,24 @@ class Runtime(Recovery, Checkpoints, Files, Commands, Table):
                     self._set(rec, rec.state, reason=f"background hibernation failed: {type(e).__name__}: {e}")
         except NotFoundError:
             pass  # killed before its turn
+
+    def _hibernate_tries(self, rec: Record, job: Job | None = None) -> None:
+        """`_hibernate_locked`, made again (up to DUMP_TRIES times) when the dump or the agent's
+        quiesce before it fails. A frozen sandbox is thawed for that quiesce, and the processes whose
+        timers ran out while it was frozen all wake at that instant: one exiting just as CRIU seizes
+        it fails the dump ("Unseizable non-zombie"). Each failure leaves the sandbox as it was
+        (frozen), so a second try a moment later, past that burst, is safe."""
+        for attempt in range(1, DUMP_TRIES + 1):
+            try:
+                self._hibernate_locked(rec, job)
+                return
+            except (DriverError, AgentError) as e:
+                if job is not None and job.cancelled:
+                    raise Cancelled(f"hibernation of {rec.id} cancelled after a failed dump") from e
+                if attempt == DUMP_TRIES:
+                    raise
+                _log.info("hibernation of %s: dump failed (try %d of %d), again: %s", rec.id, attempt, DUMP_TRIES, e)
+                time.sleep(0.05 * attempt)
 
     def resume(self, sid: str, memory: bool = True) -> None:
         """Thaw a paused sandbox, or restore a hibernated one (same id, same processes). `memory=False`
@@ -226,9 +263,11 @@ class Runtime(Recovery, Checkpoints, Files, Commands, Table):
             self._require(rec, "resume", State.PAUSED, State.HIBERNATED)
             if rec.state is State.PAUSED and rec.then_hibernate and not memory:
                 self._hibernator.take(sid)
-                self._hibernate_locked(rec)
+                self._hibernate_tries(rec)
             if rec.state is State.PAUSED:
                 self.driver.resume(sid)
+                if rec.then_hibernate:  # its gate is held since `_quiesce`
+                    self.driver.agent(sid, self._dirs(sid)).open_gate()
                 self._set(rec, State.RUNNING, then_hibernate=False)
                 return
             self._set(rec, State.RESUMING, prev=State.HIBERNATED)
