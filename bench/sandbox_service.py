@@ -394,8 +394,9 @@ def main() -> None:
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / "sandbox_service.json"
     kept = json.loads(path.read_text()) if path.exists() else {}
-    if kept.get("machine") and set(kept["machine"].get("sections", SECTIONS)) - sections:
-        out["machine_earlier_sections"] = kept["machine"]  # the load the kept sections ran under
+    if not set(SECTIONS) <= sections:  # the kept sections keep the machine (load) they ran on
+        name = "pause_resume_machine" if sections == {"sizes"} else f"machine_{'_'.join(sorted(sections))}"
+        out[name] = out.pop("machine")
     path.write_text(json.dumps(kept | out, indent=1))
     console.log(f"wrote {RESULTS / 'sandbox_service.json'}")
 
