@@ -15,11 +15,16 @@ life-cycle latencies, and keeps serving many concurrent clients on a 2-core mach
    of 64 KiB, pause (= hibernate), connect (= resume), snapshot (= checkpoint), create from the
    snapshot (= restore), fork(8); medians of `--repeats`. Then pause and resume with `--sizes` MiB
    of random bytes resident in the sandbox (medians of `--size-repeats`), beside E2B's published
-   figures (E2B_FIGURES) and the ratio.
+   figures (E2B_FIGURES) and the ratio. E2B's pause answers once the sandbox is frozen and hibernates
+   it in the background (starting the service's `--pause-delay` later), so four times per client
+   and size: the pause's answer; "stored after", from the pause call until the hibernation is
+   durable and the memory released (polling our view of the state); a resume right after a pause
+   (hot: a thaw); and a resume once the hibernation is stored (cold: a restore).
 
     python bench/sandbox_service.py [--repeats 10] [--seconds 3] [--sections latency,throughput,e2b,sizes]
 
-Writes bench/results/sandbox_service.json. Needs root, runc and our CRIU (scripts/install-sandbox.sh).
+Writes bench/results/sandbox_service.json (a run of some sections keeps the other sections' keys).
+Needs root, runc and our CRIU (scripts/install-sandbox.sh).
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ from rich.console import Console
 from rich.table import Table
 
 from k3sys.sandbox import Backend, Checkpoint, HTTPBackend, Runtime, Sandbox
+from k3sys.sandbox.runtime.runtime import HIBERNATE_DELAY_S
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -63,6 +69,8 @@ E2B_OPS = ("create", "run", "write_64k", "read_64k", "pause", "connect", "snapsh
 # E2B's published figures, https://e2b.dev/docs/sandbox/persistence: "pausing a sandbox takes
 # approximately 4 seconds per 1 GiB of RAM", "resuming a sandbox takes approximately 1 second".
 E2B_FIGURES = {"pause_s_per_gib": 4.0, "resume_s": 1.0, "source": "https://e2b.dev/docs/sandbox/persistence"}
+SECTIONS = ("latency", "throughput", "e2b", "sizes")
+PAUSE_DELAY_S = HIBERNATE_DELAY_S  # the service's and the embedded runtime's default
 # `mib` MiB of random bytes (nothing for the store to deduplicate) held by a process that outlives
 # the command; the command returns once they are resident.
 # (1 MiB pieces: one big randbytes builds a same-sized int first.)
@@ -188,7 +196,7 @@ def k3sys_e2b_life(rt: Backend) -> dict[str, float]:
     timed("run", lambda: s.commands.run("true"))
     timed("write_64k", lambda: s.files.write("/tmp/blob", PAYLOAD))
     assert timed("read_64k", lambda: s.files.read("/tmp/blob")) == PAYLOAD
-    timed("pause", s.hibernate)
+    timed("pause", lambda: s.pause(hibernate=True))  # E2B's pause: answered frozen, hibernated behind
     timed("connect", s.resume)
     ck = timed("snapshot", s.checkpoint)
     r = timed("create_from_snapshot", lambda: Sandbox.restore(ck, runtime=rt))
@@ -239,9 +247,11 @@ def e2b_latencies(backends: dict[str, Backend], repeats: int) -> dict[str, dict[
 
 
 def sized_pause_resume(rt: Backend, mib: int, via_e2b: bool) -> dict[str, float]:
-    """Seconds to pause (hibernate) and resume a `base` sandbox holding `mib` MiB resident, made
-    through our SDK on `rt` (the `e2b` SDK cannot ask for the memory limit) and paused and resumed
-    through our SDK or, `via_e2b`, through the `e2b` SDK (`pause`, then `Sandbox.connect`)."""
+    """Seconds of E2B's pause and resume on a `base` sandbox holding `mib` MiB resident, made through
+    our SDK on `rt` (the `e2b` SDK cannot ask for the memory limit) and paused and resumed through our
+    SDK or, `via_e2b`, through the `e2b` SDK (`pause`, then `Sandbox.connect`): `pause` (its answer),
+    `resume_hot` (right after it: a thaw), then `stored_after` (a second pause's call until our view
+    says "hibernated": the checkpoint durable, the memory released) and `resume_cold` (a restore)."""
     import e2b
 
     t: dict[str, float] = {}
@@ -251,11 +261,18 @@ def sized_pause_resume(rt: Backend, mib: int, via_e2b: bool) -> dict[str, float]
     t["memory_mib"] = s.memory_bytes() / (1 << 20)
     if via_e2b:
         e = e2b.Sandbox.connect(s.id)
-        timed("pause", e.pause)
-        timed("resume", lambda: e2b.Sandbox.connect(s.id))
+        pause, resume = e.pause, lambda: e2b.Sandbox.connect(s.id)
     else:
-        timed("pause", s.hibernate)
-        timed("resume", s.resume)
+        pause, resume = (lambda: s.pause(hibernate=True)), s.resume
+    timed("pause", pause)
+    timed("resume_hot", resume)
+    assert s.info.head is None, "the hot resume found a stored hibernation"  # it was a thaw
+    t0 = time.perf_counter()
+    pause()
+    while s.state != "hibernated":
+        time.sleep(0.005)
+    t["stored_after"] = time.perf_counter() - t0
+    timed("resume_cold", resume)
     assert s.commands.run("test -e /tmp/ready").exit_code == 0
     s.kill()
     for c in Checkpoint.list(runtime=rt):
@@ -287,15 +304,19 @@ def print_e2b(console: Console, e2b_lat: dict[str, dict[str, float]] | None,
             table.add_row(op, *(f"{x:.1f}" for x in v), *(f"{v[0] / x:.2f}x" for x in v[1:]))
         console.print(table)
     if sized:
-        table = Table(title="Pause (= hibernate) and resume, memory resident, median (s), vs E2B's figures")
-        for col in ("client", "MiB", "pause", "E2B pause", "E2B / ours", "resume", "E2B resume", "E2B / ours"):
+        table = Table(title=f"E2B's pause (answered frozen, hibernated behind after {PAUSE_DELAY_S:g} s) and "
+                            "resume, memory resident, median (s), vs E2B's figures")
+        for col in ("client", "MiB", "pause", "E2B pause", "E2B / ours", "stored after", "resume hot",
+                    "E2B / hot", "resume cold", "E2B resume", "E2B / cold"):
             table.add_column(col, justify="right")
         for client, per in sized.items():
             for mib, r in per.items():
                 e_pause = E2B_FIGURES["pause_s_per_gib"] * mib / 1024
                 e_resume = E2B_FIGURES["resume_s"]
+                hot, cold = r["resume_hot"], r["resume_cold"]
                 table.add_row(client, str(mib), f"{r['pause']:.3f}", f"{e_pause:.2f}", f"{e_pause / r['pause']:.1f}x",
-                              f"{r['resume']:.3f}", f"{e_resume:.2f}", f"{e_resume / r['resume']:.1f}x")
+                              f"{r['stored_after']:.3f}", f"{hot:.3f}", f"{e_resume / hot:.1f}x",
+                              f"{cold:.3f}", f"{e_resume:.2f}", f"{e_resume / cold:.1f}x")
         console.print(table)
 
 
@@ -303,7 +324,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--seconds", type=float, default=3.0)
-    parser.add_argument("--sections", default="latency,throughput,e2b,sizes",
+    parser.add_argument("--sections", default=",".join(SECTIONS),
                         help="which parts to run, comma-separated (see the module docstring)")
     parser.add_argument("--sizes", default="64,1024", help="resident MiB for the pause/resume section")
     parser.add_argument("--size-repeats", type=int, default=3)
@@ -317,8 +338,11 @@ def main() -> None:
     embedded = Runtime(work / "embedded")
     remote = HTTPBackend(url, key)
     backends = {"embedded": embedded, "http": remote}
+    uptime = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    console.log(f"uptime: {uptime}")
     out: dict[str, Any] = {"machine": {"python": platform.python_version(), "cpus": os.cpu_count(),
-                                       "load_before": os.getloadavg()},
+                                       "load_before": os.getloadavg(), "uptime_before": uptime,
+                                       "sections": sorted(sections)},
                            "repeats": args.repeats, "seconds": args.seconds}
     lat = tput = e2b_lat = sized = None
     try:
@@ -368,7 +392,12 @@ def main() -> None:
         out |= {"pause_resume_s": sized, "size_repeats": args.size_repeats, "e2b_published": E2B_FIGURES}
     out["machine"]["load_after"] = os.getloadavg()
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "sandbox_service.json").write_text(json.dumps(out, indent=1))
+    path = RESULTS / "sandbox_service.json"
+    kept = json.loads(path.read_text()) if path.exists() else {}
+    if not set(SECTIONS) <= sections:  # the kept sections keep the machine (load) they ran on
+        name = "pause_resume_machine" if sections == {"sizes"} else f"machine_{'_'.join(sorted(sections))}"
+        out[name] = out.pop("machine")
+    path.write_text(json.dumps(kept | out, indent=1))
     console.log(f"wrote {RESULTS / 'sandbox_service.json'}")
 
 

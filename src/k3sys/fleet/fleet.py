@@ -313,7 +313,12 @@ class Fleet(Commands, Moves):
             self.members.call(node, "kill", sid)
         self._forget(sid)
 
-    def pause(self, sid: str) -> None:
+    def pause(self, sid: str, hibernate: bool = False) -> None:
+        """Freeze the sandbox; `hibernate` (E2B's pause): hibernate it, synchronously here: the fleet
+        must know the checkpoint to record where it is held and to replicate it."""
+        if hibernate:
+            self.hibernate(sid)
+            return
         self.members.call(self.node_of(sid), "pause", sid)
         self._seen(sid, state="paused")
 

@@ -103,14 +103,14 @@ def snake(d: Mapping[str, Any]) -> dict[str, Any]:
 def sandbox_json(info: SandboxInfo) -> dict[str, Any]:
     """Our own view of a sandbox, the `k3sys` member of every E2B sandbox body the service sends."""
     return {"state": info.state, "spec": camel(info.spec.to_json()), "created": info.created, "head": info.head,
-            "reason": info.reason, "deadline": info.deadline}
+            "reason": info.reason, "deadline": info.deadline, "thenHibernate": info.then_hibernate}
 
 
 def sandbox_info(d: Mapping[str, Any]) -> SandboxInfo:
     """The SandboxInfo of an E2B sandbox body from the service (its `sandboxID` and `k3sys` members)."""
     k = d["k3sys"]
     return SandboxInfo(d["sandboxID"], k["state"], SandboxSpec.from_json(snake(k["spec"])), k["created"], k["head"],
-                       k["reason"], k["deadline"])
+                       k["reason"], k["deadline"], k.get("thenHibernate") is True)
 
 
 def checkpoint_json(ck: CheckpointInfo, names: list[str] | None = None) -> dict[str, Any]:

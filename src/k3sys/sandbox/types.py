@@ -16,7 +16,8 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class SandboxInfo:
     """A sandbox as callers see it; `created` and `deadline` (when its `on_timeout` applies; None:
-    never) in unix seconds."""
+    never) in unix seconds. `then_hibernate`: "paused" or "hibernating" on its way to "hibernated"
+    in the background (`pause(hibernate=True)`): frozen, its memory still held."""
 
     id: str
     state: str
@@ -25,6 +26,7 @@ class SandboxInfo:
     head: str | None
     reason: str = ""
     deadline: float | None = field(default=None, compare=False)
+    then_hibernate: bool = field(default=False, compare=False)
 
 
 @dataclass(frozen=True)

@@ -134,6 +134,26 @@ def test_pause_refuses_commands_and_files_then_resume(sbx):
     assert sbx.commands.run("echo back").stdout == "back\n"
 
 
+def test_pause_with_hibernate_thaws_early_and_restores_late(sbx):
+    # E2B's pause, embedded and remote (the service's `POST /sandboxes/{id}/pause`).
+    sbx.commands.run("echo kept > /root/mark")
+    sbx.pause(hibernate=True)
+    info = sbx.info
+    assert info.state in ("paused", "hibernating") and info.then_hibernate
+    with pytest.raises(InvalidStateError):
+        sbx.pause(hibernate=True)
+    sbx.resume()  # within the runtime's delay: a thaw
+    assert (sbx.state, sbx.info.then_hibernate) == ("running", False)
+    sbx.pause(hibernate=True)
+    deadline = time.monotonic() + 60
+    while sbx.state != "hibernated":
+        assert time.monotonic() < deadline, "never hibernated"
+        time.sleep(0.02)
+    assert sbx.info.head is not None and not sbx.info.then_hibernate
+    sbx.resume()  # a restore
+    assert sbx.commands.run("cat /root/mark").stdout == "kept\n"
+
+
 @pytest.mark.embedded
 def test_paused_sandbox_gets_no_cpu(sbx):
     # Busy counter, published by rename so a reader never sees a half-written file.

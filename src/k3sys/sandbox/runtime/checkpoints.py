@@ -22,6 +22,7 @@ from k3sys.sandbox.errors import (
     InvalidStateError,
     SandboxError,
 )
+from k3sys.sandbox.runtime.background import Cancelled, Hibernator, Job
 from k3sys.sandbox.runtime.drivers.base import Images, is_page_image
 from k3sys.sandbox.runtime.state import LIVE, Record, State
 from k3sys.sandbox.runtime.store import Follower, Manifest
@@ -57,6 +58,7 @@ class Checkpoints(Table):
     """`Runtime`'s checkpoint operations (see the module docstring)."""
 
     _staged: dict[str, _Staged]
+    _hibernator: Hibernator
 
     def _snapshot(self, rec: Record, transitional: State, *, thaw: bool, store: bool = True) -> _Snapshot:
         """Freeze-consistent images + sealed fs of a live sandbox into staging; marks the record
@@ -117,36 +119,62 @@ class Checkpoints(Table):
         return CheckpointInfo.from_manifest(m, t), snap.images, snap.fs
 
     def hibernate(self, sid: str) -> CheckpointInfo:
-        """Checkpoint, then stop every process: memory and CPU are released; `resume` brings it back."""
+        """Checkpoint, then stop every process: memory and CPU are released; `resume` brings it back.
+        Synchronous: returns once the checkpoint is durable and the memory released (see
+        `pause(hibernate=True)` for the same in the background)."""
         with self._locked(sid) as rec:
             self._require(rec, "hibernate", *LIVE)
-            t0 = time.perf_counter()
-            # Frozen, not killed, until the checkpoint is durable: a failure can still roll back.
-            snap = self._snapshot(rec, State.HIBERNATING, thaw=False)
-            ck, images, fs, t = snap.ck, snap.images, snap.fs, snap.t
-            try:
-                t1 = time.perf_counter()
-                m = self._commit(rec, snap)
-                t["store"] = time.perf_counter() - t1
-            except BaseException:
-                _rmtree(images)
-                _rmtree(fs)
-                if rec.prev is State.RUNNING:
-                    self.driver.resume(sid)
-                self._set(rec, rec.prev, prev=None, pending=None)
-                raise
-            self._cleaner.submit(_rmtree, images)
+            self._hibernator.take(sid)  # a queued background hibernation of it is this one now
+            return self._hibernate_locked(rec)
+
+    def _hibernate_locked(self, rec: Record, job: Job | None = None) -> CheckpointInfo:
+        """Hibernate `rec` (its lock held). For a background `job` cancelled meanwhile (a `resume`
+        or `kill` waits for the lock), stop after the phase in progress instead and raise
+        `Cancelled`, leaving the sandbox paused: after the dump its images are dropped; after the
+        commit the checkpoint is kept as its head."""
+        sid = rec.id
+        t0 = time.perf_counter()
+        # Frozen, not killed, until the checkpoint is durable: a failure can still roll back.
+        snap = self._snapshot(rec, State.HIBERNATING, thaw=False)
+        ck, images, fs, t = snap.ck, snap.images, snap.fs, snap.t
+        try:
+            if job is not None and job.cancelled:
+                raise Cancelled(f"hibernation of {sid} cancelled after its dump")
             t1 = time.perf_counter()
-            self.driver.destroy(sid, self._dirs(sid))
-            self._wipe_upper(rec)
-            # The sealed fs is exactly what `resume` will stack the new upper on: keep it as a layer.
-            os.rename(fs, self._layer_dir(ck))
-            t["stop"] = time.perf_counter() - t1
-            self._set(rec, State.HIBERNATED, head=ck, layer=None, prev=None, pending=None)
-            self._gc_layers()
-            t["total"] = time.perf_counter() - t0
-            self._timings[sid] = t
-            return CheckpointInfo.from_manifest(m, t)
+            m = self._commit(rec, snap)
+            t["store"] = time.perf_counter() - t1
+        except BaseException:
+            if snap.follower is not None:
+                snap.follower.abort()
+            _rmtree(images)
+            _rmtree(fs)
+            self._undo_hibernate(rec)
+            self._set(rec, rec.prev, prev=None, pending=None, then_hibernate=False)
+            raise
+        self._cleaner.submit(_rmtree, images)
+        if job is not None and job.cancelled:  # durable already: a checkpoint like any other
+            _rmtree(fs)
+            self._undo_hibernate(rec)
+            self._set(rec, rec.prev, head=ck, prev=None, pending=None, then_hibernate=False)
+            raise Cancelled(f"hibernation of {sid} cancelled after its commit: {ck} kept as a checkpoint")
+        t1 = time.perf_counter()
+        self.driver.destroy(sid, self._dirs(sid))
+        self._wipe_upper(rec)
+        # The sealed fs is exactly what `resume` will stack the new upper on: keep it as a layer.
+        os.rename(fs, self._layer_dir(ck))
+        t["stop"] = time.perf_counter() - t1
+        self._set(rec, State.HIBERNATED, head=ck, layer=None, prev=None, pending=None, then_hibernate=False)
+        self._gc_layers()
+        t["total"] = time.perf_counter() - t0
+        self._timings[sid] = t
+        return CheckpointInfo.from_manifest(m, t)
+
+    def _undo_hibernate(self, rec: Record) -> None:
+        """Put a sandbox whose hibernation stopped after its dump back as it was before (`rec.prev`):
+        thawed if it ran, and its agent's gate open again (the dump left it closed)."""
+        if rec.prev is State.RUNNING:
+            self.driver.resume(rec.id)
+        self.driver.agent(rec.id, self._dirs(rec.id)).open_gate()
 
     def _wipe_upper(self, rec: Record) -> None:
         dirs = self._dirs(rec.id)

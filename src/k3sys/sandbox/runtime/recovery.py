@@ -3,6 +3,8 @@
 Recovery: a runtime opening a directory another runtime left (crashed) adopts its sandboxes:
 orphan runc/CRIU helpers are killed, a sandbox caught mid-checkpoint is thawed and rolled back,
 one whose processes died is reported `lost` (never dropped), and staging directories are wiped.
+A sandbox paused for a background hibernation (`then_hibernate`) that had not finished stays frozen
+and its hibernation is queued again: E2B's pause promised its memory back.
 
 The reaper (a thread, every 0.5 s) drops prefetched images past their time to live and applies
 each expired sandbox's `on_timeout` (kill, or hibernate).
@@ -19,6 +21,7 @@ from k3sys.sandbox.errors import (
     CheckpointNotFoundError,
     SandboxError,
 )
+from k3sys.sandbox.runtime.background import Hibernator
 from k3sys.sandbox.runtime.state import LIVE, Record, State
 from k3sys.sandbox.runtime.table import Table, _rmtree
 
@@ -29,6 +32,7 @@ class Recovery(Table):
     """`Runtime`'s startup recovery and reaper (see the module docstring)."""
 
     _closed: threading.Event
+    _hibernator: Hibernator
 
     def _recover(self) -> None:
         self.driver.cleanup_stale()
@@ -40,6 +44,8 @@ class Recovery(Table):
             rec = Record.load(path)
             self._register(rec)
             self._settle(rec)
+            if rec.state is State.PAUSED and rec.then_hibernate:
+                self._hibernator.submit(rec.id)
         for d in (self.root / "sandboxes").iterdir():  # created but never recorded
             if not (d / "record.json").exists():
                 with contextlib.suppress(SandboxError):
@@ -58,7 +64,7 @@ class Recovery(Table):
             with contextlib.suppress(SandboxError):
                 self.driver.destroy(rec.id, self._dirs(rec.id))
             self._wipe_upper(rec)
-            self._set(rec, State.HIBERNATED, head=committed, layer=None, prev=None, pending=None)
+            self._set(rec, State.HIBERNATED, head=committed, layer=None, prev=None, pending=None, then_hibernate=False)
         elif s in (State.CHECKPOINTING, State.HIBERNATING, *LIVE) and alive:
             target = rec.prev if s in (State.CHECKPOINTING, State.HIBERNATING) else s
             if target is State.RUNNING and status == "paused":
@@ -80,7 +86,7 @@ class Recovery(Table):
                 self.driver.destroy(rec.id, self._dirs(rec.id))
             why = ("the runtime died while creating it" if s is State.CREATING
                    else f"its processes were gone when the runtime restarted (it was {s.value})")
-            self._set(rec, State.LOST, reason=why, prev=None, pending=None)
+            self._set(rec, State.LOST, reason=why, prev=None, pending=None, then_hibernate=False)
 
     def _has_checkpoint(self, ck: str) -> bool:
         try:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import logging
 import os
 import threading
 import time
@@ -35,11 +36,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from k3sys.sandbox.errors import (
+    AgentError,
+    DriverError,
     InvalidArgumentError,
     NotFoundError,
     RuntimeLockedError,
     SandboxError,
 )
+from k3sys.sandbox.runtime.background import Cancelled, Hibernator, Job
 from k3sys.sandbox.runtime.checkpoints import Checkpoints, _Staged
 from k3sys.sandbox.runtime.commands import Commands, _Command
 from k3sys.sandbox.runtime.drivers.base import Driver
@@ -52,6 +56,12 @@ from k3sys.sandbox.runtime.templates import template_rootfs
 from k3sys.sandbox.spec import ON_TIMEOUT, SandboxSpec, check_number
 from k3sys.sandbox.types import SandboxInfo
 
+_log = logging.getLogger(__name__)
+# Seconds between E2B's pause (a freeze) and the start of its background hibernation: a connect
+# within this is a thaw in milliseconds; after it, it waits for the CRIU dump in progress (~2 s/GiB).
+HIBERNATE_DELAY_S = 1.0
+DUMP_TRIES = 3  # a background hibernation's dump is tried this often (`_hibernate_tries`)
+
 
 def default_root() -> Path:
     """`K3SYS_HOME`, else `~/.local/share/k3sys`."""
@@ -62,11 +72,16 @@ def default_root() -> Path:
 class Runtime(Recovery, Checkpoints, Files, Commands, Table):
     """Sandboxes of one runtime directory; see the module docstring. Use one per directory."""
 
-    def __init__(self, root: Path | str | None = None, driver: Driver | None = None, on_timeout: str = "kill") -> None:
+    def __init__(self, root: Path | str | None = None, driver: Driver | None = None, on_timeout: str = "kill",
+                 hibernate_delay_s: float = HIBERNATE_DELAY_S, hibernate_workers: int = 2) -> None:
         """`on_timeout`: what happens to a sandbox past its `timeout_s` unless its spec says ("kill",
-        "hibernate")."""
+        "hibernate"). `hibernate_delay_s`: how long after `pause(hibernate=True)` its background
+        hibernation starts (a resume before then is a thaw in milliseconds); `hibernate_workers`:
+        how many background hibernations run at once (background.py)."""
         if on_timeout not in ON_TIMEOUT:
             raise InvalidArgumentError(f"on_timeout: expected one of {ON_TIMEOUT}, got {on_timeout!r}")
+        check_number("hibernate_delay_s", hibernate_delay_s, 0, 3600, "s")
+        check_number("hibernate_workers", hibernate_workers, 1, 64, "threads", integer=True)
         self.on_timeout = on_timeout
         self.root = (Path(root) if root is not None else default_root()).resolve()
         for d in ("sandboxes", "layers", "tmp"):
@@ -94,6 +109,7 @@ class Runtime(Recovery, Checkpoints, Files, Commands, Table):
         # Image directories are deleted off the caller's path (freeing 64 MiB of tmpfs takes ~5 ms).
         self._cleaner = ThreadPoolExecutor(1, thread_name_prefix="k3sys-sandbox-cleanup")
         self._closed = threading.Event()
+        self._hibernator = Hibernator(self._hibernate_job, hibernate_workers, hibernate_delay_s)
         self._recover()
         self._reaper = threading.Thread(target=self._reap_expired, name="k3sys-sandbox-reaper", daemon=True)
         self._reaper.start()
@@ -137,7 +153,9 @@ class Runtime(Recovery, Checkpoints, Files, Commands, Table):
         self._gc_layers()
 
     def kill(self, sid: str) -> None:
-        """Stop the sandbox and release its processes, memory, mounts, cgroups and files."""
+        """Stop the sandbox and release its processes, memory, mounts, cgroups and files (a
+        background hibernation in flight stops after its current phase first)."""
+        self._hibernator.cancel(sid)
         with self._locked(sid) as rec:
             self._discard(rec)
 
@@ -168,22 +186,89 @@ class Runtime(Recovery, Checkpoints, Files, Commands, Table):
         from 0 when a hibernated sandbox resumes, since it comes back in a new cgroup)."""
         return self.driver.cpu_seconds(sid)
 
-    def pause(self, sid: str) -> None:
-        """Freeze the sandbox: no CPU, memory kept; commands and files are refused until `resume`."""
+    def pause(self, sid: str, hibernate: bool = False) -> None:
+        """Freeze the sandbox: no CPU, memory kept; commands and files are refused until `resume`.
+
+        `hibernate`: and hibernate it in the background (E2B's pause): this returns once it is
+        frozen; a worker checkpoints and stops it `hibernate_delay_s` later, releasing its memory
+        once the checkpoint is durable. Meanwhile its info says "paused" with `then_hibernate`, then
+        "hibernating", then "hibernated"; a `resume` before the end is a thaw (background.py)."""
         with self._locked(sid) as rec:
             self._require(rec, "pause", State.RUNNING)
+            if hibernate:
+                self._quiesce(rec)
             self.driver.pause(sid)
-            self._set(rec, State.PAUSED)
+            self._set(rec, State.PAUSED, then_hibernate=hibernate, reason="")
+            if hibernate:
+                self._hibernator.submit(sid)
+
+    def _quiesce(self, rec: Record) -> None:
+        """Before a freeze that a dump will follow: hold the agent's gate (until the thaw or the
+        restore opens it) and have the agent drop every connection whose host end is gone, while it
+        still runs. A connection the host closed just before a freeze stays open in the frozen agent,
+        and the dump's own quiesce after a thaw then finds the agent dead about one time in four
+        (file calls just before the pause; seen with `pause(); hibernate()` too)."""
+        agent = self.driver.agent(rec.id, self._dirs(rec.id))
+        agent.close_gate()
+        try:
+            agent.quiesce()
+        except BaseException:
+            agent.open_gate()
+            raise
+
+    def _hibernate_job(self, job: Job) -> None:
+        """A background worker's hibernation of `job.sid` (see `pause`)."""
+        try:
+            with self._locked(job.sid) as rec:
+                if not self._hibernator.active(job) or rec.state is not State.PAUSED or not rec.then_hibernate:
+                    return  # resumed, killed, or hibernated by someone else meanwhile
+                try:
+                    self._hibernate_tries(rec, job)
+                except Cancelled:
+                    pass
+                except Exception as e:  # noqa: BLE001 - the sandbox stays paused; its record says why
+                    _log.warning("background hibernation of %s failed: %s: %s", job.sid, type(e).__name__, e)
+                    self._set(rec, rec.state, reason=f"background hibernation failed: {type(e).__name__}: {e}")
+        except NotFoundError:
+            pass  # killed before its turn
+
+    def _hibernate_tries(self, rec: Record, job: Job | None = None) -> None:
+        """`_hibernate_locked`, made again (up to DUMP_TRIES times) when the dump or the agent's
+        quiesce before it fails. A frozen sandbox is thawed for that quiesce, and the processes whose
+        timers ran out while it was frozen all wake at that instant: one exiting just as CRIU seizes
+        it fails the dump ("Unseizable non-zombie"). Each failure leaves the sandbox as it was
+        (frozen), so a second try a moment later, past that burst, is safe."""
+        for attempt in range(1, DUMP_TRIES + 1):
+            try:
+                self._hibernate_locked(rec, job)
+                return
+            except (DriverError, AgentError) as e:
+                if job is not None and job.cancelled:
+                    raise Cancelled(f"hibernation of {rec.id} cancelled after a failed dump") from e
+                if attempt == DUMP_TRIES:
+                    raise
+                _log.info("hibernation of %s: dump failed (try %d of %d), again: %s", rec.id, attempt, DUMP_TRIES, e)
+                time.sleep(0.05 * attempt)
 
     def resume(self, sid: str, memory: bool = True) -> None:
         """Thaw a paused sandbox, or restore a hibernated one (same id, same processes). `memory=False`
         boots a hibernated one cold instead: its files as they were, none of its processes (E2B's
-        filesystem-only resume)."""
+        filesystem-only resume; a sandbox still hibernating in the background finishes that first).
+
+        A background hibernation in flight is cancelled: it stops after its current phase (the CRIU
+        dump, or the store commit) and the sandbox thaws, its processes never stopped."""
+        if memory:
+            self._hibernator.cancel(sid)  # before the lock: its worker holds it while it works
         with self._locked(sid) as rec:
             self._require(rec, "resume", State.PAUSED, State.HIBERNATED)
+            if rec.state is State.PAUSED and rec.then_hibernate and not memory:
+                self._hibernator.take(sid)
+                self._hibernate_tries(rec)
             if rec.state is State.PAUSED:
                 self.driver.resume(sid)
-                self._set(rec, State.RUNNING)
+                if rec.then_hibernate:  # its gate is held since `_quiesce`
+                    self.driver.agent(sid, self._dirs(sid)).open_gate()
+                self._set(rec, State.RUNNING, then_hibernate=False)
                 return
             self._set(rec, State.RESUMING, prev=State.HIBERNATED)
             try:
@@ -217,6 +302,7 @@ class Runtime(Recovery, Checkpoints, Files, Commands, Table):
             return
         self._closed.set()
         self._reaper.join()
+        self._hibernator.close()  # after the hibernations in flight; queued ones are the next runtime's
         for sid in list(self._staged):
             self._unstage(sid)
         self._cleaner.shutdown(wait=True)

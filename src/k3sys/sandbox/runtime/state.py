@@ -1,6 +1,7 @@
 """Sandbox states and the record the runtime persists for each sandbox.
 
     creating -> running <-> paused
+    running -> paused (then_hibernate) -> hibernating -> hibernated      (`pause(hibernate=True)`)
     running | paused -> checkpointing -> (back)        running | paused -> hibernating -> hibernated
     hibernated -> resuming -> running                   any -> killed (the record is removed)
     running | paused -> lost    (its processes died while no runtime watched)
@@ -43,7 +44,9 @@ class Record:
     """What the runtime knows about one sandbox; `created` and `deadline` in unix seconds.
 
     `head` is the sandbox's latest checkpoint (the parent of its next one), `layer` the checkpoint
-    whose sealed file system is its lower layer (None: the bare template).
+    whose sealed file system is its lower layer (None: the bare template). `then_hibernate`: paused
+    by `pause(hibernate=True)`, a background hibernation is queued or running (background.py); it
+    survives a restart of the runtime, whose recovery queues the hibernation again.
     """
 
     id: str
@@ -56,6 +59,7 @@ class Record:
     prev: State | None = None
     pending: str | None = None
     reason: str = ""
+    then_hibernate: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:

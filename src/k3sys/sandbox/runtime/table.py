@@ -185,4 +185,5 @@ class Table:
 
     @staticmethod
     def _info(rec: Record) -> SandboxInfo:
-        return SandboxInfo(rec.id, rec.state.value, rec.spec, rec.created, rec.head, rec.reason, rec.deadline)
+        return SandboxInfo(rec.id, rec.state.value, rec.spec, rec.created, rec.head, rec.reason, rec.deadline,
+                           rec.then_hibernate)

@@ -270,9 +270,12 @@ class _Facade:
         """CPU seconds charged to the sandbox's cgroup so far (restarts at 0 after a hibernation)."""
         return self._rt.cpu_seconds(self.id)
 
-    def pause(self) -> None:
-        """Freeze every process (no CPU; memory kept). Commands and files are refused until `resume`."""
-        return self._rt.pause(self.id)
+    def pause(self, hibernate: bool = False) -> None:
+        """Freeze every process (no CPU; memory kept). Commands and files are refused until `resume`.
+        `hibernate`: and hibernate it in the background (E2B's pause): state "paused" (`info.then_hibernate`),
+        then "hibernating", then "hibernated" (memory released, checkpoint durable); `resume` before
+        that is a thaw, after it a restore."""
+        return self._rt.pause(self.id, hibernate)
 
     def resume(self) -> None:
         """Thaw a paused sandbox, or bring a hibernated one back (same id, same processes)."""

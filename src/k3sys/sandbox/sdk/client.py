@@ -200,8 +200,8 @@ class _Routes(EnvdCalls):
 
     # --- life cycle -----------------------------------------------------------------------------
 
-    def pause(self, sid: str) -> None:
-        return self._do(_Call("POST", f"/sandboxes/{sid}/freeze"))
+    def pause(self, sid: str, hibernate: bool = False) -> None:
+        return self._do(_Call("POST", f"/sandboxes/{sid}/pause" if hibernate else f"/sandboxes/{sid}/freeze"))
 
     def resume(self, sid: str) -> None:
         return self._do(_Call("POST", f"/sandboxes/{sid}/resume"))

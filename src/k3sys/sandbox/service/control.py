@@ -1,6 +1,7 @@
 """The service's control plane: E2B's REST routes for the sandbox life cycle, and ours beside them in
 the same style (the table in docs/sandbox_service.md). E2B's `pause` is our hibernate (memory and
-files kept, nothing running), `connect` resumes it; a snapshot is our checkpoint, creating from its
+files kept, nothing running), answered once the sandbox is frozen and finished in the background;
+`connect` resumes it (a thaw while that hibernation has not finished); a snapshot is our checkpoint, creating from its
 id a restore; `freeze` / `thaw` (ours) stop and start the CPU without a checkpoint.
 """
 
@@ -182,11 +183,13 @@ async def update_network(svc: Svc, sid: Sid) -> Response:
 
 @router.post("/sandboxes/{sid}/pause", status_code=204, tags=["life cycle"])
 async def pause(svc: Svc, sid: Sid, body: Pause | None = None) -> Response:
-    """Hibernate a running sandbox (409 if it is not running); `memory: false`: its next resume boots
-    it cold (files kept, processes not)."""
+    """Freeze a running sandbox and answer; it hibernates in the background (`Runtime.pause(sid,
+    hibernate=True)`: memory released once its checkpoint is durable, which its `k3sys` view shows
+    as "hibernated"). 409 if it is not running. `memory: false`: its next resume boots it cold
+    (files kept, processes not)."""
     if (state := svc.rt.info(sid).state) != "running":
         raise InvalidStateError(f"sandbox {sid} is {state}: only a running sandbox can be paused")
-    await svc.call("hibernate", svc.rt.hibernate, sid)
+    await svc.call("pause", svc.rt.pause, sid, True)
     _set_attrs(svc, sid, pause_memory=(body or Pause()).memory is not False)
     return Response(status_code=204)
 

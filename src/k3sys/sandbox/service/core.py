@@ -18,7 +18,7 @@ import anyio
 import anyio.to_thread
 
 from k3sys.sandbox.errors import InvalidArgumentError, SandboxError, UnavailableError
-from k3sys.sandbox.runtime.runtime import Runtime
+from k3sys.sandbox.runtime.runtime import HIBERNATE_DELAY_S, Runtime
 from k3sys.sandbox.runtime.state import State
 from k3sys.sandbox.service import metrics as _metrics
 from k3sys.sandbox.service.attrs import AttrsTable, SnapshotNames
@@ -26,7 +26,7 @@ from k3sys.sandbox.service.guard import ConnectionLimits
 from k3sys.sandbox.service.limits import Admission
 from k3sys.sandbox.service.scope import Principal, Scope
 from k3sys.sandbox.service.tenants import Tenants
-from k3sys.sandbox.spec import ON_TIMEOUT, SandboxSpec
+from k3sys.sandbox.spec import ON_TIMEOUT, SandboxSpec, check_number
 from k3sys.sandbox.types import SandboxInfo
 
 T = TypeVar("T")
@@ -46,8 +46,9 @@ class ServiceConfig:
     host's RAM, so memory limits are never over-committed; `on_timeout` is what happens to a sandbox
     past its `timeout_s` unless its spec says; `on_shutdown` what stopping the service does to the
     sandboxes that hold memory ("hibernate": released now, resumed on demand; "keep": left running
-    for the next start to adopt; "kill"). `connections`: how many, and how long a request header may
-    take (guard.py).
+    for the next start to adopt; "kill"). `pause_delay_s`: how long after E2B's pause (a freeze,
+    answered at once) its background hibernation starts (`Runtime(hibernate_delay_s=)`).
+    `connections`: how many, and how long a request header may take (guard.py).
     """
 
     data_dir: Path
@@ -58,6 +59,7 @@ class ServiceConfig:
     max_command_timeout_s: float = 3600.0
     on_timeout: str = "hibernate"
     on_shutdown: str = "hibernate"
+    pause_delay_s: float = HIBERNATE_DELAY_S
     op_threads: int = 32
     io_threads: int = 256
     connections: ConnectionLimits = dataclasses.field(default_factory=ConnectionLimits)
@@ -73,6 +75,11 @@ class ServiceConfig:
             raise InvalidArgumentError(f"on_timeout: expected one of {ON_TIMEOUT}, got {self.on_timeout!r}")
         if self.on_shutdown not in ON_SHUTDOWN:
             raise InvalidArgumentError(f"on_shutdown: expected one of {ON_SHUTDOWN}, got {self.on_shutdown!r}")
+        check_number("pause_delay_s", self.pause_delay_s, 0, 3600, "s")
+
+    def open_runtime(self) -> Runtime:
+        """The runtime of `data_dir`, as this configuration asks."""
+        return Runtime(self.data_dir, on_timeout=self.on_timeout, hibernate_delay_s=self.pause_delay_s)
 
 
 class Service:
@@ -100,7 +107,7 @@ class Service:
 
     def start(self) -> None:
         if self.runtime is None:
-            self.runtime = Runtime(self.config.data_dir, on_timeout=self.config.on_timeout)
+            self.runtime = self.config.open_runtime()
         self.admission = Admission(self.runtime, self.config.max_sandboxes, self.config.max_memory_mb)
         self.tenants = Tenants(self.config.data_dir)
         # Owners of sandboxes gone for good (not alive, no checkpoint of them left) are forgotten.

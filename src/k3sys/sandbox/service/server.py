@@ -122,7 +122,7 @@ def serve(config: ServiceConfig, host: str = "127.0.0.1", port: int = 3000, log_
     check_bind(host, config.api_key)
     raise_nofile(config.connections)  # before the runtime opens anything: it checks the limits fit
     # Opened here, not at startup, so a directory in use fails with our error, not uvicorn's.
-    runtime = Runtime(config.data_dir, on_timeout=config.on_timeout)
+    runtime = config.open_runtime()
     # Streams (command events) would hold a graceful shutdown open forever: cut them after 10 s.
     # Idle connections stay open well past the client's own expiry (httpx: 5 s), so a client never
     # sends a request on a connection the server is closing at that instant. guard.py bounds
