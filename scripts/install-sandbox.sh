@@ -4,7 +4,8 @@
 #   - CRIU 4.1.x built from Debian trixie's source (bookworm's 3.17 fails on recent kernels' vDSO),
 #     with our patches (scripts/sandbox/patches: tolerate Linux >= 6.16's SO_PASSCRED refusal on inet
 #     sockets; skip the conntrack walk for empty network namespaces; read another user's rlimits
-#     from /proc when the host withholds CAP_SYS_RESOURCE), installed into
+#     from /proc when the host withholds CAP_SYS_RESOURCE; open /dev/userfaultfd so that lazy
+#     restores work in user namespaces), installed into
 #     $K3SYS_SYSTEM_DIR/bin/criu, plus the configuration the driver hands it (etc/criu.conf);
 #   - bin/k3sys-lo-up, the prestart hook that brings loopback up in restored sandboxes;
 #   - the templates `busybox` and `base` (E2B's default: `debian` plus the user `user`).

@@ -23,8 +23,10 @@ from k3sys.sandbox.errors import (
     SandboxError,
 )
 from k3sys.sandbox.runtime.background import Cancelled, Hibernator, Job
+from k3sys.sandbox.runtime.drivers.base import Images, is_page_image
 from k3sys.sandbox.runtime.state import LIVE, Record, State
 from k3sys.sandbox.runtime.store import Follower, Manifest
+from k3sys.sandbox.runtime.store.reader import FileReader
 from k3sys.sandbox.runtime.table import Table, _new_id, _rmtree
 from k3sys.sandbox.runtime.templates import template_rootfs
 from k3sys.sandbox.spec import MAX_FORK, SandboxSpec, check_number
@@ -192,38 +194,53 @@ class Checkpoints(Table):
         return layer
 
     def _restore_into(self, rec: Record, ck: str, images: Path | None = None) -> dict[str, float]:
-        """Start `rec`'s processes from checkpoint `ck` (images from `prefetch` or the store unless given)."""
+        """Start `rec`'s processes from checkpoint `ck` (images from `prefetch` or the store unless
+        given). From the store: every image but the memory pages' bytes, checked out while the driver
+        mounts; it reads the pages by range from the packs (those CRIU restores itself first)."""
         t: dict[str, float] = {}
         t0 = time.perf_counter()
         self._ensure_layer(ck)
-        own = images is None
-        if own:
-            staged = self._unstage(rec.id, keep=True)
-            if staged is not None and staged.ck == ck:
-                images = staged.path
-            else:
-                if staged is not None:
-                    _rmtree(staged.path)
-                images, _ = self._staging(f"{ck}-{rec.id}")
-                self.store.checkout(ck, {"images": images})
-        t["store"] = time.perf_counter() - t0
+        own, reader = images is None, None
+        staged = self._unstage(rec.id, keep=True) if own else None
+        if staged is not None and staged.ck == ck:
+            images = staged.path
+        elif staged is not None:
+            _rmtree(staged.path)
+        pool = ThreadPoolExecutor(1, thread_name_prefix="k3sys-checkout")
         try:
+            ready = Images.complete(images) if images is not None else None
+            if ready is None:
+                reader = FileReader(self.store, ck, "images")
+                images, _ = self._staging(f"{ck}-{rec.id}")
+                checkout = pool.submit(self.store.checkout, ck, {"images": images}, is_page_image)
+
+                def wait() -> None:  # "store": until the checkout is done (it runs beside the mounts)
+                    checkout.result()
+                    t["store"] = time.perf_counter() - t0
+
+                ready = Images(images, Images.page_bytes_of(reader.sizes()), wait, reader.read)
             lowers = [self._layer_dir(ck), template_rootfs(rec.spec.template)]
             # Lazily where the images are ours: the sandbox runs while its memory streams in.
-            t.update(self.driver.restore(rec.id, self._dirs(rec.id), rec.spec, lowers, images, lazy=own))
+            t.update(self.driver.restore(rec.id, self._dirs(rec.id), rec.spec, lowers, ready, lazy=own))
         finally:
-            if own:
-                self._cleaner.submit(self._drop_images, rec.id, images)
+            pool.shutdown()  # a restore that failed before waiting for the checkout lets it finish first
+            if own and images is not None:
+                self._cleaner.submit(self._drop_images, rec.id, images, reader)
+            elif reader is not None:
+                reader.close()
         t["total"] = time.perf_counter() - t0
         self._timings[rec.id] = t
         return t
 
-    def _drop_images(self, sid: str, images: Path) -> None:
-        """Delete the images `sid` was restored from, once a lazy restore no longer reads them."""
+    def _drop_images(self, sid: str, images: Path, reader: FileReader | None) -> None:
+        """Delete the images `sid` was restored from (and let go of the packs its pages were read
+        from), once a lazy restore no longer reads them."""
         try:
             self.driver.settle(sid)
         finally:
             _rmtree(images)
+            if reader is not None:
+                reader.close()
 
     def restore(self, ck: str, id: str | None = None, timeout_s: float | None = None,
                 on_timeout: str | None = None) -> SandboxInfo:

@@ -8,7 +8,9 @@ a restore takes the same two back.
 
 from __future__ import annotations
 
+import fnmatch
 import subprocess
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -52,6 +54,36 @@ class SandboxDirs:
         return self.root / "logs"
 
 
+def is_page_image(name: str) -> bool:
+    """Whether CRIU image `name` holds memory pages."""
+    return fnmatch.fnmatch(name, "pages-*.img")
+
+
+@dataclass(frozen=True)
+class Images:
+    """The CRIU images a restore starts from: their directory, how many bytes of memory pages they
+    hold (known before they are all there: a driver may prepare for a lazy restore), and `wait()`,
+    which returns once they are all in `path` (a checkout may still be writing them; it raises if
+    that failed)."""
+
+    path: Path
+    page_bytes: int
+    wait: Callable[[], None] = lambda: None
+    # Where given, the page images in `path` are files of their size without data, and
+    # `read(name, offset, length)` returns their bytes (drivers/pageserver.py serves them from it).
+    read: Callable[[str, int, int], bytes | bytearray] | None = None
+
+    @staticmethod
+    def page_bytes_of(files: Iterable[tuple[str, int]]) -> int:
+        """Bytes of memory pages among CRIU image `files` (name, size)."""
+        return sum(size for name, size in files if is_page_image(name))
+
+    @classmethod
+    def complete(cls, path: Path) -> Images:
+        """The images already all in `path`."""
+        return cls(path, cls.page_bytes_of((p.name, p.stat().st_size) for p in path.iterdir()))
+
+
 class Driver(Protocol):
     """Life cycle of one sandbox's processes; every method may raise `DriverError`."""
 
@@ -61,10 +93,11 @@ class Driver(Protocol):
         """Start a fresh sandbox over `lowers` (top first) with an empty upper."""
 
     def restore(self, sid: str, dirs: SandboxDirs, spec: SandboxSpec, lowers: list[Path],
-                images: Path, lazy: bool = False) -> dict[str, float]:
-        """Start a sandbox from process images over `lowers` (the sealed layer first) with an empty
-        upper. Returns seconds spent per phase. `lazy`: it may run before all of its memory is back
-        (the driver then needs `images` until `settle` returns)."""
+                images: Images, lazy: bool = False) -> dict[str, float]:
+        """Start a sandbox from process `images` over `lowers` (the sealed layer first) with an empty
+        upper; the driver may wait for the images beside its own set-up. Returns seconds spent per
+        phase. `lazy`: it may run before all of its memory is back (the driver then needs the
+        images until `settle` returns)."""
 
     def settle(self, sid: str) -> None:
         """Wait until a lazy restore of `sid` has all its memory back (at once if none is under way)."""

@@ -120,6 +120,17 @@ class Cgroups:
             time.sleep(0.002)
             self.set_frozen(sid, True)
 
+    def deny_device(self, sid: str, rule: dict) -> None:
+        """Take back an OCI device rule (`type`, `major`, `minor`) runc allowed the sandbox. On v1 only:
+        v2's device filter is a BPF program runc attached, which leaves the rule in place."""
+        path = Path(f"/sys/fs/cgroup/devices/k3sys-{sid}/devices.deny")
+        if self.v1 and path.exists():
+            path.write_text(f"{rule['type']} {rule['major']}:{rule['minor']} rwm")
+
+    def procs_file(self, sid: str) -> Path:
+        """The file listing the sandbox's processes (the freezer's on v1), whether or not it exists yet."""
+        return Path(f"/sys/fs/cgroup/{'freezer/' if self.v1 else ''}k3sys-{sid}/cgroup.procs")
+
     def dirs(self, sid: str) -> list[Path]:
         base = Path("/sys/fs/cgroup")
         if self.v1:

@@ -7,22 +7,15 @@ its own user namespace on a host uid range of its own, lowers idmapped to it, a 
 set, a seccomp profile, no new privileges, a writable layer of `disk_mb` on a file system of its own.
 `hardened=False` keeps the older shape (host root inside), for the benchmark only.
 
-Choices that keep checkpoints small and fast, measured on this host (see docs/sandbox.md):
-- as few tmpfs mounts as possible (`/dev` lives in the overlay, /sys/firmware is masked by a bind):
-  CRIU archives every tmpfs with tar + gzip on each dump;
-- the private network namespace is dumped as empty (`--empty-ns network`): it only ever holds `lo`,
-  which a prestart hook brings up again after a restore (runc does not save network setup);
-- pause and resume write the freezer cgroup directly instead of spawning runc (the same kernel
-  operation, minus a Go process start; cgroups.py).
+Checkpoint and restore (runc + CRIU, the choices that keep them small and fast): criu_ops.py. Pause
+and resume write the freezer cgroup directly instead of spawning runc (the same kernel operation,
+minus a Go process start; cgroups.py).
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import shutil
-import signal
 import subprocess
 import threading
 import time
@@ -34,7 +27,8 @@ from k3sys.sandbox.runtime.agent import Agent
 from k3sys.sandbox.runtime.drivers import confine, criulog, disk, idmap
 from k3sys.sandbox.runtime.drivers.base import SandboxDirs
 from k3sys.sandbox.runtime.drivers.cgroups import Cgroups
-from k3sys.sandbox.runtime.drivers.lazypages import LazyPages
+from k3sys.sandbox.runtime.drivers.criu_ops import CriuOps
+from k3sys.sandbox.runtime.drivers.lazypages import UFFD_DEVICE, LazyPages
 from k3sys.sandbox.runtime.drivers.network import Network
 from k3sys.sandbox.runtime.drivers.reach import Reachable
 from k3sys.sandbox.runtime.system import SystemPaths, system_paths
@@ -55,8 +49,8 @@ _PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 _AGENT = "/.k3sys/agent"
 
 
-class RuncDriver:
-    """Sandboxes as runc containers under `<state_dir>/runc`."""
+class RuncDriver(CriuOps):
+    """Sandboxes as runc containers under `<state_dir>/runc` (checkpoint and restore: `CriuOps`)."""
 
     name = "runc"
 
@@ -80,7 +74,8 @@ class RuncDriver:
         self.hardened = hardened
         self.ranges = idmap.Ranges()
         self._userns: dict[int, int] = {}  # range base -> descriptor of a user namespace with its mapping
-        self.lazy = LazyPages(self.system.criu, self._env, self.cgroups.kill)  # lazy restores (lazypages.py)
+        # Lazy restores (lazypages.py)
+        self.lazy = LazyPages(self.system.criu, self._env, self.cgroups.kill, self.cgroups.procs_file)
         self.network = Network()  # network=True: own namespace, veth, NAT, egress policy (network.py)
         self._agents: dict[str, Agent] = {}
         self._agents_mu = threading.Lock()
@@ -108,7 +103,8 @@ class RuncDriver:
             raise DriverError(f"runc {args[0]} failed ({p.returncode}): {detail}")
         return p
 
-    def _config(self, sid: str, dirs: SandboxDirs, spec: SandboxSpec, net: tuple[dict, dict] | None) -> dict:
+    def _config(self, sid: str, dirs: SandboxDirs, spec: SandboxSpec, net: tuple[dict, dict] | None,
+                uffd: bool) -> dict:
         namespaces = [{"type": t} for t in ("pid", "ipc", "uts", "mount")] + [net[0] if net else {"type": "network"}]
         mounts = [
             {"destination": "/proc", "type": "proc", "source": "proc", "options": ["nosuid", "noexec", "nodev"]},
@@ -146,7 +142,7 @@ class RuncDriver:
             "hooks": {"prestart": [{"path": str(self.system.lo_up)}]} if not spec.network else {},
             "linux": {
                 "resources": {
-                    "devices": [{"allow": False, "access": "rwm"}],
+                    "devices": [{"allow": False, "access": "rwm"}] + ([UFFD_DEVICE] if uffd else []),
                     "memory": {"limit": memory, "swap": memory},
                     "pids": {"limit": spec.pids},
                     "cpu": {"quota": max(1000, int(spec.cpu * 100_000)), "period": 100_000},
@@ -158,25 +154,34 @@ class RuncDriver:
             },
         }
 
-    def _prepare(self, sid: str, dirs: SandboxDirs, spec: SandboxSpec, lowers: list[Path]) -> None:
+    def _prepare(self, sid: str, dirs: SandboxDirs, spec: SandboxSpec, lowers: list[Path],
+                 uffd: bool = False) -> dict[str, float]:
+        """Mounts, bundle and uid range of a sandbox about to start (`uffd`: its CRIU restore may open
+        /dev/userfaultfd); seconds per step (`prepare.*`)."""
+        t, t0 = {}, time.perf_counter()
         if self.hardened:
             disk.create(self.state_dir / "disks", dirs.root / "disk.img", dirs.disk, spec.disk_mb)
+        t["prepare.disk"], t0 = time.perf_counter() - t0, time.perf_counter()
         for d in (dirs.upper, dirs.work, dirs.rootfs, dirs.logs):
             d.mkdir(parents=True, exist_ok=True)
         net = self.network.setup(dirs.root, spec.egress) if spec.network else None
-        config = self._config(sid, dirs, spec, net)
+        config = self._config(sid, dirs, spec, net, uffd)
         # No user namespace with network=True: its namespace (network.py's, joined by path) belongs to
         # the host's user namespace, and CRIU dumps only namespaces the sandbox's own one owns.
         uid_base = self.ranges.claim(dirs.root) if self.hardened and not spec.network else None
         if self.hardened:
             confine.confine(config, uid_base)
+        t["prepare.config"], t0 = time.perf_counter() - t0, time.perf_counter()
         if uid_base is not None:
             lowers = self._idmapped_lowers(dirs, [*lowers[:-1], idmap.dev_mask(self.state_dir), lowers[-1]], uid_base)
             os.chown(dirs.upper, uid_base, uid_base)  # the root directory belongs to root inside
+        t["prepare.idmap"], t0 = time.perf_counter() - t0, time.perf_counter()
         (dirs.bundle / "config.json").write_text(json.dumps(config))
         (dirs.bundle / "criu.conf").write_text(confine.criu_options(self.system.criu_override, spec))
         layers.mount_overlay(lowers, dirs.upper, dirs.work, dirs.rootfs)
         self.reach.add(sid, dirs.rootfs)
+        t["prepare.overlay"] = time.perf_counter() - t0
+        return t
 
     def _idmapped_lowers(self, dirs: SandboxDirs, lowers: list[Path], uid_base: int) -> list[Path]:
         with self._agents_mu:  # one user namespace per range, kept for the driver's life
@@ -212,45 +217,6 @@ class RuncDriver:
         if a is not None:
             a.cut("the sandbox was killed")
 
-    def restore(self, sid: str, dirs: SandboxDirs, spec: SandboxSpec, lowers: list[Path],
-                images: Path, lazy: bool = False) -> dict[str, float]:
-        """Start `sid` from the CRIU images in `images`; `lazy` (where supported and worth it): before
-        its memory is all back (lazypages.py; `settle` before deleting `images`)."""
-        t0 = time.perf_counter()
-        self._prepare(sid, dirs, spec, lowers)
-        work = dirs.logs / "restore"
-        work.mkdir(exist_ok=True)
-        t1 = time.perf_counter()
-        t = {"mount": t1 - t0}
-        own, src = images.with_name(f"{images.name}.{sid}"), images
-        if self.hardened:  # into this sandbox's own range (idmap.rebased_images)
-            images = idmap.rebased_images(images, own, self._uid_base(dirs))
-        args = ["restore", "-d", "--image-path", str(images), "--work-path", str(work), "--bundle", str(dirs.bundle),
-                "--tcp-established", "--file-locks"]
-        if not spec.network:
-            args += ["--empty-ns", "network"]
-        # Not into a user namespace: the kernel refuses its restorer a userfaultfd
-        # (vm.unprivileged_userfaultfd=0 wants CAP_SYS_PTRACE in the host's namespace), and we do
-        # not loosen that host-wide setting for it.
-        lazy = lazy and not self._uid_base(dirs) and self.lazy.worth(src)
-        try:
-            # The daemon serves the pages from `src`: `own` differs only in its user namespace image
-            # (hard links to the same pages) and is removed as soon as the restore returns.
-            with self.lazy.serving(sid, src, work) if lazy else contextlib.nullcontext():
-                self._run([*args, *(["--lazy-pages"] if lazy else []), sid], log=work / "restore.log")
-        finally:
-            if images == own:
-                shutil.rmtree(own, ignore_errors=True)
-        t["runc+criu"] = time.perf_counter() - t1
-        t["criu"] = criulog.criu_seconds(work / "restore.log")
-        self.agent(sid, dirs).open_gate()  # a new PID 1 (host pid) behind the same socket path
-        # Running: every checkpoint is taken frozen, but CRIU leaves cgroups (the freezer's state
-        # included) to runc, which restores into fresh, thawed ones.
-        return t
-
-    def settle(self, sid: str) -> None:
-        self.lazy.settle(sid)
-
     def exec(self, sid: str, argv: list[str], cwd: str, env: dict[str, str],
              stdin: bool) -> tuple[subprocess.Popen, int]:
         pid_file = self.runc_root / f".exec-{sid}-{os.getpid()}-{time.monotonic_ns()}.pid"
@@ -278,63 +244,6 @@ class RuncDriver:
 
     def resume(self, sid: str) -> None:
         self.cgroups.set_frozen(sid, False)
-
-    def snapshot(self, sid: str, dirs: SandboxDirs, images: Path, fs: Path, layer: Path | None,
-                 *, thaw: bool, network: bool) -> dict[str, float]:
-        t: dict[str, float] = {}
-        self.lazy.settle(sid)  # no dump of memory a lazy restore is still bringing back
-        # Before the freeze: nothing that can fail may run between it and the try that thaws.
-        work = dirs.logs / "dump"
-        work.mkdir(parents=True, exist_ok=True)
-        images.mkdir(parents=True)
-        t0 = time.perf_counter()
-        was_frozen = self.cgroups.frozen(sid)
-        # No connection to the host may be inside at the dump (CRIU cannot save one): hold new calls,
-        # let those in flight finish or cut them (they retry), and have the agent drop their sockets.
-        agent = self.agent(sid, dirs)
-        agent.close_gate()
-        # A frozen agent runs for the quiesce even when the host has no call open: a call the host
-        # closed just before the freeze can leave the agent's end of it open (it had no time to see
-        # the EOF), and CRIU fails on that socket ("Unix socket ... not found").
-        if was_frozen:
-            self.resume(sid)
-        try:
-            agent.quiesce()
-            t["agent"] = time.perf_counter() - t0
-            # Frozen across the dump and the seal: CRIU leaves a frozen cgroup frozen, so no process
-            # runs between the memory dump and the copy of the upper, and the two agree.
-            t_freeze = time.perf_counter()
-            self.cgroups.freeze_for_dump(sid)  # with no process mid-vfork (cgroups.py says why)
-        except BaseException:  # a quiesce that failed, or a vfork held 10 s: the sandbox goes on as it was
-            if was_frozen:
-                self.pause(sid)
-            agent.open_gate()
-            raise
-        t["freeze"] = time.perf_counter() - t_freeze
-        # Always --leave-running: a hibernating sandbox is killed only once its checkpoint is durable.
-        args = ["checkpoint", "--leave-running", "--image-path",
-                str(images), "--work-path", str(work), "--tcp-established", "--file-locks"]
-        if not network:
-            args += ["--empty-ns", "network"]
-        ok = False
-        try:
-            t1 = time.perf_counter()
-            self._run([*args, sid], log=work / "dump.log")
-            t["runc+criu"] = time.perf_counter() - t1
-            t["criu"] = criulog.criu_seconds(work / "dump.log")
-            t1 = time.perf_counter()
-            layers.seal(dirs.upper, fs, layer, uid_base=self._uid_base(dirs))
-            t["seal"] = time.perf_counter() - t1
-            ok = True
-        finally:
-            if not was_frozen and (thaw or not ok):
-                t1 = time.perf_counter()
-                self.resume(sid)
-                t["thaw"] = time.perf_counter() - t1
-                t["frozen"] = time.perf_counter() - t_freeze  # how long the sandbox's processes stood still
-            if thaw or not ok:
-                agent.open_gate()
-        return t
 
     def destroy(self, sid: str, dirs: SandboxDirs) -> None:
         # Kill through the cgroup and wait for the tasks to be gone before runc cleans up: runc's
@@ -375,26 +284,3 @@ class RuncDriver:
 
     def cpu_seconds(self, sid: str) -> float:
         return self.cgroups.cpu_seconds(sid)
-
-    # --- crash leftovers ----------------------------------------------------------------------
-
-    def cleanup_stale(self) -> None:
-        """Kill runc / CRIU helpers still working on our containers (their runtime died), and
-        unmount the cgroup yards a killed CRIU leaves (`.criu.cgyard.*`)."""
-        root = str(self.runc_root)
-        procs = criulog.process_table()
-        stale = {pid for pid, (_, cmd) in procs.items() if root in cmd and pid != os.getpid()}
-        criu = str(self.system.criu)
-        for pid, (ppid, cmd) in procs.items():
-            if ppid in stale and cmd.startswith(criu):
-                stale.add(pid)
-        for pid in stale:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        # Only yards under our own directory (CRIU makes them in its work directory): another
-        # runtime's CRIU may be restoring right now, and its yard is not ours to take away.
-        mine = [m for m in criulog.mounts_matching("/.criu.cgyard.") if m.startswith(f"{self.state_dir}/")]
-        for target in sorted(mine, key=len, reverse=True):
-            layers.unmount(Path(target))
-            with contextlib.suppress(OSError):
-                os.rmdir(target)

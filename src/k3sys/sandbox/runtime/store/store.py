@@ -36,7 +36,7 @@ import secrets
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -152,10 +152,12 @@ class Store(Upkeep):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(tmp_manifest)
 
-    def checkout(self, id: str, dests: Mapping[str, Path | str]) -> None:
+    def checkout(self, id: str, dests: Mapping[str, Path | str], holes: Callable[[str], bool] | None = None) -> None:
         """Rebuild each named tree of checkpoint `id` at `dests[name]` (created, or an empty directory).
 
-        `dests` may name a subset of the checkpoint's trees. On failure nothing is left behind.
+        `dests` may name a subset of the checkpoint's trees. Files whose path `holes` accepts are made
+        at their size with no data (their bytes to be read by range: reader.py). On failure nothing
+        is left behind.
         """
         with self._flock(exclusive=False):
             with self._mu:
@@ -170,7 +172,8 @@ class Store(Upkeep):
                 for name, dest in dests.items():
                     dest = Path(dest)
                     done.append((dest, tree.prepare_dest(dest)))
-                    tree.build(dest, m.trees[name], lambda fd, e, name=name: self._fill(fd, e, fds, f"{id}/{name}"))
+                    tree.build(dest, m.trees[name], lambda fd, e, name=name: os.ftruncate(fd, e.size)
+                               if holes is not None and holes(e.path) else self._fill(fd, e, fds, f"{id}/{name}"))
             except BaseException:
                 for dest, created in done:
                     tree.discard_dest(dest, created)

@@ -1,0 +1,173 @@
+"""Checkpoint and restore of runc sandboxes through CRIU: the half of `RuncDriver` (runc.py) that
+dumps and restores processes, mixed into it; it uses the driver's plumbing (`_run`, `_prepare`,
+`agent`, the cgroups and the lazy-pages daemons).
+
+Choices that keep checkpoints small and fast, measured on this host (see docs/sandbox.md):
+- as few tmpfs mounts as possible (`/dev` lives in the overlay, /sys/firmware is masked by a bind):
+  CRIU archives every tmpfs with tar + gzip on each dump;
+- the private network namespace is dumped as empty (`--empty-ns network`): it only ever holds `lo`,
+  which a prestart hook brings up again after a restore (runc does not save network setup).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from k3sys.sandbox.runtime import layers
+from k3sys.sandbox.runtime.drivers import criulog, idmap
+from k3sys.sandbox.runtime.drivers.base import Images, SandboxDirs
+from k3sys.sandbox.runtime.drivers.lazypages import UFFD_DEVICE
+from k3sys.sandbox.runtime.drivers.pageserver import PageServer
+from k3sys.sandbox.spec import SandboxSpec
+
+
+def _stage(images: Images, lazy: bool) -> tuple[PageServer | None, float]:
+    """Wait for `images`; where their page images are read by range, write the pages CRIU restores
+    itself (all of them unless `lazy`). Returns the page server for the rest and the seconds the
+    writing took."""
+    images.wait()
+    if images.read is None:
+        return None, 0.0
+    t0 = time.perf_counter()
+    server = PageServer(images.path, images.read)
+    server.fill(lazy)
+    return server, time.perf_counter() - t0
+
+
+class CriuOps:
+    """`restore`, `settle`, `snapshot` and `cleanup_stale` of `RuncDriver` (see the module docstring)."""
+
+    def restore(self, sid: str, dirs: SandboxDirs, spec: SandboxSpec, lowers: list[Path],
+                images: Images, lazy: bool = False) -> dict[str, float]:
+        """Start `sid` from CRIU `images`, made ready (a checkout finished, the pages CRIU restores
+        itself written) on a thread while the sandbox's mounts go up; `lazy` (where supported and
+        worth it): before its memory is all back (lazypages.py; `settle` before deleting them)."""
+        t0 = time.perf_counter()
+        lazy = lazy and self.lazy.worth(images.page_bytes)
+        with ThreadPoolExecutor(1, thread_name_prefix="k3sys-images") as pool:
+            staging = pool.submit(_stage, images, lazy)
+            t = self._prepare(sid, dirs, spec, lowers, uffd=lazy)
+            work = dirs.logs / "restore"
+            work.mkdir(exist_ok=True)
+            t1 = time.perf_counter()
+            t["mount"] = t1 - t0
+            server, t["pages"] = staging.result()
+        t2 = time.perf_counter()
+        t["images"] = t2 - t1  # waiting for the images beyond the mounts
+        src = images.path
+        own, images_dir = src.with_name(f"{src.name}.{sid}"), src
+        if self.hardened:  # into this sandbox's own range (idmap.rebased_images)
+            images_dir = idmap.rebased_images(src, own, self._uid_base(dirs))
+        t1 = time.perf_counter()
+        t["rebase"] = t1 - t2
+        args = ["restore", "-d", "--image-path", str(images_dir), "--work-path", str(work),
+                "--bundle", str(dirs.bundle), "--tcp-established", "--file-locks"]
+        if not spec.network:
+            args += ["--empty-ns", "network"]
+        try:
+            # The daemon serves the pages from `src` (or the page server the lazy ones): `own` differs
+            # only in its user namespace image (hard links to the same pages) and is removed as soon
+            # as the restore returns.
+            pages = server.serve() if lazy and server is not None else None
+            with self.lazy.serving(sid, src, work, pages) if lazy else contextlib.nullcontext():
+                self._run([*args, *(["--lazy-pages"] if lazy else []), sid], log=work / "restore.log")
+        finally:
+            if images_dir == own:
+                shutil.rmtree(own, ignore_errors=True)
+            if lazy:  # only CRIU needed it, and only while it restored
+                self.cgroups.deny_device(sid, UFFD_DEVICE)
+        t["runc+criu"] = time.perf_counter() - t1
+        t["criu"] = criulog.criu_seconds(work / "restore.log")
+        self.agent(sid, dirs).open_gate()  # a new PID 1 (host pid) behind the same socket path
+        # Running: every checkpoint is taken frozen, but CRIU leaves cgroups (the freezer's state
+        # included) to runc, which restores into fresh, thawed ones.
+        return t
+
+    def settle(self, sid: str) -> None:
+        self.lazy.settle(sid)
+
+    def snapshot(self, sid: str, dirs: SandboxDirs, images: Path, fs: Path, layer: Path | None,
+                 *, thaw: bool, network: bool) -> dict[str, float]:
+        t: dict[str, float] = {}
+        self.lazy.settle(sid)  # no dump of memory a lazy restore is still bringing back
+        # Before the freeze: nothing that can fail may run between it and the try that thaws.
+        work = dirs.logs / "dump"
+        work.mkdir(parents=True, exist_ok=True)
+        images.mkdir(parents=True)
+        t0 = time.perf_counter()
+        was_frozen = self.cgroups.frozen(sid)
+        # No connection to the host may be inside at the dump (CRIU cannot save one): hold new calls,
+        # let those in flight finish or cut them (they retry), and have the agent drop their sockets.
+        agent = self.agent(sid, dirs)
+        agent.close_gate()
+        # A frozen agent runs for the quiesce even when the host has no call open: a call the host
+        # closed just before the freeze can leave the agent's end of it open (it had no time to see
+        # the EOF), and CRIU fails on that socket ("Unix socket ... not found").
+        if was_frozen:
+            self.resume(sid)
+        try:
+            agent.quiesce()
+            t["agent"] = time.perf_counter() - t0
+            # Frozen across the dump and the seal: CRIU leaves a frozen cgroup frozen, so no process
+            # runs between the memory dump and the copy of the upper, and the two agree.
+            t_freeze = time.perf_counter()
+            self.cgroups.freeze_for_dump(sid)  # with no process mid-vfork (cgroups.py says why)
+        except BaseException:  # a quiesce that failed, or a vfork held 10 s: the sandbox goes on as it was
+            if was_frozen:
+                self.pause(sid)
+            agent.open_gate()
+            raise
+        t["freeze"] = time.perf_counter() - t_freeze
+        # Always --leave-running: a hibernating sandbox is killed only once its checkpoint is durable.
+        args = ["checkpoint", "--leave-running", "--image-path",
+                str(images), "--work-path", str(work), "--tcp-established", "--file-locks"]
+        if not network:
+            args += ["--empty-ns", "network"]
+        ok = False
+        try:
+            t1 = time.perf_counter()
+            self._run([*args, sid], log=work / "dump.log")
+            t["runc+criu"] = time.perf_counter() - t1
+            t["criu"] = criulog.criu_seconds(work / "dump.log")
+            t1 = time.perf_counter()
+            layers.seal(dirs.upper, fs, layer, uid_base=self._uid_base(dirs))
+            t["seal"] = time.perf_counter() - t1
+            ok = True
+        finally:
+            if not was_frozen and (thaw or not ok):
+                t1 = time.perf_counter()
+                self.resume(sid)
+                t["thaw"] = time.perf_counter() - t1
+                t["frozen"] = time.perf_counter() - t_freeze  # how long the sandbox's processes stood still
+            if thaw or not ok:
+                agent.open_gate()
+        return t
+
+    # --- crash leftovers ----------------------------------------------------------------------
+
+    def cleanup_stale(self) -> None:
+        """Kill runc / CRIU helpers still working on our containers (their runtime died), and
+        unmount the cgroup yards a killed CRIU leaves (`.criu.cgyard.*`)."""
+        root = str(self.runc_root)
+        procs = criulog.process_table()
+        stale = {pid for pid, (_, cmd) in procs.items() if root in cmd and pid != os.getpid()}
+        criu = str(self.system.criu)
+        for pid, (ppid, cmd) in procs.items():
+            if ppid in stale and cmd.startswith(criu):
+                stale.add(pid)
+        for pid in stale:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        # Only yards under our own directory (CRIU makes them in its work directory): another
+        # runtime's CRIU may be restoring right now, and its yard is not ours to take away.
+        mine = [m for m in criulog.mounts_matching("/.criu.cgyard.") if m.startswith(f"{self.state_dir}/")]
+        for target in sorted(mine, key=len, reverse=True):
+            layers.unmount(Path(target))
+            with contextlib.suppress(OSError):
+                os.rmdir(target)
