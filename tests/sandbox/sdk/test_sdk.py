@@ -256,7 +256,7 @@ def test_prefetch_stages_images_for_resume(rt, sbx):
     assert sbx.state == "running" and sbx.files.read_text("/tmp/pid") == pid
     assert sbx.commands.run(f"kill -0 {pid.strip()} && echo alive").stdout == "alive\n"
     if isinstance(rt, Runtime):
-        assert rt.timings(sbx.id)["store"] < 0.05  # restored from the staged images, no store read
+        assert "store" not in rt.timings(sbx.id)  # restored from the staged images, no store read
         assert not rt._staged
     sbx.hibernate()
     assert sbx.prefetch(ttl_s=0.5)
