@@ -157,6 +157,22 @@ def test_filesystem_only_resume_finishes_the_hibernation_first(private_root):
         s.kill()
 
 
+def test_the_checkpoint_is_exactly_the_paused_state(private_root):
+    """The dump of a sandbox frozen by the pause runs without a thaw: a shell appending as fast as it
+    can has written not one line more in the checkpoint than when the pause answered."""
+    with Runtime(private_root, hibernate_delay_s=0.0) as rt:
+        s = Sandbox.create(runtime=rt, memory_mb=512)
+        s.commands.run("sh -c 'i=0; while :; do i=$((i+1)); echo $i; done > /tmp/fast' >/dev/null 2>&1 &")
+        wait_for(lambda: s.files.exists("/tmp/fast"), step=0.01)
+        s.pause(hibernate=True)
+        upper = rt._dirs(s.id).upper / "tmp" / "fast"
+        at_pause = upper.read_bytes()  # the host's view of the frozen sandbox's file
+        wait_state(s, "hibernated")
+        rt.resume(s.id, memory=False)  # its files as the checkpoint has them
+        assert s.files.read("/tmp/fast") == at_pause and len(at_pause.splitlines()) > 10
+        s.kill()
+
+
 def test_synchronous_hibernate_takes_over_a_queued_one(private_root):
     with Runtime(private_root, hibernate_delay_s=30.0) as rt:
         s = counting_sandbox(rt)

@@ -195,26 +195,12 @@ class Runtime(Recovery, Checkpoints, Files, Commands, Table):
         "hibernating", then "hibernated"; a `resume` before the end is a thaw (background.py)."""
         with self._locked(sid) as rec:
             self._require(rec, "pause", State.RUNNING)
-            if hibernate:
-                self._quiesce(rec)
-            self.driver.pause(sid)
+            # For a hibernation: the agent drops the host's connections and holds its gate first, so
+            # the dump needs no thaw and saves exactly this state (the driver's `pause(sid, dirs)`).
+            self.driver.pause(sid, self._dirs(sid) if hibernate else None)
             self._set(rec, State.PAUSED, then_hibernate=hibernate, reason="")
             if hibernate:
                 self._hibernator.submit(sid)
-
-    def _quiesce(self, rec: Record) -> None:
-        """Before a freeze that a dump will follow: hold the agent's gate (until the thaw or the
-        restore opens it) and have the agent drop every connection whose host end is gone, while it
-        still runs. A connection the host closed just before a freeze stays open in the frozen agent,
-        and the dump's own quiesce after a thaw then finds the agent dead about one time in four
-        (file calls just before the pause; seen with `pause(); hibernate()` too)."""
-        agent = self.driver.agent(rec.id, self._dirs(rec.id))
-        agent.close_gate()
-        try:
-            agent.quiesce()
-        except BaseException:
-            agent.open_gate()
-            raise
 
     def _hibernate_job(self, job: Job) -> None:
         """A background worker's hibernation of `job.sid` (see `pause`)."""
@@ -266,7 +252,7 @@ class Runtime(Recovery, Checkpoints, Files, Commands, Table):
                 self._hibernate_tries(rec)
             if rec.state is State.PAUSED:
                 self.driver.resume(sid)
-                if rec.then_hibernate:  # its gate is held since `_quiesce`
+                if rec.then_hibernate:  # its gate is held since the pause
                     self.driver.agent(sid, self._dirs(sid)).open_gate()
                 self._set(rec, State.RUNNING, then_hibernate=False)
                 return

@@ -107,8 +107,10 @@ class Driver(Protocol):
         """Start `argv` in the sandbox with piped stdio (`runc exec`): only the fallback for a sandbox
         whose agent cannot be reached. Returns the process and the host pid of `argv`."""
 
-    def pause(self, sid: str) -> None:
-        """Freeze every process of the sandbox (memory is kept)."""
+    def pause(self, sid: str, dirs: SandboxDirs | None = None) -> None:
+        """Freeze every process of the sandbox (memory is kept). With `dirs`, for a dump to come: first
+        have its agent drop the host's connections and hold its gate (until a thaw or restore opens
+        it), and freeze with no process mid-vfork, so that `snapshot` dumps it without a thaw."""
 
     def resume(self, sid: str) -> None:
         """Thaw a frozen sandbox."""

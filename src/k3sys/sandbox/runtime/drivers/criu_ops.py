@@ -102,6 +102,9 @@ class CriuOps:
         images.mkdir(parents=True)
         t0 = time.perf_counter()
         was_frozen = self.cgroups.frozen(sid)
+        # Frozen by `pause(sid, dirs)`: quiesced before its freeze, its gate held since, vfork-free;
+        # dumped as it stands (the checkpoint is exactly the paused state).
+        quiet = was_frozen and sid in self._quiet
         # No connection to the host may be inside at the dump (CRIU cannot save one): hold new calls,
         # let those in flight finish or cut them (they retry), and have the agent drop their sockets.
         agent = self.agent(sid, dirs)
@@ -109,19 +112,21 @@ class CriuOps:
         # A frozen agent runs for the quiesce even when the host has no call open: a call the host
         # closed just before the freeze can leave the agent's end of it open (it had no time to see
         # the EOF), and CRIU fails on that socket ("Unix socket ... not found").
-        if was_frozen:
+        if was_frozen and not quiet:
             self.resume(sid)
         try:
-            agent.quiesce()
+            if not quiet:
+                agent.quiesce()
             t["agent"] = time.perf_counter() - t0
             # Frozen across the dump and the seal: CRIU leaves a frozen cgroup frozen, so no process
             # runs between the memory dump and the copy of the upper, and the two agree.
             t_freeze = time.perf_counter()
             self.cgroups.freeze_for_dump(sid)  # with no process mid-vfork (cgroups.py says why)
         except BaseException:  # a quiesce that failed, or a vfork held 10 s: the sandbox goes on as it was
-            if was_frozen:
+            if was_frozen and not quiet:
                 self.pause(sid)
-            agent.open_gate()
+            if not quiet:
+                agent.open_gate()
             raise
         t["freeze"] = time.perf_counter() - t_freeze
         # Always --leave-running: a hibernating sandbox is killed only once its checkpoint is durable.
@@ -145,7 +150,7 @@ class CriuOps:
                 self.resume(sid)
                 t["thaw"] = time.perf_counter() - t1
                 t["frozen"] = time.perf_counter() - t_freeze  # how long the sandbox's processes stood still
-            if thaw or not ok:
+            if (thaw or not ok) and not quiet:  # a quiet sandbox's gate stays held until its thaw
                 agent.open_gate()
         return t
 

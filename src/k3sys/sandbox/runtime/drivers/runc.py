@@ -76,6 +76,7 @@ class RuncDriver(CriuOps):
         self._userns: dict[int, int] = {}  # range base -> descriptor of a user namespace with its mapping
         # Lazy restores (lazypages.py)
         self.lazy = LazyPages(self.system.criu, self._env, self.cgroups.kill, self.cgroups.procs_file)
+        self._quiet: set[str] = set()  # frozen by pause(sid, dirs): dumped without a thaw (criu_ops.py)
         self.network = Network()  # network=True: own namespace, veth, NAT, egress policy (network.py)
         self._agents: dict[str, Agent] = {}
         self._agents_mu = threading.Lock()
@@ -239,10 +240,22 @@ class RuncDriver(CriuOps):
         pid_file.unlink(missing_ok=True)
         return proc, pid
 
-    def pause(self, sid: str) -> None:
-        self.cgroups.set_frozen(sid, True)
+    def pause(self, sid: str, dirs: SandboxDirs | None = None) -> None:
+        if dirs is None:
+            self.cgroups.set_frozen(sid, True)
+            return
+        agent = self.agent(sid, dirs)
+        agent.close_gate()  # held until the thaw or restore: no host connection enters from here on
+        try:
+            agent.quiesce()
+            self.cgroups.freeze_for_dump(sid)
+        except BaseException:
+            agent.open_gate()
+            raise
+        self._quiet.add(sid)
 
     def resume(self, sid: str) -> None:
+        self._quiet.discard(sid)
         self.cgroups.set_frozen(sid, False)
 
     def destroy(self, sid: str, dirs: SandboxDirs) -> None:
@@ -250,6 +263,7 @@ class RuncDriver(CriuOps):
         # `delete --force` alone kills too, but then retries removing the cgroups with growing sleeps
         # while the tasks exit (~150 ms here instead of a few).
         self.cgroups.kill(sid)
+        self._quiet.discard(sid)
         self.lazy.stop(sid)
         if (self.runc_root / sid).exists():
             self._run(["delete", "--force", sid], timeout=60)
