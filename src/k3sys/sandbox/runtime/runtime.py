@@ -220,10 +220,11 @@ class Runtime(Recovery, Checkpoints, Files, Commands, Table):
 
     def _hibernate_tries(self, rec: Record, job: Job | None = None) -> None:
         """`_hibernate_locked`, made again (up to DUMP_TRIES times) when the dump or the agent's
-        quiesce before it fails. A frozen sandbox is thawed for that quiesce, and the processes whose
-        timers ran out while it was frozen all wake at that instant: one exiting just as CRIU seizes
-        it fails the dump ("Unseizable non-zombie"). Each failure leaves the sandbox as it was
-        (frozen), so a second try a moment later, past that burst, is safe."""
+        quiesce before it fails. A sandbox the driver must thaw for that quiesce (one a restarted
+        runtime adopted frozen; the pause's own freeze needs none) wakes every process whose timer ran
+        out meanwhile at that instant: one exiting just as CRIU seizes it fails the dump ("Unseizable
+        non-zombie"). Each failure leaves the sandbox as it was (frozen), so a second try a moment
+        later, past that burst, is safe."""
         for attempt in range(1, DUMP_TRIES + 1):
             try:
                 self._hibernate_locked(rec, job)
