@@ -8,6 +8,7 @@
 #     restores work in user namespaces), installed into
 #     $K3SYS_SYSTEM_DIR/bin/criu, plus the configuration the driver hands it (etc/criu.conf);
 #   - bin/k3sys-lo-up, the prestart hook that brings loopback up in restored sandboxes;
+#   - the cgroup2 mount option favordynmods (no RCU grace period on each move into a cgroup);
 #   - the templates `busybox` and `base` (E2B's default: `debian` plus the user `user`).
 # Everything lands under K3SYS_SYSTEM_DIR (default /opt/k3sys); the system's apt sources are untouched
 # (trixie's source index goes to a private apt state directory).
@@ -116,6 +117,21 @@ if [ ! -x "$PREFIX/bin/k3sys-lo-up" ] || [ "$(cat "$PREFIX/stamps/lo-up" 2>/dev/
 fi
 
 install -d -m 0700 -o root -g root "$KDAT_DIR"
+
+# --- cgroup migrations without an RCU grace period ----------------------------------------------
+# Every `runc run`, `restore` and `exec` moves a process into the sandbox's cgroups. Linux makes the
+# first move of a burst wait for an RCU grace period (cgroup_threadgroup_rwsem): 8-12 ms of every
+# resume here. The cgroup2 mount option `favordynmods` (Linux >= 6.0) removes that wait, at the cost
+# of slightly dearer forks and exits (the kernel's trade, documented in cgroup-v2.rst). It applies to
+# the whole host and lasts until a reboot (rerun this script then); Linux >= 6.18 keeps it on once set.
+cg2=$(awk '$3 == "cgroup2" { print $2; exit }' /proc/self/mounts)
+if [ -n "$cg2" ] && ! awk -v m="$cg2" '$2 == m && $4 ~ /favordynmods/ { f = 1 } END { exit !f }' /proc/self/mounts; then
+    if mount -o remount,favordynmods "$cg2" 2>/dev/null; then
+        log "cgroup2 at $cg2 remounted with favordynmods"
+    else
+        log "cgroup2 at $cg2: favordynmods not supported by this kernel (resumes keep a ~10 ms grace-period wait)"
+    fi
+fi
 
 # --- templates ---------------------------------------------------------------------------------
 # The runtime builds templates on first use; prebuild the small default one and E2B's `base` (a copy

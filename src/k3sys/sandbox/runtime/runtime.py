@@ -293,6 +293,7 @@ class Runtime(Recovery, Checkpoints, Files, Commands, Table):
         for sid in list(self._staged):
             self._unstage(sid)
         self._cleaner.shutdown(wait=True)
+        self.driver.close()
         with contextlib.suppress(OSError):
             self.scratch.rmdir()
         self._lock_file.close()

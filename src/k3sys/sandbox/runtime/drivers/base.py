@@ -141,3 +141,6 @@ class Driver(Protocol):
 
     def cleanup_stale(self) -> None:
         """Release what a crashed runtime left behind (orphan helper processes, temporary mounts)."""
+
+    def close(self) -> None:
+        """Give back what the driver holds ahead of need (disks made ahead); sandboxes keep running."""

@@ -83,6 +83,7 @@ class CriuOps:
             if lazy:  # only CRIU needed it, and only while it restored
                 self.cgroups.deny_device(sid, UFFD_DEVICE)
         t["runc+criu"] = time.perf_counter() - t1
+        self.disks.refill()  # now that the restore is done with the CPU (diskpool.py)
         t["criu"] = criulog.criu_seconds(work / "restore.log")
         self.agent(sid, dirs).open_gate()  # a new PID 1 (host pid) behind the same socket path
         # Running: every checkpoint is taken frozen, but CRIU leaves cgroups (the freezer's state

@@ -97,16 +97,26 @@ def _attach(image: Path) -> tuple[str, int]:
         os.close(ctl)
 
 
-def create(cache: Path, image: Path, target: Path, mb: int) -> None:
-    """A fresh `mb` MiB file system in `image`, mounted at `target` (nosuid, nodev, discard)."""
+def make(cache: Path, image: Path, mb: int) -> tuple[str, int]:
+    """A fresh `mb` MiB file system in the new file `image`, attached: the device's path and an open
+    descriptor on it (`mount` it, or close the descriptor to detach it)."""
     _sparse_copy(blank(cache, mb), image)
-    dev, loop = _attach(image)
+    return _attach(image)
+
+
+def mount(dev: str, loop: int, target: Path) -> None:
+    """Mount the file system on `dev` at `target` (nosuid, nodev, discard) and close `loop`."""
     try:
         target.mkdir(exist_ok=True)
         if _libc.mount(dev.encode(), os.fsencode(target), b"ext4", _MS_NOSUID | _MS_NODEV, b"discard") != 0:
             raise DriverError(f"mount {dev} at {target}: {os.strerror(ctypes.get_errno())}")
     finally:
         os.close(loop)  # the mount holds the device now; without one, auto-clear detaches it
+
+
+def create(cache: Path, image: Path, target: Path, mb: int) -> None:
+    """A fresh `mb` MiB file system in `image`, mounted at `target` (nosuid, nodev, discard)."""
+    mount(*make(cache, image, mb), target)
 
 
 def remove(image: Path, target: Path) -> None:

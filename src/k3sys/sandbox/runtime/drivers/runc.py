@@ -28,6 +28,7 @@ from k3sys.sandbox.runtime.drivers import confine, criulog, disk, idmap
 from k3sys.sandbox.runtime.drivers.base import SandboxDirs
 from k3sys.sandbox.runtime.drivers.cgroups import Cgroups
 from k3sys.sandbox.runtime.drivers.criu_ops import CriuOps
+from k3sys.sandbox.runtime.drivers.diskpool import DiskPool
 from k3sys.sandbox.runtime.drivers.lazypages import UFFD_DEVICE, LazyPages
 from k3sys.sandbox.runtime.drivers.network import Network
 from k3sys.sandbox.runtime.drivers.reach import Reachable
@@ -78,6 +79,7 @@ class RuncDriver(CriuOps):
         self.lazy = LazyPages(self.system.criu, self._env, self.cgroups.kill, self.cgroups.procs_file)
         self._quiet: set[str] = set()  # frozen by pause(sid, dirs): dumped without a thaw (criu_ops.py)
         self.network = Network()  # network=True: own namespace, veth, NAT, egress policy (network.py)
+        self.disks = DiskPool(self.state_dir / "disks")  # hardened sandboxes' disks, made ahead (diskpool.py)
         self._agents: dict[str, Agent] = {}
         self._agents_mu = threading.Lock()
         criulog.ensure_kdat_dir()
@@ -161,7 +163,7 @@ class RuncDriver(CriuOps):
         /dev/userfaultfd); seconds per step (`prepare.*`)."""
         t, t0 = {}, time.perf_counter()
         if self.hardened:
-            disk.create(self.state_dir / "disks", dirs.root / "disk.img", dirs.disk, spec.disk_mb)
+            self.disks.create(dirs.root / "disk.img", dirs.disk, spec.disk_mb)
         t["prepare.disk"], t0 = time.perf_counter() - t0, time.perf_counter()
         for d in (dirs.upper, dirs.work, dirs.rootfs, dirs.logs):
             d.mkdir(parents=True, exist_ok=True)
@@ -200,7 +202,11 @@ class RuncDriver(CriuOps):
     def create(self, sid: str, dirs: SandboxDirs, spec: SandboxSpec, lowers: list[Path]) -> None:
         self._prepare(sid, dirs, spec, lowers)
         self._run(["run", "-d", "--bundle", str(dirs.bundle), sid])
+        self.disks.refill()  # now that runc is done with the CPU
         self.agent(sid, dirs).open_gate()
+
+    def close(self) -> None:
+        self.disks.close()
 
     def agent(self, sid: str, dirs: SandboxDirs) -> Agent:
         """The client of the sandbox's agent, one per sandbox for its whole life (its gate spans a
