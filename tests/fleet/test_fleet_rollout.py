@@ -13,6 +13,19 @@ pytestmark = pytest.mark.timeout(300)
 EPISODES, TURNS = 6, 2  # the issue's 24 episodes do not fit this 2-core CI box's budget; 2 per node
 
 
+def settled_reserved(fleet, timeout: float = 30.0) -> dict[str, int]:
+    """Each node's reserved MiB once the nodes' views stop moving: what earlier tests killed or
+    hibernated reaches the views a heartbeat later, and placement ranks by the views."""
+    last: dict[str, int] | None = None
+    deadline = time.monotonic() + timeout
+    while True:
+        now = {m.name: m.view.reserved_mb for m in fleet.members.live() if m.name in ("n0", "n1", "n2")}
+        if now == last or time.monotonic() > deadline:
+            return now
+        last = now
+        time.sleep(3 * fleet.config.heartbeat_s)
+
+
 def test_rollout_over_three_nodes(fleet):
     logs: dict[str, str] = {}
     nodes: dict[str, str] = {}
@@ -29,7 +42,7 @@ def test_rollout_over_three_nodes(fleet):
         time.sleep(0.05)
         return f"echo {ctx.episode}:{ctx.turn} >> /work/log"
 
-    before = {m.name: m.view.reserved_mb for m in fleet.members.live() if m.name in ("n0", "n1", "n2")}
+    before = settled_reserved(fleet)
     task = Task("log", "busybox", "append to /work/log", setup, (), ":", reward)
     engine = RolloutEngine(policy, default_factory(fleet, memory_mb=64), "pause")
     report = engine.run([task], episodes=EPISODES, turns=TURNS)
