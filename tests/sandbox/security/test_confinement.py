@@ -4,6 +4,7 @@ attacked sandbox killable with nothing behind (the `arena` fixture checks the la
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -273,3 +274,18 @@ def test_concurrent_claims_never_share_a_uid_range(tmp_path, record_property):
     ranges.release(dirs[0])
     assert ranges.base_of(dirs[0]) is None
     record_property("figure", "32 concurrent claims: 32 ranges; a stale claim reused, a released one freed")
+
+
+def test_concurrent_first_creates_share_one_dev_mask(tmp_path):
+    """The first creates of a fresh runtime, from many threads at once, all get the one /dev mask
+    layer, whole (a fresh service's 20 concurrent creates once failed here: the threads of one
+    process shared a temporary directory)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(16) as pool:
+        layers = list(pool.map(lambda _: idmap.dev_mask(tmp_path), range(32)))
+    layer = tmp_path / "dev-mask"
+    assert set(layers) == {layer}
+    assert (layer / "dev" / "pts").is_dir() and (layer / "dev" / "shm").stat().st_mode & 0o7777 == 0o1777
+    assert os.getxattr(layer / "dev", "trusted.overlay.opaque") == b"y"
+    assert [p.name for p in tmp_path.iterdir()] == ["dev-mask"]  # no temporary directory left behind

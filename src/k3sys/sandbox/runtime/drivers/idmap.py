@@ -22,6 +22,7 @@ import fcntl
 import os
 import shutil
 import struct
+import tempfile
 from pathlib import Path
 
 from k3sys.sandbox.errors import DriverError
@@ -217,7 +218,9 @@ def dev_mask(dir: Path) -> Path:
     some) makes that fail (opening /dev/tty gives ENXIO)."""
     layer = dir / "dev-mask"
     if not layer.is_dir():
-        tmp = dir / f".dev-mask-{os.getpid()}"
+        # A directory of this call's own: concurrent first creates (threads of one runtime too) race here.
+        tmp = Path(tempfile.mkdtemp(prefix=".dev-mask-", dir=dir))
+        tmp.chmod(0o755)
         for sub, mode in (("dev", 0o755), ("dev/pts", 0o755), ("dev/shm", 0o1777)):
             (tmp / sub).mkdir(parents=True, exist_ok=True)
             (tmp / sub).chmod(mode)
