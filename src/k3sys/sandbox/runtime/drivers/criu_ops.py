@@ -153,6 +153,8 @@ class CriuOps:
                 t["frozen"] = time.perf_counter() - t_freeze  # how long the sandbox's processes stood still
             if (thaw or not ok) and not quiet:  # a quiet sandbox's gate stays held until its thaw
                 agent.open_gate()
+            if quiet and not ok:  # e.g. a host connection closed only after the pause's quiesce:
+                self._quiet.discard(sid)  # the next try thaws for a quiesce of its own
         return t
 
     # --- crash leftovers ----------------------------------------------------------------------
