@@ -5,9 +5,11 @@
 #     with our patches (scripts/sandbox/patches: tolerate Linux >= 6.16's SO_PASSCRED refusal on inet
 #     sockets; skip the conntrack walk for empty network namespaces; read another user's rlimits
 #     from /proc when the host withholds CAP_SYS_RESOURCE; open /dev/userfaultfd so that lazy
-#     restores work in user namespaces), installed into
+#     restores work in user namespaces; start a lazy restore's background transfer only once the
+#     tasks run), installed into
 #     $K3SYS_SYSTEM_DIR/bin/criu, plus the configuration the driver hands it (etc/criu.conf);
-#   - bin/k3sys-lo-up, the prestart hook that brings loopback up in restored sandboxes;
+#   - bin/k3sys-lo-up, the prestart hook that brings loopback up in restored sandboxes, and
+#     bin/k3sys-criu-gate, the CRIU of a `runc restore` started before the sandbox is ready;
 #   - the cgroup2 mount option favordynmods (no RCU grace period on each move into a cgroup);
 #   - the templates `busybox` and `base` (E2B's default: `debian` plus the user `user`).
 # Everything lands under K3SYS_SYSTEM_DIR (default /opt/k3sys); the system's apt sources are untouched
@@ -17,7 +19,6 @@ set -euo pipefail
 PREFIX=${K3SYS_SYSTEM_DIR:-/opt/k3sys}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 PATCHES=("$ROOT"/scripts/sandbox/patches/criu-4.1-*.patch)
-LO_UP_SRC="$ROOT/scripts/sandbox/k3sys-lo-up.c"
 CRIU_SERIES=4.1
 # CRIU caches what it learns about the kernel (20 ms per run here) only in a tmpfs directory, and
 # /run is not tmpfs on every host; /dev/shm is. The runtime re-creates it (root, 0700) after a reboot.
@@ -97,7 +98,9 @@ fi
 # with the frozen sandbox (CRIU 4.1 crashes on this option in the annotation's file, so it stays in
 # the first). No cgroup management by CRIU: runc creates the cgroups, sets their limits and restores
 # into them itself, so CRIU's dump and restore of cgroup properties (it mounts all 11 v1
-# hierarchies: ~9 ms of every dump, with the sandbox frozen) only repeat runc's work.
+# hierarchies: ~9 ms of every dump, with the sandbox frozen) only repeat runc's work. Log level 3
+# (errors, warnings and one line per step) instead of runc's 4: CRIU writes its log a line per
+# system call, and the ~2,000 debug lines of a restore cost it ~10 of its ~40 ms here.
 mkdir -p "$PREFIX/etc"
 put_conf() {  # put_conf FILE CONTENT: (re)write FILE atomically when its content differs
     if [ "$(cat "$1" 2>/dev/null)" != "$2" ]; then
@@ -105,16 +108,23 @@ put_conf() {  # put_conf FILE CONTENT: (re)write FILE atomically when its conten
     fi
 }
 put_conf "$PREFIX/etc/criu.conf" "network-lock skip"
-put_conf "$PREFIX/etc/criu-override.conf" "manage-cgroups=ignore"
+put_conf "$PREFIX/etc/criu-override.conf" "manage-cgroups=ignore
+verbosity=3"
 
-# --- prestart hook -----------------------------------------------------------------------------
-want=$(sha256sum < "$LO_UP_SRC" | cut -c1-16)
-if [ ! -x "$PREFIX/bin/k3sys-lo-up" ] || [ "$(cat "$PREFIX/stamps/lo-up" 2>/dev/null)" != "$want" ]; then
-    gcc -O2 -static -Wall -o "$PREFIX/bin/k3sys-lo-up.new" "$LO_UP_SRC"
-    mv -f "$PREFIX/bin/k3sys-lo-up.new" "$PREFIX/bin/k3sys-lo-up"
-    echo "$want" > "$PREFIX/stamps/lo-up"
-    log "built $PREFIX/bin/k3sys-lo-up"
-fi
+# --- small static helpers: the prestart hook, and the CRIU gate of restores started ahead ----------
+build_static() {  # build_static NAME: scripts/sandbox/NAME.c -> $PREFIX/bin/NAME when its source changed
+    local src="$ROOT/scripts/sandbox/$1.c" want
+    want=$(sha256sum < "$src" | cut -c1-16)
+    mkdir -p "$PREFIX/bin" "$PREFIX/stamps"
+    if [ ! -x "$PREFIX/bin/$1" ] || [ "$(cat "$PREFIX/stamps/$1" 2>/dev/null)" != "$want" ]; then
+        gcc -O2 -static -Wall -o "$PREFIX/bin/$1.new" "$src"
+        mv -f "$PREFIX/bin/$1.new" "$PREFIX/bin/$1"
+        echo "$want" > "$PREFIX/stamps/$1"
+        log "built $PREFIX/bin/$1"
+    fi
+}
+build_static k3sys-lo-up
+build_static k3sys-criu-gate
 
 install -d -m 0700 -o root -g root "$KDAT_DIR"
 
