@@ -128,7 +128,8 @@ def test_failing_background_hibernation_leaves_a_resumable_sandbox(private_root,
         monkeypatch.setattr(Store, "commit", full_disk)
         init = rt.driver.init_pid(s.id)
         s.pause(hibernate=True)
-        wait_for(lambda: not s.info.then_hibernate, timeout=60, step=0.01)
+        # The record drops the intent, then gets the reason (two writes): wait for both.
+        wait_for(lambda: not s.info.then_hibernate and s.info.reason, timeout=60, step=0.01)
         info = s.info
         assert info.state == "paused" and "background hibernation failed" in info.reason
         assert "No space left" in info.reason and info.head == first.id

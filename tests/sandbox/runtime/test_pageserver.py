@@ -12,6 +12,7 @@ import pytest
 
 from k3sys.sandbox import DriverError
 from k3sys.sandbox.runtime.drivers.pageserver import (
+    INDEX,
     PAGE,
     PE_LAZY,
     PE_PARENT,
@@ -20,6 +21,7 @@ from k3sys.sandbox.runtime.drivers.pageserver import (
     PS_IOV_GET,
     PageServer,
     read_pagemap,
+    write_index,
 )
 
 IOV = struct.Struct("<IIQQ")
@@ -79,6 +81,22 @@ def reader(data: dict[str, bytes], calls: list | None = None):
 def test_pagemap_round_trip(images):
     path, _ = images
     assert read_pagemap(path / "pagemap-7.img") == (1, TASK)
+
+
+def test_the_dumps_index_stands_for_the_pagemaps(images):
+    """`write_index` (at the dump) gives a resume the pagemaps without parsing them: the same pages
+    written and served; an index that is not one is refused."""
+    path, data = images
+    parsed = PageServer(path, reader(data))
+    write_index(path)
+    indexed = PageServer(path, reader(data))
+    assert (indexed._present, indexed._lazy) == (parsed._present, parsed._lazy)
+    (path / INDEX).write_text('[["pagemap-7.img", 1, [[4096, "x"]]]]')
+    with pytest.raises(DriverError, match="not an index of pagemaps"):
+        PageServer(path, reader(data))
+    (path / INDEX).write_text(f'[["pagemap-7.img", 1, [[4096, 1, {PE_PARENT | PE_PRESENT}]]]]')
+    with pytest.raises(DriverError, match="parent image"):
+        PageServer(path, reader(data))
 
 
 @pytest.mark.parametrize("lazy", [True, False])

@@ -56,6 +56,27 @@ def test_any_range_reads_as_committed(two_commits):
         reader.close()
 
 
+def test_prefetched_ranges_read_as_committed(two_commits):
+    """`prefetch` (the kernel starts reading, the reader keeps where the bytes lie) then `read` of
+    the same ranges, across both packs and the zero runs; a closed reader reads nothing it planned."""
+    store, ck, pages, other = two_commits
+    ranges = [(0, 150 * PAGE), (99 * PAGE + 7, 45 * PAGE), (len(pages) - PAGE, PAGE)]
+    reader = FileReader(store, ck, "images")
+    try:
+        reader.prefetch("pages-1.img", ranges)
+        reader.prefetch("core-1.img", [(1, len(other) - 1)])
+        for off, n in ranges:
+            assert reader.read("pages-1.img", off, n) == pages[off : off + n]
+        assert reader.read("core-1.img", 1, len(other) - 1) == other[1:]
+        with pytest.raises(StoreInputError, match="outside"):
+            reader.prefetch("pages-1.img", [(len(pages), 1)])
+        reader.prefetch("pages-1.img", ranges[:1])
+    finally:
+        reader.close()
+    with pytest.raises(StoreInputError, match="closed"):
+        reader.read("pages-1.img", *ranges[0])
+
+
 def test_ranges_outside_a_file_are_refused_by_name(two_commits):
     store, ck, pages, _ = two_commits
     reader = FileReader(store, ck, "images")

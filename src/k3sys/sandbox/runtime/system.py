@@ -1,9 +1,9 @@
 """Where the host's sandbox pieces live and whether they are usable.
 
 `scripts/install-sandbox.sh` installs them under one system directory (`K3SYS_SYSTEM_DIR`, default
-`/opt/k3sys`): `bin/criu` (CRIU 4.1 with our patches), `etc/criu.conf` and `etc/criu-override.conf` (options
-runc cannot pass it),
-`bin/k3sys-lo-up` (the prestart hook), `templates/<name>/rootfs`. runc comes from the distribution.
+`/opt/k3sys`): `bin/criu` (CRIU 4.1 with our patches), `etc/criu.conf` and `etc/criu-override.conf`
+(options runc cannot pass it), `bin/k3sys-lo-up` (the prestart hook), `bin/k3sys-criu-gate`
+(drivers/gate.py), `templates/<name>/rootfs`. runc comes from the distribution.
 """
 
 from __future__ import annotations
@@ -39,6 +39,11 @@ class SystemPaths:
         return self.root / "bin" / "k3sys-lo-up"
 
     @property
+    def criu_gate(self) -> Path:
+        """The CRIU of a `runc restore` started before its sandbox is ready (drivers/gate.py)."""
+        return self.root / "bin" / "k3sys-criu-gate"
+
+    @property
     def agent(self) -> Path:
         """k3sys-agent, every sandbox's PID 1 (scripts/install-agent.sh)."""
         return self.root / "bin" / "k3sys-agent"
@@ -58,7 +63,8 @@ class SystemPaths:
         if self.runc is None:
             return "runc is not installed (run scripts/install-sandbox.sh)"
         configs = (self.criu_config, self.criu_override)
-        if not all(os.access(p, os.X_OK) for p in (self.criu, self.lo_up)) or not all(c.exists() for c in configs):
+        binaries = (self.criu, self.lo_up, self.criu_gate)
+        if not all(os.access(p, os.X_OK) for p in binaries) or not all(c.exists() for c in configs):
             return f"CRIU is not installed under {self.root} (run scripts/install-sandbox.sh)"
         if not os.access(self.agent, os.X_OK):
             return f"k3sys-agent is not installed under {self.root} (run scripts/install-agent.sh)"

@@ -70,8 +70,10 @@ class Images:
     page_bytes: int
     wait: Callable[[], None] = lambda: None
     # Where given, the page images in `path` are files of their size without data, and
-    # `read(name, offset, length)` returns their bytes (drivers/pageserver.py serves them from it).
+    # `read(name, offset, length)` returns their bytes (drivers/pageserver.py serves them from it);
+    # `prefetch(name, [(offset, length)])` starts reading ranges that `read` will be asked for.
     read: Callable[[str, int, int], bytes | bytearray] | None = None
+    prefetch: Callable[[str, list[tuple[int, int]]], None] | None = None
 
     @staticmethod
     def page_bytes_of(files: Iterable[tuple[str, int]]) -> int:
@@ -101,6 +103,11 @@ class Driver(Protocol):
 
     def settle(self, sid: str) -> None:
         """Wait until a lazy restore of `sid` has all its memory back (at once if none is under way)."""
+
+    def first_reads(self, images: Path) -> dict[str, list[tuple[int, int]]]:
+        """Byte ranges (offset, length) per file of process `images` that a restore from them reads
+        before the sandbox runs (a hibernation has the store start reading them: its resume waits
+        for no disk there)."""
 
     def exec(self, sid: str, argv: list[str], cwd: str, env: dict[str, str],
              stdin: bool) -> tuple[subprocess.Popen, int]:

@@ -19,9 +19,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from k3sys.sandbox.errors import DriverError
 from k3sys.sandbox.runtime import layers
-from k3sys.sandbox.runtime.drivers import criulog, idmap
+from k3sys.sandbox.runtime.drivers import criulog, idmap, pageserver
 from k3sys.sandbox.runtime.drivers.base import Images, SandboxDirs
+from k3sys.sandbox.runtime.drivers.gate import Gate
 from k3sys.sandbox.runtime.drivers.lazypages import UFFD_DEVICE
 from k3sys.sandbox.runtime.drivers.pageserver import PageServer
 from k3sys.sandbox.spec import SandboxSpec
@@ -35,9 +37,13 @@ def _stage(images: Images, lazy: bool) -> tuple[PageServer | None, float]:
     if images.read is None:
         return None, 0.0
     t0 = time.perf_counter()
-    server = PageServer(images.path, images.read)
+    server = PageServer(images.path, images.read, images.prefetch)
     server.fill(lazy)
     return server, time.perf_counter() - t0
+
+
+def _no_read(name: str, offset: int, n: int) -> bytes:
+    raise DriverError(f"{name}: no pages to read here")
 
 
 class CriuOps:
@@ -46,42 +52,76 @@ class CriuOps:
     def restore(self, sid: str, dirs: SandboxDirs, spec: SandboxSpec, lowers: list[Path],
                 images: Images, lazy: bool = False) -> dict[str, float]:
         """Start `sid` from CRIU `images`, made ready (a checkout finished, the pages CRIU restores
-        itself written) on a thread while the sandbox's mounts go up; `lazy` (where supported and
-        worth it): before its memory is all back (lazypages.py; `settle` before deleting them)."""
+        itself written) on a thread while the sandbox's mounts go up, and runc started before both
+        are done (gate.py); `lazy` (where supported and worth it): before its memory is all back
+        (lazypages.py; `settle` before deleting them)."""
         t0 = time.perf_counter()
         lazy = lazy and self.lazy.worth(images.page_bytes)
-        with ThreadPoolExecutor(1, thread_name_prefix="k3sys-images") as pool:
-            staging = pool.submit(_stage, images, lazy)
-            t = self._prepare(sid, dirs, spec, lowers, uffd=lazy)
-            work = dirs.logs / "restore"
-            work.mkdir(exist_ok=True)
-            t1 = time.perf_counter()
-            t["mount"] = t1 - t0
-            server, t["pages"] = staging.result()
-        t2 = time.perf_counter()
-        t["images"] = t2 - t1  # waiting for the images beyond the mounts
+        work = dirs.logs / "restore"
         src = images.path
-        own, images_dir = src.with_name(f"{src.name}.{sid}"), src
-        if self.hardened:  # into this sandbox's own range (idmap.rebased_images)
-            images_dir = idmap.rebased_images(src, own, self._uid_base(dirs))
-        t1 = time.perf_counter()
-        t["rebase"] = t1 - t2
+        # Hardened: CRIU reads a copy in this sandbox's own uid range (idmap.rebase_images) that
+        # differs only in its user namespace image (hard links to the same pages), removed as soon as
+        # the restore returns. The daemon serves the pages from `src` (or the page server the lazy ones).
+        own = src.with_name(f"{src.name}.{sid}")
+        images_dir = own if self.hardened else src
         args = ["restore", "-d", "--image-path", str(images_dir), "--work-path", str(work),
-                "--bundle", str(dirs.bundle), "--tcp-established", "--file-locks"]
-        if not spec.network:
-            args += ["--empty-ns", "network"]
-        try:
-            # The daemon serves the pages from `src` (or the page server the lazy ones): `own` differs
-            # only in its user namespace image (hard links to the same pages) and is removed as soon
-            # as the restore returns.
-            pages = server.serve() if lazy and server is not None else None
-            with self.lazy.serving(sid, src, work, pages) if lazy else contextlib.nullcontext():
-                self._run([*args, *(["--lazy-pages"] if lazy else []), sid], log=work / "restore.log")
-        finally:
-            if images_dir == own:
-                shutil.rmtree(own, ignore_errors=True)
-            if lazy:  # only CRIU needed it, and only while it restored
-                self.cgroups.deny_device(sid, UFFD_DEVICE)
+                "--bundle", str(dirs.bundle), "--tcp-established", "--file-locks",
+                *(["--empty-ns", "network"] if not spec.network else []), *(["--lazy-pages"] if lazy else []), sid]
+        work.mkdir(parents=True, exist_ok=True)
+
+        def stage() -> tuple[PageServer | None, float]:
+            """The images, and the lazy-pages daemon's start (with its guard ahead of the images)."""
+            if not lazy:
+                return _stage(images, lazy)
+            self.lazy.guard(sid)
+            images.wait()
+            server = PageServer(images.path, images.read, images.prefetch) if images.read is not None else None
+            self.lazy.spawn(sid, src, work, server.serve() if server is not None else None)
+            if server is None:  # the daemon reads the page images themselves
+                return None, 0.0
+            t0 = time.perf_counter()
+            server.fill(lazy)  # while the daemon starts
+            return server, time.perf_counter() - t0
+
+        gate, runc = None, None
+        with ThreadPoolExecutor(1, thread_name_prefix="k3sys-images") as pool:
+            staging = pool.submit(stage)  # beside the mounts
+            try:
+                t, uid_base = self._bundle(sid, dirs, spec, uffd=lazy)
+                gate = Gate(work, self.system.criu)
+                runc = self._start(args, gate)
+                t.update(self._mounts(sid, dirs, spec, lowers, uid_base))
+                t1 = time.perf_counter()
+                t["mount"] = t1 - t0
+                server, t["pages"] = staging.result()
+                t2 = time.perf_counter()
+                t["images"] = t2 - t1  # waiting for the images beyond the mounts
+                try:
+                    if images_dir == own:
+                        idmap.rebase_images(src, own, uid_base or 0)
+                    t1 = time.perf_counter()
+                    t["rebase"] = t1 - t2
+                    with self.lazy.serving(sid, work) if lazy else contextlib.nullcontext():
+                        gate.open()
+                        self._wait(runc, args, log=work / "restore.log")
+                finally:
+                    if lazy:  # only CRIU needed it, and only while it restored
+                        self.cgroups.deny_device(sid, UFFD_DEVICE)
+            except BaseException:
+                if gate is not None:
+                    gate.close()  # a runc still waiting fails at its version check
+                if runc is not None and runc.returncode is None:
+                    with contextlib.suppress(DriverError):
+                        self._wait(runc, args, timeout=30)
+                with contextlib.suppress(Exception):
+                    staging.result()  # a daemon it starts starts before the stop
+                self.lazy.stop(sid)
+                raise
+            finally:
+                if gate is not None:
+                    gate.close()
+                if images_dir == own:  # made by runc as it started, filled by the rebase
+                    shutil.rmtree(own, ignore_errors=True)
         t["runc+criu"] = time.perf_counter() - t1
         self.disks.refill()  # now that the restore is done with the CPU (diskpool.py)
         t["criu"] = criulog.criu_seconds(work / "restore.log")
@@ -92,6 +132,11 @@ class CriuOps:
 
     def settle(self, sid: str) -> None:
         self.lazy.settle(sid)
+
+    def first_reads(self, images: Path) -> dict[str, list[tuple[int, int]]]:
+        # The pages CRIU restores itself (`_stage` writes them): all of them for an eager restore.
+        lazy = self.lazy.worth(Images.complete(images).page_bytes)
+        return PageServer(images, _no_read).eager(lazy)
 
     def snapshot(self, sid: str, dirs: SandboxDirs, images: Path, fs: Path, layer: Path | None,
                  *, thaw: bool, network: bool) -> dict[str, float]:
@@ -155,6 +200,9 @@ class CriuOps:
                 agent.open_gate()
             if quiet and not ok:  # e.g. a host connection closed only after the pause's quiesce:
                 self._quiet.discard(sid)  # the next try thaws for a quiesce of its own
+        t1 = time.perf_counter()
+        pageserver.write_index(images)  # read once here (the sandbox runs again): no resume parses them
+        t["index"] = time.perf_counter() - t1
         return t
 
     # --- crash leftovers ----------------------------------------------------------------------

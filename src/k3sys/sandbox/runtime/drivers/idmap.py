@@ -167,33 +167,35 @@ def _userns_entry(base: int) -> bytes:
     return b"\x0a" + _varint(len(extent)) + extent + b"\x12" + _varint(len(extent)) + extent
 
 
-def rebased_images(images: Path, dest: Path, base: int) -> Path:
-    """CRIU images that restore into the range at `base`: `images` itself when they hold no user
-    namespace or already map to `base`, else `dest` (made here, on the same file system): hard links
-    to every image but the user namespace's, which is rewritten.
+def rebase_images(images: Path, dest: Path, base: int) -> None:
+    """Fill `dest` (new or empty, on the same file system as `images`): CRIU images that restore into the range
+    at `base`, hard links to every image of `images` but the user namespace's, rewritten to map to
+    `base` (linked too when it maps there already; none: the sandbox has no user namespace).
 
     CRIU restores a user namespace with the map it dumped (runc's config is not asked) and keeps
     every other id in the images relative to that namespace, so rewriting the map alone moves a
-    restored sandbox (a fork child, a resumed hibernation) to a range of its own.
+    restored sandbox (a fork child, a resumed hibernation) to a range of its own. Always another
+    directory, so its path is known before the images are (the restore's runc starts first, gate.py).
     """
     found = sorted(images.glob("userns-*.img"))
-    if not found:
-        return images
-    if base < BASE:  # never map a sandbox onto host root's ids, whatever went wrong with its claim
-        raise DriverError(f"restore into host id {base}: the sandbox holds no uid range")
-    data = found[0].read_bytes()
-    old = _range_of(data)
-    if old is None or data[12:] != _userns_entry(old):
-        raise DriverError(f"{found[0]}: not a user namespace image of a k3sys sandbox (one extent of {SIZE} ids)")
-    if old == base:
-        return images
-    dest.mkdir()
+    rewrite = None
+    if found:
+        data = found[0].read_bytes()
+        old = _range_of(data)
+        if old is None or data[12:] != _userns_entry(old):
+            raise DriverError(f"{found[0]}: not a user namespace image of a k3sys sandbox (one extent of {SIZE} ids)")
+        if old != base:
+            if base < BASE:  # never map a sandbox onto host root's ids, whatever went wrong with its claim
+                raise DriverError(f"restore into host id {base}: the sandbox holds no uid range")
+            rewrite = found[0]
+    dest.mkdir(exist_ok=True)  # runc makes its image path (gate.py), and makes it 0600
+    dest.chmod(images.stat().st_mode & 0o777)  # CRIU opens images from inside the user namespace too
     for p in images.iterdir():
-        if p != found[0]:
+        if p != rewrite:
             os.link(p, dest / p.name)
-    entry = _userns_entry(base)
-    (dest / found[0].name).write_bytes(data[:8] + struct.pack("<I", len(entry)) + entry)
-    return dest
+    if rewrite is not None:
+        entry = _userns_entry(base)
+        (dest / rewrite.name).write_bytes(data[:8] + struct.pack("<I", len(entry)) + entry)
 
 
 def _range_of(data: bytes) -> int | None:

@@ -89,13 +89,28 @@ class LazyPages:
 
     def start(self, sid: str, images: Path, work: Path, pages: socket.socket | None = None,
               timeout: float = 10.0) -> None:
-        """Start the daemon for `sid`'s restore from `images`; returns once it listens in `work`.
-        `pages`: its end of a socket to a page server (pageserver.py) that has the lazy pages, which
-        the page images then lack; closed here once the daemon holds it."""
+        """`spawn` the daemon for `sid`'s restore from `images`; returns once it listens in `work`."""
+        self.spawn(sid, images, work, pages)
+        self.listening(sid, work, timeout)
+
+    def guard(self, sid: str) -> None:
+        """Start the `guard` of `sid`'s lazy restore ahead of its daemon (`spawn` starts one if not):
+        a process start off the restore's path."""
+        g = guard(self._procs(sid))
+        with self._mu:
+            self._guards[sid] = g
+
+    def spawn(self, sid: str, images: Path, work: Path, pages: socket.socket | None = None) -> None:
+        """Start the daemon for `sid`'s restore from `images`, its socket and log in `work` (it
+        listens a few ms later: `listening`). `pages`: its end of a socket to a page server
+        (pageserver.py) that has the lazy pages, which the page images then lack; closed here once
+        the daemon holds it."""
         # Errors only with a page server: CRIU warns on every request that a Unix socket has no
         # TCP_NODELAY, which would grow the log by a line per page fault.
         args = ["--page-server", "--ps-socket", str(pages.fileno()), "-v1"] if pages is not None else []
-        g = guard(self._procs(sid))  # before any page can go missing
+        with self._mu:
+            g = self._guards.pop(sid, None)
+        g = g or guard(self._procs(sid))  # before any page can go missing
         try:
             d = subprocess.Popen([self._criu, "lazy-pages", "--images-dir", str(images), "--work-dir", str(work),
                                   "--log-file", "lazy-pages.log", *args], stdin=subprocess.DEVNULL,
@@ -107,17 +122,21 @@ class LazyPages:
         finally:
             if pages is not None:
                 pages.close()
+        with self._mu:
+            self._daemons[sid], self._guards[sid] = d, g
+
+    def listening(self, sid: str, work: Path, timeout: float = 10.0) -> None:
+        """Wait until `sid`'s daemon listens in `work`; one that exits first (or takes over `timeout`
+        seconds) is stopped, and DriverError says so."""
+        with self._mu:
+            d = self._daemons[sid]
         deadline = time.monotonic() + timeout
         while not (work / SOCKET).exists():
             if d.poll() is not None or time.monotonic() > deadline:
-                d.kill()
-                d.wait()
-                release(g)
+                self.stop(sid)
                 raise DriverError(f"sandbox {sid}: criu lazy-pages did not start (status {d.returncode}); "
                                   f"see {work / 'lazy-pages.log'}")
             time.sleep(0.001)
-        with self._mu:
-            self._daemons[sid], self._guards[sid] = d, g
 
     def settle(self, sid: str) -> None:
         """Wait until `sid`'s memory is all delivered (a no-op without a daemon). A failed daemon
@@ -146,11 +165,12 @@ class LazyPages:
             release(g)
 
     @contextlib.contextmanager
-    def serving(self, sid: str, images: Path, work: Path, pages: socket.socket | None = None) -> Iterator[None]:
-        """A daemon for `sid` around a `runc restore --lazy-pages` (stopped if the restore fails).
-        A daemon that fails while the restore runs has the sandbox's processes killed as they
-        appear: they would otherwise wait forever on a page fault, and the restore with them."""
-        self.start(sid, images, work, pages)
+    def serving(self, sid: str, work: Path) -> Iterator[None]:
+        """`sid`'s daemon (`spawn`ed, its socket in `work`), listening, then watched around a
+        `runc restore --lazy-pages`, and stopped if the restore fails. A daemon that fails while the
+        restore runs has the sandbox's processes killed as they appear: they would otherwise wait
+        forever on a page fault, and the restore with them."""
+        self.listening(sid, work)
         with self._mu:
             d = self._daemons[sid]
         restored = threading.Event()

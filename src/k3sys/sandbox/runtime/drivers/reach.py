@@ -24,14 +24,19 @@ class Reachable:
         self.empty = self.dir / "empty"
         self._mu = threading.Lock()
 
-    def add(self, sid: str, rootfs: Path) -> Path:
-        """Bind `rootfs` at `<dir>/<sid>` (returned), making the directory if needed."""
+    def make(self, sid: str) -> Path:
+        """Make the (empty) directory `<dir>/<sid>` (returned): runc checks it exists before it binds it."""
         with self._mu:
             for d in (self.dir.parent, self.dir, self.empty, self.dir / sid):
                 d.mkdir(exist_ok=True)
                 d.chmod(0o555 if d == self.empty else 0o711)  # after mkdir: the umask is not ours
-        layers.bind(rootfs, self.dir / sid)
         return self.dir / sid
+
+    def add(self, sid: str, rootfs: Path) -> Path:
+        """Bind `rootfs` at `<dir>/<sid>` (returned), making the directory if needed."""
+        target = self.make(sid)
+        layers.bind(rootfs, target)
+        return target
 
     def drop(self, sid: str) -> None:
         """Unmount and remove `<dir>/<sid>`; the last sandbox takes the directory (under the lock

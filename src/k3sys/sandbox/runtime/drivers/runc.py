@@ -29,6 +29,7 @@ from k3sys.sandbox.runtime.drivers.base import SandboxDirs
 from k3sys.sandbox.runtime.drivers.cgroups import Cgroups
 from k3sys.sandbox.runtime.drivers.criu_ops import CriuOps
 from k3sys.sandbox.runtime.drivers.diskpool import DiskPool
+from k3sys.sandbox.runtime.drivers.gate import Gate
 from k3sys.sandbox.runtime.drivers.lazypages import UFFD_DEVICE, LazyPages
 from k3sys.sandbox.runtime.drivers.network import Network
 from k3sys.sandbox.runtime.drivers.reach import Reachable
@@ -94,17 +95,31 @@ class RuncDriver(CriuOps):
         without that wait a checkpoint right after a create could find these host-side descriptors in
         PID 1, which CRIU cannot dump.
         """
+        return self._wait(self._start(args), args, log, timeout)
+
+    def _start(self, args: list[str], gate: Gate | None = None) -> subprocess.Popen:
+        """Start `runc <args>` (`_wait` for it); with `gate`, its CRIU runs wait for the gate (gate.py)."""
+        runc, env = self._runc, self._env
+        if gate is not None:
+            runc, env = [*runc[:-1], str(self.system.criu_gate)], {**env, **gate.env}
+        return subprocess.Popen([*runc, *args], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env=env)
+
+    def _wait(self, p: subprocess.Popen, args: list[str], log: Path | None = None,
+              timeout: float = 120) -> subprocess.CompletedProcess:
+        """The end of runc `p` started by `_start(args)` (see `_run`)."""
         try:
-            p = subprocess.run([*self._runc, *args], stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                               timeout=timeout, env=self._env)
+            out, err = p.communicate(timeout=timeout)
         except subprocess.TimeoutExpired as e:
+            p.kill()
+            p.communicate()
             raise DriverError(f"runc {args[0]} timed out after {timeout} s") from e
         if p.returncode != 0:
-            detail = (p.stderr or p.stdout).strip()
+            detail = (err or out).strip()
             if log is not None and log.exists():
                 detail += f"\n--- {log} ---\n" + criulog.log_excerpt(log)
             raise DriverError(f"runc {args[0]} failed ({p.returncode}): {detail}")
-        return p
+        return subprocess.CompletedProcess(p.args, p.returncode, out, err)
 
     def _config(self, sid: str, dirs: SandboxDirs, spec: SandboxSpec, net: tuple[dict, dict] | None,
                 uffd: bool) -> dict:
@@ -159,14 +174,20 @@ class RuncDriver(CriuOps):
 
     def _prepare(self, sid: str, dirs: SandboxDirs, spec: SandboxSpec, lowers: list[Path],
                  uffd: bool = False) -> dict[str, float]:
-        """Mounts, bundle and uid range of a sandbox about to start (`uffd`: its CRIU restore may open
+        """Bundle, mounts and uid range of a sandbox about to start (`uffd`: its CRIU restore may open
         /dev/userfaultfd); seconds per step (`prepare.*`)."""
-        t, t0 = {}, time.perf_counter()
-        if self.hardened:
-            self.disks.create(dirs.root / "disk.img", dirs.disk, spec.disk_mb)
-        t["prepare.disk"], t0 = time.perf_counter() - t0, time.perf_counter()
-        for d in (dirs.upper, dirs.work, dirs.rootfs, dirs.logs):
-            d.mkdir(parents=True, exist_ok=True)
+        t, uid_base = self._bundle(sid, dirs, spec, uffd)
+        t.update(self._mounts(sid, dirs, spec, lowers, uid_base))
+        return t
+
+    def _bundle(self, sid: str, dirs: SandboxDirs, spec: SandboxSpec,
+                uffd: bool) -> tuple[dict[str, float], int | None]:
+        """What runc reads before it needs the sandbox's file system: config.json and criu.conf, the
+        uid range and network they name, the directory the root will be bound at. Returns seconds
+        (`prepare.config`) and the range's first host id (None: no user namespace)."""
+        t0 = time.perf_counter()
+        dirs.bundle.mkdir(parents=True, exist_ok=True)
+        dirs.logs.mkdir(parents=True, exist_ok=True)
         net = self.network.setup(dirs.root, spec.egress) if spec.network else None
         config = self._config(sid, dirs, spec, net, uffd)
         # No user namespace with network=True: its namespace (network.py's, joined by path) belongs to
@@ -174,13 +195,24 @@ class RuncDriver(CriuOps):
         uid_base = self.ranges.claim(dirs.root) if self.hardened and not spec.network else None
         if self.hardened:
             confine.confine(config, uid_base)
-        t["prepare.config"], t0 = time.perf_counter() - t0, time.perf_counter()
+        (dirs.bundle / "config.json").write_text(json.dumps(config))
+        (dirs.bundle / "criu.conf").write_text(confine.criu_options(self.system.criu_override, spec))
+        self.reach.make(sid)
+        return {"prepare.config": time.perf_counter() - t0}, uid_base
+
+    def _mounts(self, sid: str, dirs: SandboxDirs, spec: SandboxSpec, lowers: list[Path],
+                uid_base: int | None) -> dict[str, float]:
+        """The sandbox's disk, upper and overlay root, bound where runc finds it; seconds per step."""
+        t, t0 = {}, time.perf_counter()
+        if self.hardened:
+            self.disks.create(dirs.root / "disk.img", dirs.disk, spec.disk_mb)
+        for d in (dirs.upper, dirs.work, dirs.rootfs):
+            d.mkdir(parents=True, exist_ok=True)
+        t["prepare.disk"], t0 = time.perf_counter() - t0, time.perf_counter()
         if uid_base is not None:
             lowers = self._idmapped_lowers(dirs, [*lowers[:-1], idmap.dev_mask(self.state_dir), lowers[-1]], uid_base)
             os.chown(dirs.upper, uid_base, uid_base)  # the root directory belongs to root inside
         t["prepare.idmap"], t0 = time.perf_counter() - t0, time.perf_counter()
-        (dirs.bundle / "config.json").write_text(json.dumps(config))
-        (dirs.bundle / "criu.conf").write_text(confine.criu_options(self.system.criu_override, spec))
         layers.mount_overlay(lowers, dirs.upper, dirs.work, dirs.rootfs)
         self.reach.add(sid, dirs.rootfs)
         t["prepare.overlay"] = time.perf_counter() - t0

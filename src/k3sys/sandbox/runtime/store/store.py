@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fcntl
+import itertools
 import json
 import os
 import re
@@ -48,6 +49,7 @@ from k3sys.sandbox.runtime.store.follower import Follower, _Packing
 from k3sys.sandbox.runtime.store.index import ChunkIndex
 from k3sys.sandbox.runtime.store.manifest import Entry, Manifest, decode, encode
 from k3sys.sandbox.runtime.store.pack import PackWriter, fsync_dir, read_index, write_all
+from k3sys.sandbox.runtime.store.runs import Runs
 from k3sys.sandbox.runtime.store.upkeep import Upkeep
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -65,7 +67,7 @@ def _check_name(kind: str, value: str) -> None:
         raise StoreInputError(f"{kind} {value!r} is not a valid name (letters, digits, '._-', at most 128)")
 
 
-class Store(Upkeep):
+class Store(Upkeep, Runs):
     """A checkpoint store rooted at `root` (created if missing). See the module docstring."""
 
     def __init__(self, root: Path | str) -> None:
@@ -169,11 +171,25 @@ class Store(Upkeep):
             done: list[tuple[Path, bool]] = []
             fds: dict[int, int] = {}
             try:
+                # Where every file's bytes lie, and the reads of them all started at once (the packs
+                # are written past the page cache: each read would otherwise wait for the disk in turn).
+                plan = {(name, e.path): self.runs(e, f"{id}/{name}") for name in dests for e in m.trees[name]
+                        if e.kind == "file" and e.size and not (holes is not None and holes(e.path))}
+                for r in itertools.chain.from_iterable(plan.values()):
+                    if not r.zero:
+                        os.posix_fadvise(self._open_pack(r.pack, fds), r.offset, r.size, os.POSIX_FADV_WILLNEED)
                 for name, dest in dests.items():
                     dest = Path(dest)
                     done.append((dest, tree.prepare_dest(dest)))
-                    tree.build(dest, m.trees[name], lambda fd, e, name=name: os.ftruncate(fd, e.size)
-                               if holes is not None and holes(e.path) else self._fill(fd, e, fds, f"{id}/{name}"))
+
+                    def write(fd: int, e: Entry, name: str = name) -> None:
+                        runs = plan.get((name, e.path))
+                        if runs is None:  # empty, or a hole to be read by range
+                            os.ftruncate(fd, e.size)
+                        else:
+                            self._fill(fd, e, runs, fds, f"{id}/{name}")
+
+                    tree.build(dest, m.trees[name], write)
             except BaseException:
                 for dest, created in done:
                     tree.discard_dest(dest, created)
@@ -287,41 +303,6 @@ class Store(Upkeep):
         finally:
             with self._mu:
                 self._pending.discard(name)
-
-    def _fill(self, fd: int, e: Entry, fds: dict[int, int], where: str) -> None:
-        """Write file entry `e`'s bytes to `fd`: one in-kernel copy per run of chunks adjacent in a pack.
-
-        All-zero chunks become holes (a sparse file: no tmpfs memory, no copy), as in the source.
-        """
-        if not e.size:
-            return
-        pack, off = self._index.locate(e.chunks)
-        lost = np.flatnonzero(pack < 0)
-        if lost.size:
-            raise CorruptStoreError(f"checkpoint {where} file {e.path!r}: chunk {e.digest(int(lost[0])).hex()} "
-                                    f"missing ({lost.size} of {pack.size})")
-        n = np.full(pack.size, e.chunk_size, np.int64)
-        n[-1] = e.size - (pack.size - 1) * e.chunk_size
-        zero = (chunker.as_rows(e.chunks) == chunker.zero_digest(e.chunk_size)).all(axis=1) & (n == e.chunk_size)
-        # Runs of chunks back to back in one pack are copied with one sendfile each; runs of zeros skipped.
-        cut = np.flatnonzero((pack[1:] != pack[:-1]) | (off[1:] != off[:-1] + n[:-1]) | (zero[1:] != zero[:-1])) + 1
-        starts = np.r_[0, cut]
-        runs = zip(pack[starts].tolist(), off[starts].tolist(), np.add.reduceat(n, starts).tolist(),
-                   zero[starts].tolist(), strict=True)
-        for p, start, size, hole in runs:
-            if hole:
-                os.lseek(fd, size, os.SEEK_CUR)
-                continue
-            src = fds.get(p)
-            if src is None:
-                with self._mu:
-                    src = fds[p] = os.open(self._index.packs[p].path, os.O_RDONLY | os.O_CLOEXEC)
-            while size:
-                sent = os.sendfile(fd, src, start, size)
-                if not sent:
-                    raise CorruptStoreError(f"checkpoint {where} file {e.path!r}: a pack is truncated at {start}")
-                start, size = start + sent, size - sent
-        os.ftruncate(fd, e.size)  # a trailing hole has no bytes written to size the file
 
     # ---------------------------------------------------------------- index bookkeeping (under self._mu)
 
