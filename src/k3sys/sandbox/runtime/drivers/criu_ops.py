@@ -12,10 +12,13 @@ Choices that keep checkpoints small and fast, measured on this host (see docs/sa
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import shutil
 import signal
+import socket
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -29,15 +32,19 @@ from k3sys.sandbox.runtime.drivers.pageserver import PageServer
 from k3sys.sandbox.spec import SandboxSpec
 
 
-def _stage(images: Images, lazy: bool) -> tuple[PageServer | None, float]:
+def _stage(images: Images, lazy: bool,
+           spawn: Callable[[socket.socket | None], None] | None = None) -> tuple[PageServer | None, float]:
     """Wait for `images`; where their page images are read by range, write the pages CRIU restores
-    itself (all of them unless `lazy`). Returns the page server for the rest and the seconds the
-    writing took."""
+    itself (all of them unless `lazy`). `spawn`: start the lazy-pages daemon, given the page
+    server's socket (None: the daemon reads the page images), before that writing, which it need
+    not wait for. Returns the page server for the rest and the seconds the writing took."""
     images.wait()
-    if images.read is None:
+    server = PageServer(images.path, images.read, images.prefetch) if images.read is not None else None
+    if spawn is not None:
+        spawn(server.serve() if server is not None else None)
+    if server is None:
         return None, 0.0
     t0 = time.perf_counter()
-    server = PageServer(images.path, images.read, images.prefetch)
     server.fill(lazy)
     return server, time.perf_counter() - t0
 
@@ -70,18 +77,10 @@ class CriuOps:
         work.mkdir(parents=True, exist_ok=True)
 
         def stage() -> tuple[PageServer | None, float]:
-            """The images, and the lazy-pages daemon's start (with its guard ahead of the images)."""
-            if not lazy:
-                return _stage(images, lazy)
-            self.lazy.guard(sid)
-            images.wait()
-            server = PageServer(images.path, images.read, images.prefetch) if images.read is not None else None
-            self.lazy.spawn(sid, src, work, server.serve() if server is not None else None)
-            if server is None:  # the daemon reads the page images themselves
-                return None, 0.0
-            t0 = time.perf_counter()
-            server.fill(lazy)  # while the daemon starts
-            return server, time.perf_counter() - t0
+            """The images, and the lazy-pages daemon's start (its guard's before the images')."""
+            if lazy:
+                self.lazy.guard(sid)
+            return _stage(images, lazy, functools.partial(self.lazy.spawn, sid, src, work) if lazy else None)
 
         gate, runc = None, None
         with ThreadPoolExecutor(1, thread_name_prefix="k3sys-images") as pool:
