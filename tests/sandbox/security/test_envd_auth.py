@@ -13,6 +13,7 @@ import base64
 
 import httpx
 import pytest
+from sandbox_fixtures import leftovers
 from service_process import ServiceProcess, add_key, keys_cli
 
 from k3sys.sandbox import SandboxSpec
@@ -32,7 +33,8 @@ def keyed(tmp_path_factory):
     with ServiceProcess(data, env={"K3SYS_API_KEY": ADMIN_KEY}) as s:
         s.keys = keys
         yield s
-        s.kill_all()
+        ids = s.kill_all()
+    assert leftovers(data, ids) == []
 
 
 @pytest.fixture
@@ -72,11 +74,11 @@ def test_signed_url_runs_as_its_signed_user_whatever_the_headers(keyed, other_te
         assert s.commands.run("id -un").stdout == "user\n"  # the template's default user
         shadow = s.download_url("/etc/shadow")  # user=None: the SDK's default, signed without `username`
         assert "username=" not in shadow
-        tried = 0
+        statuses = []
         for headers in ({}, ROOT, {**ROOT, "x-api-key": "wrong"}, {"authorization": "Basic cm9vdA=="}):
             status, body = _get(shadow, headers=headers)
             assert status != 200 and b"root:" not in body, (headers, status)
-            tried += 1
+            statuses.append(status)
         # The same URL reads what the default user may read; adding `username=root` breaks the signature.
         s.commands.run("echo hi > /tmp/readable", user="root")
         assert _get(s.download_url("/tmp/readable"), headers=ROOT) == (200, b"hi\n")
@@ -96,8 +98,8 @@ def test_signed_url_runs_as_its_signed_user_whatever_the_headers(keyed, other_te
         assert r.status_code == 400 and not s.files.exists("/tmp/a") and not s.files.exists("/tmp/b")
         # Signed for root, root it is (the token's holder chose so).
         assert _get(s.download_url("/etc/shadow", user="root"))[1].startswith(b"root:")
-        tried += 3
-        record_property("figure", f"{tried} root reads/writes through default-user signed URLs refused; "
+        record_property("figure", f"{len(statuses) + 3} root reads/writes through default-user signed URLs "
+                                  f"refused (/etc/shadow: {sorted(set(statuses))}, 0 = cut); "
                                   f"uploads owned by {owners[0]!r}")
     finally:
         s.kill()
@@ -149,6 +151,7 @@ def test_no_auth_service_serves_no_one_while_tenant_keys_exist(tmp_path, keyed, 
         assert keys_cli(data, "remove", "--tenant", "mallory").returncode == 0
         assert _stdout(_start(svc.url, sid, ROOT)) == "0\n"
         s.kill()
+    assert leftovers(data, {sid}) == []
     # With a tenant key there, a no-auth service does not start, and says why.
     add_key(data, "mallory")
     add_key(data, "trent")
