@@ -20,6 +20,20 @@ SRC = str(Path(__file__).resolve().parents[2] / "src")
 BALLAST = "sh -c 'x=$(head -c {mb}000000 /dev/zero | tr \"\\0\" c); while :; do sleep 1000; done' >/dev/null 2>&1 &"
 
 
+def keys_cli(data_dir: Path, *args: str) -> subprocess.CompletedProcess:
+    """`k3sys sandbox keys ARGS --data-dir DATA_DIR`, as an operator runs it."""
+    return subprocess.run([sys.executable, "-m", "k3sys.sandbox.cli", "keys", *args, "--data-dir", str(data_dir)],
+                          env={"PYTHONPATH": SRC, "PATH": "/usr/bin:/bin"}, capture_output=True, text=True,
+                          timeout=60)
+
+
+def add_key(data_dir: Path, tenant: str, *quota: str) -> str:
+    """A new key of `tenant` (made by `k3sys sandbox keys add`)."""
+    r = keys_cli(data_dir, "add", "--tenant", tenant, *quota)
+    assert r.returncode == 0, r.stderr
+    return r.stdout.strip()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -330,11 +330,12 @@ def serve(host: Annotated[str, typer.Option(help="Address to listen on (beyond l
           max_connections_per_client: Annotated[int, typer.Option(help="Most open connections from one "
                                                                        "client address.")] = 1024,
           header_timeout: Annotated[float, typer.Option(help="Seconds a request header may take.")] = 10.0,
-          no_auth: Annotated[bool, typer.Option("--no-auth", help="No API key (loopback only).")] = False,
+          no_auth: Annotated[bool, typer.Option("--no-auth", help="No API key (loopback only; refused while "
+                                                                  "tenant keys exist).")] = False,
           log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "warning") -> None:
     """Serve the sandbox HTTP API until SIGINT/SIGTERM."""
     from k3sys.sandbox.runtime.runtime import default_root
-    from k3sys.sandbox.service.auth import KEY_FILE, check_bind, load_or_create_key
+    from k3sys.sandbox.service.auth import KEY_FILE, check_bind, check_open, load_or_create_key
     from k3sys.sandbox.service.guard import ConnectionLimits
     from k3sys.sandbox.service.server import ServiceConfig
     from k3sys.sandbox.service.server import serve as run_server
@@ -349,6 +350,7 @@ def serve(host: Annotated[str, typer.Option(help="Address to listen on (beyond l
                                connections=ConnectionLimits(max_connections, header_timeout,
                                                             max_connections_per_client))
         check_bind(host, key)
+        check_open(root, key)
         where = "none" if no_auth else "$K3SYS_API_KEY" if os.environ.get("K3SYS_API_KEY") else str(root / KEY_FILE)
         err.print(f"k3sys sandbox service on http://{host}:{port} (data {root}, API key: {where})", highlight=False)
         run_server(config, host, port, log_level)

@@ -1,5 +1,6 @@
 """The sandbox service's API key: where it comes from, where a request carries it, where the service may
-listen. The check is `scope.authenticate` (the admin key, or a tenant's key from tenants.py).
+listen, and whether it may start without one. The check is `scope.authenticate` (the admin key, or
+a tenant's key from tenants.py).
 
 The key is `K3SYS_API_KEY` when set, else the file `<data dir>/api_key`, generated on first start
 (256 random bits, mode 0600 from the moment it exists). A key file that group or others can read is
@@ -16,6 +17,8 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from k3sys.sandbox.errors import InvalidArgumentError
+from k3sys.sandbox.service.scope import open_refusal
+from k3sys.sandbox.service.tenants import Tenants
 
 KEY_FILE = "api_key"
 
@@ -64,6 +67,14 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False  # a host name: it may resolve to anything
+
+
+def check_open(data_dir: Path, api_key: str | None) -> None:
+    """Refuse to start without a key while tenant keys exist in `data_dir` (scope.open_refusal)."""
+    if api_key is None:
+        with Tenants(data_dir) as t:
+            if t.has_keys():
+                raise InvalidArgumentError(open_refusal(t, "refuses to start"))
 
 
 def check_bind(host: str, api_key: str | None) -> None:

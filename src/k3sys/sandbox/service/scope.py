@@ -9,6 +9,7 @@ itself is kept by `tenants.Tenants` (see its docstring for the rules).
 from __future__ import annotations
 
 import hmac
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
@@ -17,6 +18,8 @@ from k3sys.sandbox.errors import AuthError, CheckpointNotFoundError, InvalidArgu
 from k3sys.sandbox.service.tenants import Tenant, Tenants, Usage, check_quota, disk_mb
 from k3sys.sandbox.spec import SandboxSpec
 from k3sys.sandbox.types import CheckpointInfo, SandboxInfo
+
+log = logging.getLogger("k3sys.sandbox.service")
 
 
 @dataclass(frozen=True)
@@ -35,18 +38,34 @@ ADMIN = Principal()
 
 def authenticate(admin_key: str | None, tenants: Tenants | None, given: str | None) -> Principal:
     """The caller a key stands for: the admin for `admin_key` (constant-time comparison), else the
-    tenant owning it. With no admin key and no tenant keys the service is open (loopback only) and
-    every caller is the admin, whatever key it sends (the e2b SDK always sends one); once a tenant
-    key exists, every request needs a key."""
-    if admin_key is None and (tenants is None or not tenants.has_keys()):
+    tenant owning it. A service without an admin key (`--no-auth`, loopback only) is open while no
+    tenant key exists, every caller the admin whatever key it sends (the e2b SDK always sends one);
+    once one exists it serves no one (`open_refusal`): tenants need an admin key beside theirs, or
+    their sandboxes' envd would have no access token."""
+    if admin_key is None:
+        if tenants is not None and tenants.has_keys():
+            why = open_refusal(tenants, "serves no one")
+            log.warning("%s", why)  # rate-limited (logfilter.py): said in the log, not once per request
+            raise AuthError(why)
         return ADMIN
     if given:
-        if admin_key is not None and hmac.compare_digest(given.strip().encode(), admin_key.encode()):
+        if hmac.compare_digest(given.strip().encode(), admin_key.encode()):
             return ADMIN
         if tenants is not None and (t := tenants.authenticate(given.strip())) is not None:
             return Principal(t)
         raise AuthError("wrong API key")
     raise AuthError("missing API key: send `X-API-Key: <key>`")
+
+
+def open_refusal(tenants: Tenants, doing: str) -> str:
+    """Why a service without an API key (`--no-auth`) `doing` ("refuses to start", "serves no one")
+    while tenant keys exist in `tenants`."""
+    n = tenants.keyed()
+    # The data directory is not named: this goes to any caller.
+    return (f"this service has no API key (--no-auth) and {n} tenant{'s hold' if n != 1 else ' holds'} keys "
+            f"in its tenants.db: it {doing} while they do (anyone could reach their sandboxes); serve with "
+            f"a key (K3SYS_API_KEY, or without --no-auth), or remove them (`k3sys sandbox keys list`, "
+            f"`k3sys sandbox keys remove --tenant NAME`)")
 
 
 class Runtimeish(Protocol):

@@ -35,7 +35,7 @@ from fastapi.responses import JSONResponse
 from k3sys.sandbox.runtime.runtime import Runtime
 from k3sys.sandbox.service import control
 from k3sys.sandbox.service import metrics as _metrics
-from k3sys.sandbox.service.auth import check_bind
+from k3sys.sandbox.service.auth import check_bind, check_open
 from k3sys.sandbox.service.core import Service, ServiceConfig
 from k3sys.sandbox.service.deps import AdminOnly, Svc, authorize
 from k3sys.sandbox.service.envd.app import install as install_envd
@@ -116,10 +116,12 @@ def create_app(config: ServiceConfig, runtime: Runtime | None = None) -> FastAPI
 
 
 def serve(config: ServiceConfig, host: str = "127.0.0.1", port: int = 3000, log_level: str = "warning") -> None:
-    """Serve until SIGINT/SIGTERM (then `on_shutdown` runs). Refuses a non-loopback `host` without a key."""
+    """Serve until SIGINT/SIGTERM (then `on_shutdown` runs). Refuses a non-loopback `host` without a
+    key, and to start without one while tenant keys exist."""
     import uvicorn
 
     check_bind(host, config.api_key)
+    check_open(config.data_dir, config.api_key)
     raise_nofile(config.connections)  # before the runtime opens anything: it checks the limits fit
     # Opened here, not at startup, so a directory in use fails with our error, not uvicorn's.
     runtime = config.open_runtime()

@@ -216,6 +216,10 @@ class Tenants:
     def has_keys(self) -> bool:
         return bool(self._rows("SELECT 1 FROM keys LIMIT 1"))
 
+    def keyed(self) -> int:
+        """How many tenants hold at least one key."""
+        return self._rows("SELECT COUNT(DISTINCT tenant) FROM keys")[0][0]
+
     def authenticate(self, key: str) -> Tenant | None:
         """The tenant `key` belongs to, or None. A lookup by hash: its timing says nothing about a key."""
         rows = self._rows("SELECT t.name, t.sandboxes, t.memory_mb, t.disk_mb, t.pids FROM keys k "

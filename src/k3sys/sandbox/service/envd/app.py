@@ -11,7 +11,12 @@ SDK reads as not running (`is_running()` is False; `connect` resumes it). /healt
 
 The access token is derived, not stored: HMAC-SHA256 of the sandbox id under the service's API key
 (`access_token`), so every sandbox, fork and restore has its own, it survives restarts, and
-rotating the key revokes them all. A service without a key (loopback only) asks for none.
+rotating the key revokes them all. A service without a key (`--no-auth`, loopback only) asks for
+none while no tenant key exists, and serves no one once one does (scope.authenticate: with no key
+there are no tokens, and tenants' sandboxes would be open to anyone).
+
+A /files call runs as its `username` (the default user without one), never as a header says: a
+signed URL runs as the user it was signed for (files.py).
 """
 
 from __future__ import annotations
@@ -117,23 +122,8 @@ def _not_found(sid: str) -> tuple[int, str, str]:
 
 def _refusal(svc: Any, sid: str, scope: dict[str, Any]) -> tuple[int, str, str] | None:
     """(status, message, our error type) when the request may not reach the sandbox's envd, else None."""
-    token = access_token(svc.config.api_key, sid)
-    path = scope["path"]
-    if token is not None and path != "/health":
-        headers = dict(scope["headers"])
-        given, key = headers.get(TOKEN_HEADER.encode(), b""), headers.get(API_KEY_HEADER.encode())
-        scheme, _, bearer = headers.get(b"authorization", b"").partition(b" ")
-        key = key if key is not None else bearer.strip() if scheme.lower() == b"bearer" else None
-        query = dict(parse_qsl(scope.get("query_string", b"").decode()))
-        opens = True if hmac.compare_digest(given, token.encode()) else _key_opens(svc, key, sid)
-        if opens is None:
-            return _not_found(sid)
-        if not opens:
-            if path != "/files" or "signature" not in query:
-                return (401, f"sandbox {_shown(sid)}: {'wrong' if given else 'missing'} envd access token "
-                             "(X-Access-Token)", AuthError.code)
-            if (why := _signature_refusal(query, scope["method"], token)) is not None:
-                return 401, why, AuthError.code
+    if scope["path"] != "/health" and (refused := _unauthorized(svc, sid, scope)) is not None:
+        return refused
     try:
         state = svc.rt.info(sid).state
     except NotFoundError:
@@ -144,6 +134,41 @@ def _refusal(svc: Any, sid: str, scope: dict[str, Any]) -> tuple[int, str, str] 
         return 502, f"The sandbox {_shown(sid)} was not found running: it is {state} (connect resumes it)", \
             InvalidStateError.code
     return None
+
+
+def _unauthorized(svc: Any, sid: str, scope: dict[str, Any]) -> tuple[int, str, str] | None:
+    """(status, message, our error type) unless the request shows the sandbox's access token, an
+    API key that opens it, or (for /files) a good signature; a service without a key asks for none
+    while it has no tenant keys, and serves no one once it has (scope.authenticate)."""
+    token = access_token(svc.config.api_key, sid)
+    if token is None:
+        try:
+            authenticate(None, svc.tenants, None)
+        except AuthError as e:
+            return 401, str(e), AuthError.code
+        return None
+    headers = dict(scope["headers"])
+    given, key = headers.get(TOKEN_HEADER.encode(), b""), headers.get(API_KEY_HEADER.encode())
+    scheme, _, bearer = headers.get(b"authorization", b"").partition(b" ")
+    key = key if key is not None else bearer.strip() if scheme.lower() == b"bearer" else None
+    opens = True if hmac.compare_digest(given, token.encode()) else _key_opens(svc, key, sid)
+    if opens is None:
+        return _not_found(sid)
+    if opens:
+        return None
+    query = _query(scope)
+    if scope["path"] != "/files" or "signature" not in query:
+        return (401, f"sandbox {_shown(sid)}: {'wrong' if given else 'missing'} envd access token "
+                     "(X-Access-Token)", AuthError.code)
+    if (why := _signature_refusal(query, scope["method"], token)) is not None:
+        return 401, why, AuthError.code
+    return None  # a good signature: the route runs as the user it was signed for (files.py)
+
+
+def _query(scope: dict[str, Any]) -> dict[str, str]:
+    # Parsed as Starlette parses it for the routes (blank values kept, the last of a repeated name
+    # wins), so the path and user a signature was checked for are the ones the route uses.
+    return dict(parse_qsl(scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True))
 
 
 def _sandbox_of(scope: dict[str, Any]) -> bytes | None:
@@ -165,7 +190,7 @@ def _signer(scope: dict[str, Any]) -> bytes | None:
     `E2B_SANDBOX_URL` with no sandbox id in them). One hash per sandbox: only a URL that carries a
     signature costs this, and only a valid one finds a sandbox."""
     svc = scope["app"].state.service
-    query = dict(parse_qsl(scope.get("query_string", b"").decode()))
+    query = _query(scope)
     if svc.config.api_key is None or svc.runtime is None:
         return None
     for info in svc.runtime.list():

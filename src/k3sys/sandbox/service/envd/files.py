@@ -30,7 +30,7 @@ from k3sys.sandbox.errors import (
     TooLargeError,
     UnavailableError,
 )
-from k3sys.sandbox.service.envd.rpc import absolute, user_of
+from k3sys.sandbox.service.envd.rpc import absolute
 
 _CHUNK = 1 << 20
 _IN_MEMORY = 1 << 20  # bytes of a spooled upload (or part) kept in memory before it goes to disk
@@ -53,7 +53,10 @@ def http_error(exc: BaseException) -> JSONResponse:
 
 
 def _user(request: Request) -> str | None:
-    return request.query_params.get("username") or user_of(request.headers.get("authorization"))
+    """The user a /files call runs as: its `username` (None: the default user), never a header, as
+    envd reads it. A signed URL's signature covers `username`, so it runs as the user it was signed
+    for; an `Authorization: Basic` riding along changes nothing (it did: root through a default-user URL)."""
+    return request.query_params.get("username") or None
 
 
 async def _absolute(request: Request, path: str | None) -> str:
@@ -176,7 +179,9 @@ async def upload(request: Request) -> Response:
                 raise InvalidArgumentError(f"content-type: multipart without a boundary: {ctype!r}")
             with body:
                 files = await anyio.to_thread.run_sync(multipart_parts, body, m.group(1).encode())
-            if path is not None and len(files) == 1:
+            if path:  # every part goes to `path`, as in envd: one part, so a URL signed for a path writes it only
+                if len(files) != 1:
+                    raise InvalidArgumentError(f"upload: `path` names one file; the body has {len(files)} parts")
                 files = [(path, files[0][1])]
         else:
             files = [(request.query_params.get("path"), body)]
