@@ -7,9 +7,11 @@ and tests/rollout/ (the rollout engine drives the same runtime).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -48,6 +50,21 @@ def leftovers(root: Path, ids: set[str] = frozenset()) -> list[str]:
     if (root / "sandboxes").is_dir():
         found += [f"sandbox dir {p}" for p in (root / "sandboxes").iterdir()]
     return found
+
+
+def loops_backed_by(roots: list[Path], wait: float = 5.0) -> list[str]:
+    """Loop devices whose backing file is under one of `roots` (they detach themselves once
+    unmounted, a moment later: polled for up to `wait` seconds)."""
+    deadline = time.monotonic() + wait
+    while True:
+        held = []
+        for f in Path("/sys/block").glob("loop*/loop/backing_file"):
+            with contextlib.suppress(OSError):
+                if f.read_text().strip().startswith(tuple(f"{r}/" for r in roots)):
+                    held.append(f.parent.parent.name)
+        if not held or time.monotonic() > deadline:
+            return held
+        time.sleep(0.05)
 
 
 SEEN: set[str] = set()  # every sandbox id the session's runtime held at the end of some test

@@ -14,12 +14,11 @@ import hashlib
 import os
 import subprocess
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from sandbox_fixtures import MISSING, leftovers
+from sandbox_fixtures import MISSING, leftovers, loops_backed_by
 
 from k3sys.sandbox.errors import NotFoundError
 
@@ -125,23 +124,8 @@ class Arena:
         held = [line for line in leftovers(self.rt.root, ids) if self.bystander.id not in line]
         assert held == []
         assert not [i for i in ids if (driver.reach.dir / i).exists()]
-        assert _loops_backed_by([self.rt._dirs(i).root for i in ids]) == []
+        assert loops_backed_by([self.rt._dirs(i).root for i in ids]) == []
         assert all(driver.ranges.base_of(self.rt._dirs(i).root) is None for i in ids)
-
-
-def _loops_backed_by(roots: list[Path], wait: float = 5.0) -> list[str]:
-    """Loop devices whose backing file is under one of `roots` (they detach themselves once
-    unmounted, a moment later: polled for up to `wait` seconds)."""
-    deadline = time.monotonic() + wait
-    while True:
-        held = []
-        for f in Path("/sys/block").glob("loop*/loop/backing_file"):
-            with contextlib.suppress(OSError):
-                if f.read_text().strip().startswith(tuple(f"{r}/" for r in roots)):
-                    held.append(f.parent.parent.name)
-        if not held or time.monotonic() > deadline:
-            return held
-        time.sleep(0.05)
 
 
 @pytest.fixture

@@ -100,6 +100,18 @@ print(call(165, b"none", b"/mnt", b"tmpfs", 0, 0), call(175, 0, 0, b""), call(31
     record_property("figure", "9 of 9 calls refused with EPERM (seccomp)")
 
 
+def test_io_uring_refused(arena, debian_template, record_property):
+    record_property("attack", "io_uring_setup / io_uring_enter / io_uring_register")
+    s = arena.create(template="debian", memory_mb=256)
+    # x86_64: io_uring_setup 425 (8 entries, zeroed params), io_uring_enter 426, io_uring_register 427.
+    out = _py(s, """
+params = ctypes.create_string_buffer(120)
+print(call(425, 8, params), call(426, -1, 1, 0, 0, 0, 0), call(427, -1, 0, 0, 0))
+""")
+    assert out.split() == ["1"] * 3, out  # EPERM each (unfiltered: 0, EBADF, EINVAL)
+    record_property("figure", "3 of 3 io_uring calls refused with EPERM (seccomp)")
+
+
 def test_mknod_refused(arena, host, record_property):
     record_property("attack", "mknod (a host block device)")
     s = arena.create(memory_mb=64)

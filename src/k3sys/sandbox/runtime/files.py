@@ -70,7 +70,9 @@ class _Reader(io.RawIOBase):
     def readable(self) -> bool:
         return True
 
-    def readinto(self, b: bytearray | memoryview) -> int:  # type: ignore[override]
+    def fill(self) -> None:
+        """Fetch the next chunk unless one is waiting (none past the end). The first call opens the
+        file inside the sandbox, so it raises what opening raises (PermissionDeniedError)."""
         while not self._buf and self._pos < self.size:
             if self._chunks is None:
                 self._chunks = self._files._agent(self._sid).read_chunks(
@@ -82,6 +84,9 @@ class _Reader(io.RawIOBase):
                 continue
             if not self._buf:
                 self.size = self._pos  # the file shrank meanwhile
+
+    def readinto(self, b: bytearray | memoryview) -> int:  # type: ignore[override]
+        self.fill()
         n = min(len(b), len(self._buf))
         b[:n] = self._buf[:n]
         self._buf = self._buf[n:]
@@ -116,7 +121,8 @@ class Files(Table):
 
     def open_file(self, sid: str, path: str, user: str | None = None) -> BinaryIO:
         """The regular file at `path` for streaming out (`.size`: its size now, what the stream
-        delivers); the caller closes it. Anything else is refused: a device or FIFO could stream
+        delivers), opened already (PermissionDeniedError if `user` may not read it); the caller
+        closes it. Anything else is refused: a device or FIFO could stream
         without end into host memory (a device is opened first, so one the sandbox may not use
         answers with its EPERM)."""
         path = sandbox_path(path)
@@ -133,7 +139,15 @@ class Files(Table):
             if len(data) > SIZELESS_MAX:
                 raise TooLargeError(f"{path!r}: its size says 0 but it reads past {SIZELESS_MAX} bytes")
             return _Sized(data)  # type: ignore[return-value]
-        return _Reader(self, sid, path, int(st["size"]), user)  # type: ignore[return-value]
+        reader = _Reader(self, sid, path, int(st["size"]), user)
+        try:
+            # Opened inside before it is returned: a file the user may not read is refused here, before
+            # a caller (envd's GET /files) has promised any byte of it.
+            reader.fill()
+        except BaseException:
+            reader.close()
+            raise
+        return reader  # type: ignore[return-value]
 
     def write_file(self, sid: str, path: str, data: bytes | str | BinaryIO, user: str | None = None,
                    xattrs: dict[str, bytes] | None = None) -> int:

@@ -69,6 +69,7 @@ class _Call:
     raw: bool = False
     headers: dict[str, str] = field(default_factory=dict)
     errors: Callable[[int, bytes, Any], SandboxError] = error_of  # (status, body, headers) -> the exception
+    paged: bool = False  # a list: `_do` asks for the next page while the answer names one, and joins them
 
 
 def _command_timeout(timeout: float | None) -> float | None:
@@ -109,6 +110,11 @@ class _Routes(EnvdCalls):
         return self._http.build_request(call.method, call.path, params=call.params, json=call.json,
                                         content=call.content, headers=call.headers, timeout=call.timeout)
 
+    def _next_page(self, call: _Call, r: httpx.Response) -> _Call | None:
+        """The request for the page after `r` when `call` is a list with more (E2B's X-Next-Token)."""
+        token = r.headers.get("x-next-token") if call.paged and r.status_code < 400 else None
+        return dataclasses.replace(call, params={**(call.params or {}), "nextToken": token}) if token else None
+
     def _answer(self, call: _Call, r: httpx.Response) -> Any:
         if r.status_code >= 400 and not call.raw:
             raise call.errors(r.status_code, r.content, r.headers)
@@ -143,9 +149,9 @@ class _Routes(EnvdCalls):
         return self._do(_Call("GET", f"/sandboxes/{sid}", parse=lambda r: sandbox_info(r.json())))
 
     def list(self) -> list[SandboxInfo]:
-        """Every sandbox, every state, oldest first (no `limit`: one page)."""
+        """Every sandbox, every state, oldest first (every page)."""
         return self._do(_Call("GET", "/v2/sandboxes", params={"order": "asc"},
-                              parse=lambda r: [sandbox_info(d) for d in r.json()]))
+                              parse=lambda r: [sandbox_info(d) for d in r.json()], paged=True))
 
     def kill(self, sid: str) -> None:
         return self._do(_Call("DELETE", f"/sandboxes/{sid}"))
@@ -228,7 +234,7 @@ class _Routes(EnvdCalls):
                               json={"sandboxID": id, "timeout": timeout_s}, parse=lambda r: sandbox_info(r.json())))
 
     def checkpoints(self) -> list[CheckpointInfo]:
-        return self._do(_Call("GET", "/snapshots", parse=lambda r: [checkpoint_info(d) for d in r.json()]))
+        return self._do(_Call("GET", "/snapshots", parse=lambda r: [checkpoint_info(d) for d in r.json()], paged=True))
 
     def get_checkpoint(self, ck: str) -> CheckpointInfo:
         return self._do(_Call("GET", f"/snapshots/{quote(ck, safe='')}", parse=lambda r: checkpoint_info(r.json())))
@@ -255,7 +261,8 @@ class HTTPBackend(_Routes):
     def _do(self, call: _Call) -> Any:
         with self._reaching():
             r = self._http.send(self._request(call))
-        return self._answer(call, r)
+        answer = self._answer(call, r)
+        return answer if (more := self._next_page(call, r)) is None else answer + self._do(more)
 
     def stream_command(self, cid: str) -> Iterator[tuple[str, str]]:
         """`("stdout" | "stderr", text)` as the command writes it, until it ends (envd's Connect stream)."""
@@ -291,7 +298,8 @@ class AsyncHTTPBackend(_Routes, AsyncBackend):
             call = dataclasses.replace(call, content=_aiter(call.content))  # AsyncClient streams async iterables
         with self._reaching():
             r = await self._http.send(self._request(call))
-        return self._answer(call, r)
+        answer = self._answer(call, r)
+        return answer if (more := self._next_page(call, r)) is None else answer + await self._do(more)
 
     async def stream_command(self, cid: str) -> AsyncIterator[tuple[str, str]]:
         """See `HTTPBackend.stream_command`."""

@@ -26,6 +26,8 @@ from k3sys.sandbox.service.attrs import SandboxAttrs
 from k3sys.sandbox.service.core import Service
 from k3sys.sandbox.service.deps import Caller, Ck, Sid, Svc, authorize
 from k3sys.sandbox.service.e2b_models import (
+    E2B_STATE,
+    PAGE_MAX,
     Connect,
     Fork,
     NewSandbox,
@@ -35,6 +37,7 @@ from k3sys.sandbox.service.e2b_models import (
     Restore,
     Snapshot,
     Timeout,
+    check_attrs_size,
     cpu_count,
     e2b_states,
     no_memory,
@@ -49,19 +52,20 @@ from k3sys.sandbox.types import CheckpointInfo, SandboxInfo
 
 T = TypeVar("T")
 router = APIRouter(dependencies=[Depends(authorize)])
-Limit = Annotated[int | None, Query(ge=1, le=1000, description="page size; omitted: everything")]
+Limit = Annotated[int, Query(ge=1, le=PAGE_MAX, description="page size (E2B's bounds)")]
 _ON_TIMEOUT = {True: "hibernate", False: "kill", None: None}
 
 
-def _body(svc: Service, info: SandboxInfo) -> dict[str, Any]:
-    return sandbox_body(info, svc.attrs.get(info.id), access_token(svc.config.api_key, info.id),
-                        svc.config.on_timeout)
+def _body(svc: Service, info: SandboxInfo, attrs: SandboxAttrs | None = None) -> dict[str, Any]:
+    attrs = attrs if attrs is not None else svc.attrs.get(info.id)
+    return sandbox_body(info, attrs, access_token(svc.config.api_key, info.id), svc.config.on_timeout)
 
 
-def _page(items: Sequence[T], key: Callable[[T], tuple[float, str]], limit: int | None, token: str | None,
-          response: Response, desc: bool = False) -> list[T]:
+def _page(items: Sequence[T], key: Callable[[T], tuple[float, str]], limit: int, token: str | None,
+          desc: bool = False) -> tuple[list[T], dict[str, str]]:
     """`items` (sorted by `key`, descending if `desc`) after the position `token` names, at most
-    `limit` of them; the next page's token, if there is one, in `X-Next-Token` (E2B's pagination)."""
+    `limit` of them, and the page's headers: the next page's token, if there is one, in
+    `X-Next-Token` (E2B's pagination)."""
     if token:
         try:
             created, _, last = base64.urlsafe_b64decode(token.encode()).decode().partition("/")
@@ -69,11 +73,10 @@ def _page(items: Sequence[T], key: Callable[[T], tuple[float, str]], limit: int 
         except (binascii.Error, UnicodeDecodeError, ValueError):
             raise InvalidArgumentError(f"nextToken: not a token this service gave, got {token[:60]!r}") from None
         items = [i for i in items if (key(i) < after if desc else key(i) > after)]
-    if limit is None or len(items) <= limit:
-        return list(items)
+    if len(items) <= limit:
+        return list(items), {}
     created, last = key(items[limit - 1])
-    response.headers["x-next-token"] = base64.urlsafe_b64encode(f"{created!r}/{last}".encode()).decode()
-    return list(items[:limit])
+    return list(items[:limit]), {"x-next-token": base64.urlsafe_b64encode(f"{created!r}/{last}".encode()).decode()}
 
 
 def _metadata_filter(metadata: str | None) -> dict[str, str]:
@@ -103,6 +106,7 @@ def _snapshot(svc: Service, scope: Scope, ck: CheckpointInfo) -> dict[str, Any]:
 async def create_sandbox(svc: Svc, scope: Caller, body: NewSandbox) -> dict[str, Any]:
     """A sandbox from a template, or restored from a snapshot (`templateID` = its id)."""
     body.check_supported()
+    check_attrs_size(body.metadata, body.envVars)
     keep = body.autoPauseMemory is not False
     attrs = SandboxAttrs(body.templateID, body.metadata or {}, body.envVars or {}, keep, keep)
     if (ck := await svc.call("lookup", _snapshot_of, svc, scope, body.templateID, io=True)) is not None:
@@ -128,31 +132,36 @@ async def create_sandbox(svc: Svc, scope: Caller, body: NewSandbox) -> dict[str,
 
 @router.get("/sandboxes", tags=["sandboxes"])
 @router.get("/v2/sandboxes", tags=["sandboxes"])
-async def list_sandboxes(svc: Svc, scope: Caller, response: Response, metadata: str | None = None,
+async def list_sandboxes(svc: Svc, scope: Caller, metadata: str | None = None,
                          state: str | None = None, template: str | None = None, startedAfter: datetime | None = None,  # noqa: N803
-                         order: Order = "desc", limit: Limit = None,
-                         nextToken: str | None = None) -> list[dict[str, Any]]:  # noqa: N803
-    """Sandboxes (every state unless `state` says), newest first (E2B's order) unless `order=asc`."""
+                         order: Order = "desc", limit: Limit = PAGE_MAX,
+                         nextToken: str | None = None) -> JSONResponse:  # noqa: N803
+    """Sandboxes (every state unless `state` says), newest first (E2B's order) unless `order=asc`,
+    a page at a time. Only the page's bodies are made: a list holds one page of metadata in memory."""
     states, wanted = e2b_states(state), _metadata_filter(metadata)
     since = startedAfter.replace(tzinfo=startedAfter.tzinfo or UTC) if startedAfter else None
 
-    def every() -> list[dict[str, Any]]:  # in a worker thread: attributes are files
+    def every() -> list[tuple[SandboxInfo, SandboxAttrs]]:  # in a worker thread: attributes are files
         t0 = time.time()
         infos = svc.rt.list()
         svc.attrs.prune({i.id for i in infos}, before=t0)
-        return [_body(svc, i) for i in scope.sandboxes(infos)]
+        return [(i, svc.attrs.get(i.id)) for i in scope.sandboxes(infos)]
 
-    bodies = [b for b in await svc.call("list", every, io=True)
-              if (states is None or b["state"] in states) and wanted.items() <= b["metadata"].items()
-              and (template is None or template in (b["templateID"], b["alias"]))
-              # compared as the `startedAt` we send (whole microseconds), so that value finds its sandbox
-              and (since is None or datetime.fromtimestamp(b["k3sys"]["created"], UTC) >= since)]
+    def wanted_one(info: SandboxInfo, attrs: SandboxAttrs) -> bool:
+        return ((states is None or E2B_STATE.get(info.state, "paused") in states)
+                and wanted.items() <= attrs.metadata.items()
+                and (template is None or template in (attrs.template_id or info.spec.template, info.spec.template))
+                # compared as the `startedAt` we send (whole microseconds), so that value finds its sandbox
+                and (since is None or datetime.fromtimestamp(info.created, UTC) >= since))
 
-    def key(b: dict[str, Any]) -> tuple[float, str]:
-        return b["k3sys"]["created"], b["sandboxID"]
+    def key(pair: tuple[SandboxInfo, SandboxAttrs]) -> tuple[float, str]:
+        return pair[0].created, pair[0].id
 
     desc = order == "desc"
-    return _page(sorted(bodies, key=key, reverse=desc), key, limit, nextToken, response, desc)
+    found = sorted((p for p in await svc.call("list", every, io=True) if wanted_one(*p)), key=key, reverse=desc)
+    page, headers = _page(found, key, limit, nextToken, desc)
+    # Encoded at once (no response-model copies of each body): the page is the list's one large object.
+    return JSONResponse([_body(svc, *p) for p in page], headers=headers)
 
 
 @router.get("/sandboxes/{sid}", tags=["sandboxes"])
@@ -266,15 +275,16 @@ async def create_snapshot(svc: Svc, sid: Sid, scope: Caller, body: Snapshot | No
 
 
 @router.get("/snapshots", tags=["snapshots"])
-async def list_snapshots(svc: Svc, scope: Caller, response: Response, sandboxID: str | None = None,  # noqa: N803
-                         name: str | None = None, limit: Limit = None,
-                         nextToken: str | None = None) -> list[dict[str, Any]]:  # noqa: N803
-    """Checkpoints, oldest first; `name` matches a snapshot's id or a name given to it."""
+async def list_snapshots(svc: Svc, scope: Caller, sandboxID: str | None = None,  # noqa: N803
+                         name: str | None = None, limit: Limit = PAGE_MAX,
+                         nextToken: str | None = None) -> JSONResponse:  # noqa: N803
+    """Checkpoints, oldest first, a page at a time; `name` matches a snapshot's id or a name given to it."""
     cks = scope.checkpoints(await svc.call("list_checkpoints", svc.rt.checkpoints, io=True))
     cks = sorted((c for c in cks if sandboxID in (None, c.sandbox_id)
                   and (name is None or name == c.id or scope.name_key(name) in svc.names.names_of(c.id))),
                  key=lambda c: (c.created, c.id))
-    return [_snapshot(svc, scope, c) for c in _page(cks, lambda c: (c.created, c.id), limit, nextToken, response)]
+    page, headers = _page(cks, lambda c: (c.created, c.id), limit, nextToken)
+    return JSONResponse([_snapshot(svc, scope, c) for c in page], headers=headers)
 
 
 @router.delete("/templates/{tid}", status_code=204, tags=["snapshots"])

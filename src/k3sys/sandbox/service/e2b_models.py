@@ -25,6 +25,12 @@ DEFAULT_TIMEOUT_S = 300  # E2B's default lifetime of a sandbox, when a create na
 NO_END = "9999-12-31T23:59:59Z"  # endAt of a sandbox without a deadline (E2B always has one)
 MAX_TIMEOUT_S = 1e9
 _MAX_PAIRS, _MAX_KEY, _MAX_VALUE = 256, 256, 16384  # metadata and envVars: entries, characters
+# Metadata and envVars of one sandbox together, UTF-8 bytes of keys and values. The service keeps
+# them in memory and a list page carries up to PAGE_MAX sandboxes' metadata, so this bounds a page
+# at 6.4 MiB; envVars go into every command's environment, where Linux gives arguments and
+# environment together a quarter of the stack limit (2 MiB by default): 64 KiB leaves a command most of it.
+MAX_ATTRS_BYTES = 64 << 10
+PAGE_MAX = 100  # items of one list page: E2B's default and maximum `limit`
 _STRICT = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
 # E2B's states are two; ours are finer (the `k3sys` member keeps ours).
 E2B_STATE = {"running": "running", "checkpointing": "running", "creating": "running", "resuming": "running",
@@ -40,6 +46,14 @@ def _pairs(name: str, d: dict[str, str] | None) -> dict[str, str]:
             raise ValueError(f"{name}: keys of 1-{_MAX_KEY} and values of at most {_MAX_VALUE} characters, "
                              f"got {k[:40]!r} ({len(k)}) = ({len(v)} characters)")
     return d
+
+
+def check_attrs_size(metadata: dict[str, str] | None, envs: dict[str, str] | None) -> None:
+    """Refuse a sandbox whose metadata and envVars pass MAX_ATTRS_BYTES together."""
+    size = sum(len(k.encode()) + len(v.encode()) for d in (metadata or {}, envs or {}) for k, v in d.items())
+    if size > MAX_ATTRS_BYTES:
+        raise InvalidArgumentError(f"metadata, envVars: {size} bytes of keys and values together, over the "
+                                   f"bound of {MAX_ATTRS_BYTES} bytes per sandbox")
 
 
 def unsupported(name: str, why: str) -> InvalidArgumentError:

@@ -42,6 +42,12 @@ REFUSED: dict[str, str] = {
     "get_mempolicy": "NUMA policy of the host", "set_mempolicy": "NUMA policy of the host",
     "mbind": "NUMA policy of the host", "move_pages": "move pages between host NUMA nodes",
     "pidfd_getfd": "take descriptors out of other processes",
+    # io_uring: a second system call interface (work queued in shared rings, done by kernel threads
+    # this filter never sees) and a steady source of kernel exploits; Docker refuses it too, and CRIU
+    # cannot dump a ring, so a sandbox holding one could not be checkpointed. EPERM is what a host
+    # with `kernel.io_uring_disabled` answers, so programs (libuv, liburing users) fall back already.
+    "io_uring_setup": "io_uring (unfiltered system calls)", "io_uring_enter": "io_uring (unfiltered system calls)",
+    "io_uring_register": "io_uring (unfiltered system calls)",
 }
 
 # `clone3` passes its flags in memory a filter cannot read: refused with ENOSYS so libc uses clone.
