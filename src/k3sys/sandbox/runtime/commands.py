@@ -162,7 +162,8 @@ class Commands(Table):
         for the process to end, so it is no longer running once this returns."""
         self._retrying(sid, lambda a: a.signal(pid, sig))
         if sig == 9:
-            self._retrying(sid, lambda a: a.wait(pid, 10))
+            with contextlib.suppress(NotFoundError):  # ended, and collected at once by a stream that followed it
+                self._retrying(sid, lambda a: a.wait(pid, 10))
 
     def resize_pty(self, sid: str, pid: int, rows: int, cols: int) -> None:
         """Resize the terminal of PTY process `pid` (`rows` x `cols` characters)."""
