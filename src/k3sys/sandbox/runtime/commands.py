@@ -3,8 +3,10 @@
 Every command is a child of the agent, the sandbox's PID 1, so a checkpoint, fork, hibernation or
 restore carries it along; its output lives in the agent's ring inside the sandbox. The host keeps
 only a bounded window of what a reader fetched (`_Window`): nothing grows on the host while nobody
-reads. Commands run without the sandbox's lock, so a long command never blocks `pause` or `kill`;
-a call cut by a checkpoint is made again once the sandbox runs (`_retrying`).
+reads. `run` and the followers of `start_followed` / `follow_command` (follow.py) get every byte:
+the agent holds the command back while they read. Commands run without the sandbox's lock, so a
+long command never blocks `pause` or `kill`; a call cut by a checkpoint is made again once the
+sandbox runs (`_retrying`).
 """
 
 from __future__ import annotations
