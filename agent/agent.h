@@ -8,8 +8,11 @@
 #include <sys/types.h>
 
 /* One process's output: stdout and stderr records in write order, in chunks, bounded by `cap`
- * bytes of memory; the oldest chunks are dropped to make room (`dropped` counts their bytes).
- * Positions are byte offsets in the process's whole output since its start. */
+ * bytes of memory; the oldest chunks are dropped to make room (`dropped` counts their bytes), but
+ * never one holding a byte at or past `keep` (what a follower has yet to send: the caller stops
+ * reading the process instead, loop.h). Every ring's memory is counted in `rings_used`, which the
+ * loop holds within the sandbox's total (main.c). Positions are byte offsets in the process's whole
+ * output since its start. */
 struct chunk {
 	struct chunk *next;
 	uint64_t pos; /* offset of data[0] */
@@ -26,7 +29,13 @@ struct ring {
 	size_t used, cap; /* bytes of memory held by chunks, and the limit */
 };
 
-void ring_append(struct ring *r, char stream, const char *p, size_t n);
+extern size_t rings_used; /* bytes of memory held by every ring's chunks */
+
+/* Append `n` bytes of `stream`, then drop the oldest chunks before `keep` while over `cap`. */
+void ring_append(struct ring *r, char stream, const char *p, size_t n, uint64_t keep);
+/* Whether the oldest chunk may go: it is not the newest, and it ends at or before `keep`. */
+int ring_droppable(const struct ring *r, uint64_t keep);
+void ring_drop_oldest(struct ring *r);
 /* The chunk holding offset `pos` (>= r->start, < r->end), or NULL. */
 struct chunk *ring_find(struct ring *r, uint64_t pos);
 void ring_free(struct ring *r);

@@ -11,6 +11,9 @@
 
 #define VERSION "1"
 #define OUT_HIGH (256u << 10) /* stop pumping output to a connection with this much unsent */
+/* A followed process may always hold this much its follower has yet to send, whatever the other
+ * rings hold: followers stalled elsewhere never stop it for good. */
+#define RING_FLOOR (256u << 10)
 
 enum kind { K_LISTEN, K_SIGNAL, K_CONN, K_OUT, K_ERR };
 enum cstate { C_REQ, C_STREAM, C_WORKER, C_CLOSING };
@@ -26,6 +29,8 @@ struct proc {
 	char *cmd, *tag; /* tag: the client's name for this start ("" if none) */
 	int out_fd, err_fd, in_fd; /* -1 when closed; with a PTY, pipes from and to its relay (pty.c) */
 	int pty, reaped, exited, status, release; /* a PTY one has exited once reaped and its relay ended */
+	int paused; /* its output pipes are not read (out of epoll): a follower has to catch up first */
+	uint64_t max; /* output bytes past which its group is killed (0: no limit) */
 	char tty[32]; /* a PTY's slave, opened briefly to resize it */
 	time_t exit_time;
 	struct ring ring;
@@ -57,7 +62,7 @@ struct conn {
 extern int ep;
 extern struct proc *procs;
 extern struct conn *conns;
-extern size_t ring_default;
+extern size_t ring_default, ring_total;
 extern long retain_s;
 extern char readbuf[CHUNK];
 extern sigset_t handled;
@@ -79,7 +84,8 @@ void pump_followers(pid_t pid);
 /* proc.c */
 void proc_close_fd(struct proc *p, int *fd);
 void proc_free(struct proc *p);
-int drain(struct proc *p, int *fd, char stream, size_t budget);
+int drain(struct proc *p, int *fd, char stream, size_t budget, int hold);
+void readers_resume(void);
 int become(const char *user, char *home, size_t home_len);
 void child_reset(const int *keep, int n);
 void op_start(struct conn *c);

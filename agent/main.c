@@ -11,7 +11,7 @@
  * The processes it starts are in proc.c, the answers to requests in requests.c; the state they
  * share in loop.h.
  *
- * Usage: k3sys-agent [--socket PATH] [--ring BYTES] [--retain SECONDS]
+ * Usage: k3sys-agent [--socket PATH] [--ring BYTES] [--ring-total BYTES] [--retain SECONDS]
  */
 #define _GNU_SOURCE
 #include "loop.h"
@@ -19,6 +19,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <grp.h>
+#include <malloc.h>
 #include <poll.h>
 #include <signal.h>
 #include <stdio.h>
@@ -41,6 +42,7 @@ int ep;
 struct proc *procs;
 struct conn *conns;
 size_t ring_default = 16u << 20;
+size_t ring_total = 64u << 20;
 long retain_s = 600;
 char readbuf[CHUNK];
 sigset_t handled;
@@ -276,9 +278,15 @@ int main(int argc, char **argv)
 			sock = argv[i + 1];
 		else if (!strcmp(argv[i], "--ring"))
 			ring_default = (size_t)strtoull(argv[i + 1], NULL, 10);
+		else if (!strcmp(argv[i], "--ring-total"))
+			ring_total = (size_t)strtoull(argv[i + 1], NULL, 10);
 		else if (!strcmp(argv[i], "--retain"))
 			retain_s = strtol(argv[i + 1], NULL, 10);
 	}
+	/* A full output chunk (CHUNK and its header) is a mapping of its own, unmapped when dropped: the
+	 * agent's memory (and what a checkpoint dumps of it) follows what its rings hold now, not the
+	 * most they ever held. */
+	mallopt(M_MMAP_THRESHOLD, CHUNK);
 	int ls = listen_on(sock);
 	/* Orphans come to us even when we are not PID 1 (run by hand, in tests). */
 	prctl(PR_SET_CHILD_SUBREAPER, 1);
@@ -358,12 +366,13 @@ int main(int argc, char **argv)
 				int *fd = w->kind == K_OUT ? &p->out_fd : &p->err_fd;
 				if (*fd >= 0) {
 					pid_t pid = p->pid; /* drain may end and free a released PTY process */
-					drain(p, fd, w->kind == K_OUT ? F_STDOUT : F_STDERR, 4 * CHUNK);
+					drain(p, fd, w->kind == K_OUT ? F_STDOUT : F_STDERR, 4 * CHUNK, 1);
 					pump_followers(pid);
 				}
 			}
 		}
 		free_closed();
 		housekeeping();
+		readers_resume(); /* followers moved on or left during the batch */
 	}
 }

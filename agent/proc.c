@@ -60,11 +60,77 @@ static void proc_ended(struct proc *p)
 		proc_free(p);
 }
 
-/* Read what a process's pipe or PTY holds into its ring; returns 0 at end of file. At most `budget`
- * bytes, so one busy writer cannot starve the loop. */
-int drain(struct proc *p, int *fd, char stream, size_t budget)
+/* --- output: rings within their bounds, writers held while a follower catches up ------------ */
+
+/* The offset from which `p`'s output must stay: the least position of its followers (they have yet
+ * to send the rest), or UINT64_MAX when nobody follows it. */
+static uint64_t kept_from(const struct proc *p)
 {
+	uint64_t from = UINT64_MAX;
+	for (struct conn *c = conns; c; c = c->next)
+		if (c->state == C_STREAM && c->output && c->pid == p->pid && c->pos < from)
+			from = c->pos;
+	return from;
+}
+
+/* Hold every ring together within `ring_total`: the ring holding the most gives its oldest chunk,
+ * until within, or until all that is left is followers' unsent output and each ring's newest chunk. */
+static void rings_fit(void)
+{
+	while (rings_used > ring_total) {
+		struct proc *big = NULL;
+		for (struct proc *q = procs; q; q = q->next)
+			if ((!big || q->ring.used > big->ring.used) && ring_droppable(&q->ring, kept_from(q)))
+				big = q;
+		if (!big)
+			return;
+		ring_drop_oldest(&big->ring);
+	}
+}
+
+/* Whether `p`'s pipes may be read now. With no follower, always: its oldest output makes room
+ * (counted in `dropped`; E2B's envd keeps nothing of a process nobody is connected to). With one,
+ * while what it has yet to send stays under the ring's size and the rings' total has room (or it
+ * is under RING_FLOOR); else the process's writes wait on its full pipe, back-pressure from the
+ * follower, as E2B's connected stream gets every chunk. */
+static int room(const struct proc *p, uint64_t keep)
+{
+	if (keep == UINT64_MAX)
+		return 1;
+	uint64_t from = keep > p->ring.start ? keep : p->ring.start;
+	uint64_t unsent = from >= p->ring.end ? 0 : p->ring.end - from;
+	return unsent < p->ring.cap && (unsent < RING_FLOOR || rings_used < ring_total);
+}
+
+/* Watch `p`'s pipes again, or stop (out of the epoll set: a pipe whose writer left would report
+ * EPOLLHUP even with no event asked). */
+static void set_reading(struct proc *p, int on)
+{
+	p->paused = !on;
+	if (p->out_fd >= 0)
+		watch_fd(p->out_fd, &p->out_w, EPOLLIN, on ? EPOLL_CTL_ADD : EPOLL_CTL_DEL);
+	if (p->err_fd >= 0)
+		watch_fd(p->err_fd, &p->err_w, EPOLLIN, on ? EPOLL_CTL_ADD : EPOLL_CTL_DEL);
+}
+
+void readers_resume(void)
+{
+	for (struct proc *p = procs; p; p = p->next)
+		if (p->paused && room(p, kept_from(p)))
+			set_reading(p, 1);
+}
+
+/* Read what a process's pipe or PTY holds into its ring; returns 0 at end of file. At most `budget`
+ * bytes, so one busy writer cannot starve the loop; with `hold`, only while `room` says so (else
+ * the process is paused until readers_resume). */
+int drain(struct proc *p, int *fd, char stream, size_t budget, int hold)
+{
+	uint64_t keep = kept_from(p);
 	while (budget) {
+		if (hold && !room(p, keep)) {
+			set_reading(p, 0);
+			return 1;
+		}
 		ssize_t n = read(*fd, readbuf, sizeof(readbuf));
 		if (n < 0 && errno == EINTR)
 			continue;
@@ -76,7 +142,10 @@ int drain(struct proc *p, int *fd, char stream, size_t budget)
 				proc_ended(p);
 			return 0;
 		}
-		ring_append(&p->ring, stream, readbuf, (size_t)n);
+		ring_append(&p->ring, stream, readbuf, (size_t)n, keep);
+		rings_fit();
+		if (p->max && p->ring.end > p->max && !p->reaped)
+			kill(-p->pid, SIGKILL); /* its client takes no more than that (the end says it went past) */
 		budget = (size_t)n > budget ? 0 : budget - (size_t)n;
 	}
 	return 1;
@@ -142,6 +211,15 @@ void child_reset(const int *keep, int n)
 	for (int s = 1; s < NSIG; s++)
 		sigaction(s, &dfl, NULL);
 	sigprocmask(SIG_UNBLOCK, &handled, NULL);
+	/* What the agent forks is the OOM killer's first choice (1000: the largest such process goes
+	 * first, whatever PID 1 holds), so the sandbox's memory limit kills a user's process, never
+	 * PID 1. Raising one's own value needs no privilege, inside a user namespace too; the host
+	 * lowers PID 1's to -1000 where it may (runc.py `_spare_agent`). */
+	int oom = open("/proc/self/oom_score_adj", O_WRONLY | O_CLOEXEC);
+	if (oom >= 0) {
+		(void)!write(oom, "1000", 4);
+		close(oom);
+	}
 	int moved[4];
 	for (int i = 0; i < n; i++)
 		moved[i] = fcntl(keep[i], F_DUPFD_CLOEXEC, 16 + i);
@@ -295,6 +373,8 @@ void op_start(struct conn *c)
 	p->err_fd = errp[0];
 	p->in_fd = in[1];
 	p->release = field_num(&c->f, "release", 0) != 0;
+	long long max = field_num(&c->f, "max", 0);
+	p->max = max > 0 ? (uint64_t)max : 0;
 	long long cap = field_num(&c->f, "ring", (long long)ring_default);
 	p->ring.cap = cap > 0 ? (size_t)cap : ring_default;
 	p->ring.tail_link = &p->ring.head;
@@ -343,10 +423,11 @@ void reaped(pid_t pid, int status)
 		proc_close_fd(p, &p->in_fd);
 		return;
 	}
-	/* What it wrote before exiting is in the pipe already: take it before announcing the end. */
+	/* What it wrote before exiting is in the pipe already (at most the pipe's size: a held writer
+	 * was waiting on it): take it, held or not, before announcing the end. */
 	if (p->out_fd >= 0)
-		drain(p, &p->out_fd, F_STDOUT, 1u << 20);
+		drain(p, &p->out_fd, F_STDOUT, 1u << 20, 0);
 	if (p->err_fd >= 0)
-		drain(p, &p->err_fd, F_STDERR, 1u << 20);
+		drain(p, &p->err_fd, F_STDERR, 1u << 20, 0);
 	proc_ended(p);
 }

@@ -6,7 +6,9 @@
 
 #define CHUNK_MIN 4096
 
-static void drop_head(struct ring *r)
+size_t rings_used;
+
+void ring_drop_oldest(struct ring *r)
 {
 	struct chunk *c = r->head;
 
@@ -18,10 +20,16 @@ static void drop_head(struct ring *r)
 	r->start = r->head ? r->head->pos : r->end;
 	r->dropped += c->len;
 	r->used -= c->cap;
+	rings_used -= c->cap;
 	free(c);
 }
 
-void ring_append(struct ring *r, char stream, const char *p, size_t n)
+int ring_droppable(const struct ring *r, uint64_t keep)
+{
+	return r->head && r->head != r->tail && r->head->pos + r->head->len <= keep;
+}
+
+void ring_append(struct ring *r, char stream, const char *p, size_t n, uint64_t keep)
 {
 	while (n) {
 		struct chunk *t = r->tail;
@@ -33,6 +41,7 @@ void ring_append(struct ring *r, char stream, const char *p, size_t n)
 				struct chunk *s = realloc(t, sizeof(*t) + t->len);
 				if (s) {
 					r->used -= s->cap - s->len;
+					rings_used -= s->cap - s->len;
 					s->cap = s->len;
 					*r->tail_link = s;
 					r->tail = s;
@@ -50,6 +59,7 @@ void ring_append(struct ring *r, char stream, const char *p, size_t n)
 			*r->tail_link = c;
 			r->tail = c;
 			r->used += cap;
+			rings_used += cap;
 			t = c;
 		}
 		size_t k = t->cap - t->len < n ? t->cap - t->len : n;
@@ -58,8 +68,8 @@ void ring_append(struct ring *r, char stream, const char *p, size_t n)
 		r->end += k;
 		p += k;
 		n -= k;
-		while (r->used > r->cap && r->head != r->tail)
-			drop_head(r);
+		while (r->used > r->cap && ring_droppable(r, keep))
+			ring_drop_oldest(r);
 	}
 }
 
@@ -74,5 +84,5 @@ struct chunk *ring_find(struct ring *r, uint64_t pos)
 void ring_free(struct ring *r)
 {
 	while (r->head)
-		drop_head(r);
+		ring_drop_oldest(r);
 }

@@ -3,8 +3,9 @@ them and the k3sys remote client reads them; standard library only.
 
 Fields envd does not have ride along where the e2b SDK ignores them (it reads with unknown fields
 ignored): a process's `running` / `exitCode` / `pty` in List, an event's `isDir`, a written file's
-`size`, an entry's `k3sysUid` / `k3sysGid` and a symlink's `k3sysTarget` (as the link says it;
-envd's `symlinkTarget` is absolute); and
+`size`, an entry's `k3sysUid` / `k3sysGid`, a symlink's `k3sysTarget` (as the link says it;
+envd's `symlinkTarget` is absolute), a process end event's `k3sysDropped` (output bytes the
+sandbox dropped before the stream reached them; absent when none); and
 two in a request: Start's `k3sysShell` (the command as a shell string, for `/bin/sh -c`, as the
 embedded runtime starts it) and `k3sysStdin` (base64: the whole stdin, written then closed).
 Extension headers, sent only by the k3sys client: `k3sys-follow: 0` (Start, Connect: send what the
@@ -103,10 +104,12 @@ def process_of(m: dict[str, Any]) -> ProcessInfo:
                        bool(m.get("running", True)), m.get("exitCode"), bool(m.get("pty")))
 
 
-def end_event(exit_code: int) -> dict[str, Any]:
-    """A process's end event; the agent reports a death by signal N as 128 + N, as a shell does."""
+def end_event(exit_code: int, dropped: int = 0) -> dict[str, Any]:
+    """A process's end event; the agent reports a death by signal N as 128 + N, as a shell does.
+    `dropped`: output bytes the sandbox dropped before the stream reached them (`k3sysDropped`)."""
     status = f"signal: {exit_code - 128}" if exit_code > 128 else f"exit status {exit_code}"
-    return {"end": {"exitCode": exit_code, "exited": exit_code <= 128, "status": status}}
+    end: dict[str, Any] = {"exitCode": exit_code, "exited": exit_code <= 128, "status": status}
+    return {"end": end | ({"k3sysDropped": dropped} if dropped else {})}
 
 
 class ProcessStream:
@@ -119,6 +122,7 @@ class ProcessStream:
         self._frames = FrameReader()
         self.pid: int | None = None
         self.exit: int | None = None
+        self.dropped = 0  # output bytes the sandbox dropped before the stream reached them
         self.done = False
         self.kept: dict[str, bytearray] | None = {"stdout": bytearray(), "stderr": bytearray()} if keep else None
 
@@ -141,6 +145,7 @@ class ProcessStream:
                         self.kept[name] += data
             elif "end" in event:
                 self.exit = int((event["end"] or {}).get("exitCode", 0))
+                self.dropped = int((event["end"] or {}).get("k3sysDropped", 0))
         return pieces
 
     def _error(self, end: dict[str, Any]) -> SandboxError:
@@ -154,4 +159,4 @@ class ProcessStream:
         if self.exit is None or self.kept is None:
             raise UnavailableError(f"{where}: the stream ended before the process did")
         out, err = (self.kept[n].decode(errors="replace") for n in ("stdout", "stderr"))
-        return CommandResult(out, err, self.exit)
+        return CommandResult(out, err, self.exit, self.dropped)

@@ -7,7 +7,7 @@
     │   ├── UnknownTemplateError          no template with that name
     │   ├── PathEscapeError               a sandbox path leaving the sandbox root (`..`, symlinks)
     │   ├── WrongFileTypeError            a directory where a file is needed, or the other way round
-    │   └── TooLargeError                 a request body over the service's size limit
+    │   └── TooLargeError                 a request body, or a `run`'s output, over its size limit
     ├── SandboxFileNotFoundError (FileNotFoundError)  no such file inside the sandbox
     ├── CommandTimeoutError (TimeoutError)  a command ran past its timeout and was killed
     ├── RuntimeLockedError                another live process holds the runtime directory
@@ -124,7 +124,7 @@ class CommandTimeoutError(SandboxError, TimeoutError):
 
 
 class TooLargeError(InvalidArgumentError):
-    """A request body over the service's size limit."""
+    """A request body over the service's size limit, or a command's output over `run`'s."""
 
     code = "too_large"
     http_status = 413

@@ -93,7 +93,8 @@ class CommandResult:
     """A finished command: its output (decoded as UTF-8, undecodable bytes replaced) and exit code.
 
     `exit_code` is 128 + the signal's number when the command was killed by one (as a shell says).
-    `dropped` counts output bytes not kept: output is bounded (16 MiB), and the oldest goes first.
+    `dropped` counts output bytes the sandbox dropped before they were read (a background command's
+    oldest output, nobody following it, past its ring); output that was followed is never dropped.
     """
 
     stdout: str

@@ -51,11 +51,11 @@ def agent_bin(tmp_path_factory) -> Path:
     return out
 
 
-@pytest.fixture
-def agent(agent_bin, tmp_path):
-    root = tmp_path / "root"
+@contextlib.contextmanager
+def _agent_in(agent_bin: Path, root: Path, *args: str):
+    """An agent run by hand on `root` (1 MiB rings, and `args`), stopped at the end."""
     root.mkdir()
-    proc = subprocess.Popen([str(agent_bin), "--socket", str(root / SOCKET), "--ring", str(1 << 20)])
+    proc = subprocess.Popen([str(agent_bin), "--socket", str(root / SOCKET), "--ring", str(1 << 20), *args])
     a = Agent(root, pid=lambda: proc.pid, timeout=10)
     deadline = time.monotonic() + 10
     while True:  # the socket file appears at bind(), before listen(): wait for an answer
@@ -69,6 +69,12 @@ def agent(agent_bin, tmp_path):
     yield a
     proc.terminate()
     assert proc.wait(5) == 0
+
+
+@pytest.fixture
+def agent(agent_bin, tmp_path):
+    with _agent_in(agent_bin, tmp_path / "root") as a:
+        yield a
 
 
 def _children(pid: int) -> list[tuple[int, str]]:
@@ -162,10 +168,47 @@ def test_ring_is_bounded_and_counts_what_it_dropped(agent):
     assert pieces[-1] == end
 
 
-def test_run_keeps_the_tail_and_counts_the_rest(agent):
-    out, end = agent.run("head -c 5000000 /dev/zero; echo tail", keep=100_000)
-    assert out.size == 100_000 and out.dropped == 5_000_005 - 100_000 == end.dropped
+def test_run_gets_every_byte_past_the_ring_and_is_killed_past_its_limit(agent):
+    # 5 MB through a 1 MiB ring: the follower holds the writer back instead of losing the head.
+    out, end = agent.run("head -c 5000000 /dev/zero; echo tail")
+    assert out.size == 5_000_005 == end.end and out.dropped == end.dropped == 0
     assert out.text("stdout").endswith(b"\0tail\n")
+    out, end = agent.run("yes", limit=1_000_000)  # the agent kills it past the limit
+    assert end.exit == 128 + 9 and end.end > 1_000_000 and out.size == end.end < 2_000_000
+
+
+def test_a_slow_follower_holds_the_writer_and_gets_every_byte(agent):
+    pid = agent.start("seq 1 600000; echo done")  # 4.5 MB: over four rings
+    pieces = agent.output(pid, follow=True, timeout=60)
+    got, gaps = bytearray(), []
+    for piece in pieces:
+        if isinstance(piece, Gap):
+            gaps.append(piece)
+        elif isinstance(piece, tuple):
+            got += piece[1]
+        if len(got) > 2_000_000 and not gaps and "held" not in locals():
+            time.sleep(0.5)  # a slow reader: the agent stops reading the pipe, so seq waits
+            held = any(p["pid"] == str(pid) and p["running"] == "1" for p in agent.processes())
+    assert gaps == [] and held, "nothing dropped; the writer waited for the reader"
+    assert got.decode().split() == [str(i) for i in range(1, 600_001)] + ["done"]
+    assert isinstance(piece, Exit) and piece.end == len(got)  # (its `dropped`: what the ring no longer holds)
+
+
+def test_unfollowed_rings_share_the_total_and_count_what_they_dropped(agent_bin, tmp_path):
+    with _agent_in(agent_bin, tmp_path / "root", "--ring-total", str(2 << 20)) as a:
+        pids = [a.start("head -c 3000000 /dev/zero") for _ in range(4)]  # 12 MB, nobody following
+        ends = [a.wait(p, timeout=30) for p in pids]
+        kept = [sum(len(x[1]) for x in a.output(p) if isinstance(x, tuple)) for p in pids]
+        assert all(e.end == 3_000_000 and e.dropped + k == e.end for e, k in zip(ends, kept, strict=True))
+        assert sum(kept) <= (2 << 20) + 4 * (64 << 10), "within the total (and each ring's newest chunk)"
+        status = Path(f"/proc/{a._pid()}/status").read_text()
+        assert int(status.split("VmRSS:")[1].split()[0]) < 16 << 10, "the agent's memory follows its rings (KiB)"
+
+
+def test_what_the_agent_starts_is_the_oom_killers_first_choice(agent):
+    out, _ = agent.run("cat /proc/self/oom_score_adj")
+    assert out.text("stdout") == b"1000\n"
+    assert Path(f"/proc/{agent._pid()}/oom_score_adj").read_text() == "0\n", "the agent keeps its own"
 
 
 def test_stdin_write_and_close(agent):

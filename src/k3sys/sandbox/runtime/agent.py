@@ -211,14 +211,14 @@ class Agent:
         return int(self._request("start", self._start_fields(cmd, env, cwd, user, stdin, pty, ring))["pid"])
 
     def run(self, cmd: str | list[str], *, env: dict[str, str] | None = None, cwd: str | None = None,
-            user: str | None = None, timeout: float | None = None, keep: int = 16 << 20) -> tuple[Output, Exit]:
-        """Run `cmd` to its end in one round trip (start and follow): its output (at most `keep`
-        bytes, the newest) and how it ended. On `timeout` (s) its process group is killed and
-        CommandTimeoutError carries the partial output."""
-        out = Output(keep)
+            user: str | None = None, timeout: float | None = None, limit: int | None = None) -> tuple[Output, Exit]:
+        """Run `cmd` to its end in one round trip (start and follow): all its output (the agent holds
+        its writes while this reads) and how it ended. The agent kills it past `limit` bytes (then the
+        Exit's `end` is past it); on `timeout` (s) CommandTimeoutError carries the output so far."""
+        out = Output(None)
         tag = secrets.token_hex(8)  # names this start, so a cut call finds its process, never starts two
-        fields = [*self._start_fields(cmd, env, cwd, user, False, None, keep), ("follow", 1), ("release", 1),
-                  ("tag", tag)]
+        fields = [*self._start_fields(cmd, env, cwd, user, False, None, None), ("follow", 1), ("release", 1),
+                  ("tag", tag), ("max", limit)]
         deadline = None if timeout is None else time.monotonic() + timeout
         pid = 0
         try:
@@ -248,7 +248,7 @@ class Agent:
             pid = pid or next((int(p["pid"]) for p in self.processes() if p.get("tag") == tag), 0)
             if not pid:
                 rest = None if deadline is None else max(0.001, deadline - time.monotonic())
-                return self.run(cmd, env=env, cwd=cwd, user=user, timeout=rest, keep=keep)
+                return self.run(cmd, env=env, cwd=cwd, user=user, timeout=rest, limit=limit)
         # The process runs on inside; follow it again from where the stream was cut.
         rest = None if deadline is None else max(0.001, deadline - time.monotonic())
         end = self.follow(pid, out, out.size + out.dropped, timeout=rest)

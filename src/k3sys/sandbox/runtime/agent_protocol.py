@@ -68,9 +68,9 @@ class Gap:
 @dataclass
 class Output:
     """Output of a process as (stream, bytes) pieces in write order, `stream` "stdout" / "stderr",
-    keeping at most `cap` bytes (the newest); what falls out is counted in `dropped`."""
+    keeping at most `cap` bytes (the newest; None: all); what falls out is counted in `dropped`."""
 
-    cap: int = 16 << 20
+    cap: int | None = 16 << 20
     dropped: int = 0
 
     def __post_init__(self) -> None:
@@ -80,7 +80,7 @@ class Output:
     def add(self, stream: str, data: bytes) -> None:
         self.pieces.append((stream, data))
         self.size += len(data)
-        while self.size > self.cap:
+        while self.cap is not None and self.size > self.cap:
             s, d = self.pieces.popleft()
             cut = min(len(d), self.size - self.cap)
             if cut < len(d):

@@ -3,8 +3,10 @@
 Every command is a child of the agent, the sandbox's PID 1, so a checkpoint, fork, hibernation or
 restore carries it along; its output lives in the agent's ring inside the sandbox. The host keeps
 only a bounded window of what a reader fetched (`_Window`): nothing grows on the host while nobody
-reads. Commands run without the sandbox's lock, so a long command never blocks `pause` or `kill`;
-a call cut by a checkpoint is made again once the sandbox runs (`_retrying`).
+reads. `run` and the followers of `start_followed` / `follow_command` (follow.py) get every byte:
+the agent holds the command back while they read. Commands run without the sandbox's lock, so a
+long command never blocks `pause` or `kill`; a call cut by a checkpoint is made again once the
+sandbox runs (`_retrying`).
 """
 
 from __future__ import annotations
@@ -23,9 +25,11 @@ from k3sys.sandbox.errors import (
     CommandTimeoutError,
     InvalidArgumentError,
     NotFoundError,
+    TooLargeError,
 )
 from k3sys.sandbox.runtime.agent import Agent
 from k3sys.sandbox.runtime.agent_protocol import Exit, Gap
+from k3sys.sandbox.runtime.follow import OutputFollower
 from k3sys.sandbox.runtime.state import State
 from k3sys.sandbox.runtime.table import Table, _new_id
 from k3sys.sandbox.spec import CommandResult, OutputPieces, check_command
@@ -33,6 +37,9 @@ from k3sys.sandbox.types import ProcessInfo
 
 _log = logging.getLogger(__name__)
 WINDOW = 16 << 20  # bytes of a command's output the host keeps per stream, at most
+# Bytes of output `run` returns, at most: it returns them in the host's memory (a longer output is
+# read as it comes, with `stream_command`, or over the service's streams, which hold none of it).
+RUN_OUTPUT_MAX = 128 << 20
 
 
 def _decode(b: bytes) -> str:
@@ -101,20 +108,48 @@ class Commands(Table):
         the agent's default); `stdin` True: a pipe kept open for `send_stdin`; bytes: written to it,
         then closed; a `pty` = (rows, cols) makes a terminal its stdin, stdout and stderr. Returns a
         command id (`command_pid` gives its pid). `cwd` None: the user's home."""
+        return self._start(sid, cmd, cwd, env, user, stdin, pty, follow=False)[0]
+
+    def start_followed(self, sid: str, cmd: str | list[str], cwd: str | None = None,
+                       env: dict[str, str] | None = None, user: str | None = None,
+                       stdin: bool | bytes | None = None, pty: tuple[int, int] | None = None
+                       ) -> tuple[str, OutputFollower]:
+        """`start_process`, and its output followed from the first byte (follow.py): the caller reads
+        it at its own pace, and the command's writes wait for it. Close the follower when done."""
+        cid, follower = self._start(sid, cmd, cwd, env, user, stdin, pty, follow=True)
+        assert follower is not None
+        return cid, follower
+
+    def _start(self, sid: str, cmd: str | list[str], cwd: str | None, env: dict[str, str] | None, user: str | None,
+               stdin: bool | bytes | None, pty: tuple[int, int] | None,
+               follow: bool) -> tuple[str, OutputFollower | None]:
         if isinstance(cmd, list) and not (cmd and all(isinstance(a, str) and "\0" not in a for a in cmd) and cmd[0]):
             raise InvalidArgumentError(f"cmd: expected a non-empty argv of strings without NUL, got {cmd!r}")
         env = check_command(cmd[0] if isinstance(cmd, list) else cmd, cwd, env)
         if pty is not None and not all(isinstance(n, int) and 0 < n < 1 << 16 for n in pty):
             raise InvalidArgumentError(f"pty: expected (rows, cols) between 1 and 65535, got {pty!r}")
+        piped = stdin is True or isinstance(stdin, bytes)
+        follower = None
         with self._locked(sid) as rec:
             self._require(rec, "run a command in", State.RUNNING)
-            pid = self._agent(sid).start(cmd, env=env, cwd=cwd, user=user, pty=pty,
-                                         stdin=stdin is True or isinstance(stdin, bytes))
+            agent = self._agent(sid)
+            if follow:
+                fields = agent._start_fields(cmd, env, cwd, user, piped, pty, None)
+                follower = OutputFollower(agent, "start", [*fields, ("follow", 1)])
+                pid = follower.pid
+            else:
+                pid = agent.start(cmd, env=env, cwd=cwd, user=user, pty=pty, stdin=piped)
         if isinstance(stdin, bytes):
             # On a thread: a command that does not read its stdin would block a write past the pipe's
             # buffer, and with it this call and the timeout the caller's wait is about to start.
             threading.Thread(target=self._feed, args=(sid, pid, stdin), daemon=True).start()
-        return self._register_command(sid, pid)
+        return self._register_command(sid, pid), follower
+
+    def follow_command(self, cid: str, pos: int = 0) -> OutputFollower:
+        """The command's output from offset `pos`, followed (follow.py); waits out a checkpoint."""
+        c = self._command(cid)
+        fields = [("pid", c.pid), ("from", pos), ("follow", 1)]
+        return self._retrying(c.sandbox_id, lambda a: OutputFollower(a, "connect", fields, pos))
 
     def send_stdin(self, sid: str, pid: int, data: bytes, close: bool = False) -> None:
         """Write `data` to process `pid`'s stdin (a pipe or its terminal); `close` then closes it
@@ -129,7 +164,8 @@ class Commands(Table):
         for the process to end, so it is no longer running once this returns."""
         self._retrying(sid, lambda a: a.signal(pid, sig))
         if sig == 9:
-            self._retrying(sid, lambda a: a.wait(pid, 10))
+            with contextlib.suppress(NotFoundError):  # ended, and collected at once by a stream that followed it
+                self._retrying(sid, lambda a: a.wait(pid, 10))
 
     def resize_pty(self, sid: str, pid: int, rows: int, cols: int) -> None:
         """Resize the terminal of PTY process `pid` (`rows` x `cols` characters)."""
@@ -269,7 +305,8 @@ class Commands(Table):
     def run(self, sid: str, cmd: str, timeout: float | None = 60, cwd: str | None = None,
             env: dict[str, str] | None = None, stdin: bytes | None = None) -> CommandResult:
         """Run `sh -c cmd` to completion: one round trip to the agent (start and follow), unless it
-        has input for its stdin (then `start_command` and `wait_command`)."""
+        has input for its stdin (then `start_command` and `wait_command`). All its output, held back
+        in the sandbox while this reads; past RUN_OUTPUT_MAX bytes it is killed (TooLargeError)."""
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0):
             raise InvalidArgumentError(f"timeout: expected None or a positive number of seconds, got {timeout!r}")
         if stdin is None:
@@ -278,7 +315,7 @@ class Commands(Table):
                 self._require(rec, "run a command in", State.RUNNING)
                 agent = self._agent(sid)
             try:
-                out, end = agent.run(cmd, env=env, cwd=cwd or "/", timeout=timeout, keep=WINDOW)
+                out, end = agent.run(cmd, env=env, cwd=cwd or "/", timeout=timeout, limit=RUN_OUTPUT_MAX)
             except CommandTimeoutError as e:
                 raise CommandTimeoutError(f"command in sandbox {sid} ran past {timeout} s and was killed",
                                           e.stdout, e.stderr) from None
@@ -288,6 +325,9 @@ class Commands(Table):
                 if "unreachable" not in str(e):
                     raise
                 return self._run_without_agent(sid, cmd, timeout, cwd, env, e)
+            if end.end > RUN_OUTPUT_MAX:
+                raise TooLargeError(f"command in sandbox {sid} wrote more than {RUN_OUTPUT_MAX} bytes and was "
+                                    "killed: read longer output as it comes (start_command, stream_command)")
             return _result(out.text("stdout"), out.text("stderr"), end, out.dropped)
         cid = self.start_command(sid, cmd, cwd, env, stdin)
         try:

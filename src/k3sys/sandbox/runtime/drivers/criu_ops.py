@@ -1,6 +1,6 @@
 """Checkpoint and restore of runc sandboxes through CRIU: the half of `RuncDriver` (runc.py) that
 dumps and restores processes, mixed into it; it uses the driver's plumbing (`_run`, `_prepare`,
-`agent`, the cgroups and the lazy-pages daemons).
+`agent`, `_spare_agent`, the cgroups and the lazy-pages daemons).
 
 Choices that keep checkpoints small and fast, measured on this host (see docs/sandbox.md):
 - as few tmpfs mounts as possible (`/dev` lives in the overlay, /sys/firmware is masked by a bind):
@@ -124,6 +124,7 @@ class CriuOps:
         t["runc+criu"] = time.perf_counter() - t1
         self.disks.refill()  # now that the restore is done with the CPU (diskpool.py)
         t["criu"] = criulog.criu_seconds(work / "restore.log")
+        self._spare_agent(sid)
         self.agent(sid, dirs).open_gate()  # a new PID 1 (host pid) behind the same socket path
         # Running: every checkpoint is taken frozen, but CRIU leaves cgroups (the freezer's state
         # included) to runc, which restores into fresh, thawed ones.

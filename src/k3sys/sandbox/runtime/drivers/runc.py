@@ -15,6 +15,7 @@ minus a Go process start; cgroups.py).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import threading
@@ -45,10 +46,15 @@ _MASKED = ["/proc/acpi", "/proc/scsi", "/proc/kcore", "/proc/keys", "/proc/laten
            "/proc/timer_stats", "/proc/sched_debug"]
 _MASKED_BY_BIND = ["/sys/firmware"]
 _READONLY = ["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger"]
+_log = logging.getLogger(__name__)
 _PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # PID 1 of every sandbox: k3sys-agent (agent/, docs/sandbox-agent.md), bind-mounted read-only. It
 # drops the host-side stdio runc hands it (CRIU cannot dump host files) once its socket listens.
 _AGENT = "/.k3sys/agent"
+# Its output rings together hold at most this share of the sandbox's memory (and at most 64 MiB):
+# processes nobody follows lose their oldest output past it, followed ones wait (agent/proc.c).
+_RINGS_SHARE = 8
+_RINGS_MAX = 64 << 20
 
 
 class RuncDriver(CriuOps):
@@ -142,7 +148,7 @@ class RuncDriver(CriuOps):
             "process": {
                 "terminal": False,
                 "user": {"uid": 0, "gid": 0},
-                "args": [_AGENT],
+                "args": [_AGENT, "--ring-total", str(min(_RINGS_MAX, memory // _RINGS_SHARE))],
                 "env": [f"PATH={_PATH}", "HOME=/root", "LANG=C.UTF-8"],
                 "cwd": "/",
                 "capabilities": {k: _CAPS_UNHARDENED for k in ("bounding", "effective", "permitted")},
@@ -234,6 +240,7 @@ class RuncDriver(CriuOps):
     def create(self, sid: str, dirs: SandboxDirs, spec: SandboxSpec, lowers: list[Path]) -> None:
         self._prepare(sid, dirs, spec, lowers)
         self._run(["run", "-d", "--bundle", str(dirs.bundle), sid])
+        self._spare_agent(sid)
         self.disks.refill()  # now that runc is done with the CPU
         self.agent(sid, dirs).open_gate()
 
@@ -323,6 +330,22 @@ class RuncDriver(CriuOps):
             return "missing"
         status = json.loads(p.stdout)["status"]
         return {"running": "running", "paused": "paused", "created": "running"}.get(status, "stopped")
+
+    def _spare_agent(self, sid: str) -> None:
+        """Make the sandbox's PID 1 a process its memory limit never kills (oom_score_adj -1000), on
+        top of what the agent does itself (what it starts gets 1000, agent/proc.c `child_reset`), so
+        a user's process that lowers its own value still cannot make PID 1 the OOM killer's choice.
+        From the host, after every start and restore: root in a user namespace may not lower it
+        (that needs CAP_SYS_RESOURCE in the host's namespace), and CRIU, restoring the dumped value
+        from inside, fails there and only logs it. A host without CAP_SYS_RESOURCE (some container
+        hosts) leaves PID 1 at 0, protected by its children's 1000 alone."""
+        pid = self.init_pid(sid)
+        if pid is None:
+            raise DriverError(f"sandbox {sid}: runc started no PID 1")
+        try:
+            Path(f"/proc/{pid}/oom_score_adj").write_text("-1000")
+        except PermissionError:
+            _log.debug("sandbox %s: no CAP_SYS_RESOURCE to lower PID 1's oom_score_adj", sid)
 
     def init_pid(self, sid: str) -> int | None:
         """Host pid of the sandbox's PID 1 (None when it has none)."""

@@ -1,12 +1,16 @@
 """envd's `process.Process` service over the runtime's agent-backed commands.
 
-A process's output is read from the sandbox's agent (its ring, inside the sandbox) by polling
-`read_command_output`: every look is one agent round trip (~1 ms), every 5 ms, made more seldom
-once the process has been quiet for 50 ms (up to 100 ms apart). A checkpoint in progress holds a
-look, so a stream pauses and then goes on from its offsets; a paused (frozen) sandbox holds it until the thaw. Start and
-Connect streams send the output from the process's start (what the agent's ring still holds).
-The process's record in the agent is freed when a stream delivered its end and no other stream of
-it is open; a client that goes away first leaves it for a later Connect.
+A Start or Connect stream follows the process's output through one open call to the sandbox's agent
+(`runtime/follow.py`), read as it arrives without a thread. It is back-pressured end to end, as
+E2B's envd stream is: a client that reads slowly makes uvicorn wait before sending more, this
+generator waits at its `yield`, the agent's socket fills, the agent stops reading the process's
+pipe once the process is a ring (16 MiB) ahead, and the process's writes wait. So every byte
+arrives and the service holds about one message per stream. A checkpoint cuts the call; the stream
+goes on from its offset once the sandbox runs (a paused sandbox holds it until the thaw). Start and
+Connect send the output from the process's start (what the agent's ring still holds: the end
+event's `k3sysDropped` counts what it had dropped before anyone followed). The process's record in
+the agent is freed when a stream delivered its end and no other stream of it is open; a client
+that goes away first leaves it for a later Connect.
 """
 
 from __future__ import annotations
@@ -20,12 +24,16 @@ from typing import Any
 import anyio
 
 from k3sys.sandbox._envd import ALL_HEADER, FOLLOW_HEADER, KEEP_HEADER, KILL_HEADER, SIGNALS, end_event, process_json
-from k3sys.sandbox.errors import InvalidArgumentError, NotFoundError, SandboxError, UnavailableError
+from k3sys.sandbox.errors import (
+    AgentInterruptedError,
+    InvalidArgumentError,
+    NotFoundError,
+    SandboxError,
+    UnavailableError,
+)
+from k3sys.sandbox.runtime.agent_protocol import Exit
+from k3sys.sandbox.runtime.follow import OutputFollower
 from k3sys.sandbox.service.envd.rpc import Rpc, absolute, cap_deadline, past_deadline, selector_pid
-
-_POLL_S = (0.005, 0.1)  # seconds between looks at a process's output: when busy, when quiet
-_BRISK_S = 0.05  # seconds of quiet before the looks become fewer
-_PIECE = 1 << 20  # bytes of output per message at most
 
 
 def _b64(field: str, value: Any) -> bytes:
@@ -61,17 +69,31 @@ def _gone(rpc: Rpc) -> UnavailableError | None:
     return None
 
 
-async def _output(rpc: Rpc, cid: str, pid: int, pty: bool) -> AsyncIterator[dict[str, Any]]:
-    """The start event, the process's output, then its end (or a deadline or keepalive meanwhile)."""
+async def _output(rpc: Rpc, cid: str, pid: int, pty: bool,
+                  follower: OutputFollower | None = None) -> AsyncIterator[dict[str, Any]]:
+    """The start event, the process's output, then its end (or a deadline or keepalive meanwhile).
+    `follower`: the one its start opened (else one is opened from the process's first byte)."""
     rt, key, streams = rpc.svc.rt, (rpc.sid, pid), rpc.state.streams
     streams[key] = streams.get(key, 0) + 1
     ended = False
     try:
         yield {"event": {"start": {"pid": pid}}}
-        offsets, delay, quiet_since = (0, 0), _POLL_S[0], time.monotonic()
+        if rpc.headers.get(FOLLOW_HEADER) == "0":  # one look: what is there now, no end event
+            out, err, _ = await rpc.svc.call("envd.output", rt.read_command_output, cid, (0, 0), io=True)
+            for name, data in (("pty" if pty else "stdout", out), ("stderr", err)):
+                if data:
+                    yield {"event": {"data": {name: base64.b64encode(data).decode()}}}
+            return
+        quiet_since = time.monotonic()
         while True:
+            if follower is None:
+                follower = await rpc.svc.call("envd.follow", rt.follow_command, cid, 0, io=True)
             try:
-                out, err, done = await rpc.svc.call("envd.output", rt.read_command_output, cid, offsets, io=True)
+                pieces = follower.read()
+            except AgentInterruptedError:  # a checkpoint cut it: go on from its offset once the sandbox runs
+                pos, follower = follower.pos, None
+                follower = await rpc.svc.call("envd.follow", rt.follow_command, cid, pos, io=True)
+                continue
             except SandboxError as e:
                 # A kill in progress takes the agent first and the sandbox's record last.
                 for _ in range(30):
@@ -79,33 +101,35 @@ async def _output(rpc: Rpc, cid: str, pid: int, pty: bool) -> AsyncIterator[dict
                         raise gone from e
                     await anyio.sleep(0.1)
                 raise
-            offsets = (offsets[0] + len(out), offsets[1] + len(err))
-            for name, data in (("pty" if pty else "stdout", out), ("stderr", err)):
-                for i in range(0, len(data), _PIECE):
-                    yield {"event": {"data": {name: base64.b64encode(data[i:i + _PIECE]).decode()}}}
-            if done and (gone := _gone(rpc)) is not None:  # its "end" is the sandbox's: not the process's
-                raise gone
-            if done:
-                ended = rpc.headers.get(KEEP_HEADER) != "1"
-                yield {"event": end_event(rt.command_exit(cid).exit)}
-                return
-            if rpc.headers.get(FOLLOW_HEADER) == "0":
-                return
+            for piece in pieces:
+                if isinstance(piece, tuple):
+                    yield {"event": {"data": {"stderr" if piece[0] == "stderr" else "pty" if pty else "stdout":
+                                              base64.b64encode(piece[1]).decode()}}}
+                elif isinstance(piece, Exit):
+                    if (gone := _gone(rpc)) is not None:  # its "end" is the sandbox's: not the process's
+                        raise gone
+                    ended = rpc.headers.get(KEEP_HEADER) != "1"
+                    yield {"event": end_event(piece.exit, follower.dropped)}
+                    return
             if (late := past_deadline(rpc)) is not None:
                 if rpc.headers.get(KILL_HEADER) == "1":
                     await rpc.svc.call("envd.signal", rt.signal_process, rpc.sid, pid, 9, io=True)
                 raise late
             now = time.monotonic()
-            if out or err:
-                delay, quiet_since = _POLL_S[0], now
-            else:
-                # Quick looks for a while after the last output (a short command ends within it), then fewer.
-                delay = _POLL_S[0] if now - quiet_since < _BRISK_S else min(delay * 2, _POLL_S[1])
-                if rpc.keepalive_s is not None and now - quiet_since >= rpc.keepalive_s:
-                    quiet_since = now
-                    yield {"event": {"keepalive": {}}}
-            await anyio.sleep(delay)
+            if pieces:
+                quiet_since = now
+                continue
+            if rpc.keepalive_s is not None and now - quiet_since >= rpc.keepalive_s:
+                quiet_since = now
+                yield {"event": {"keepalive": {}}}
+            # Until more comes (or the call is cut: its end reads as more), a keepalive or the deadline.
+            keepalive = None if rpc.keepalive_s is None else quiet_since + rpc.keepalive_s
+            until = [t for t in (rpc.deadline, keepalive) if t is not None]
+            with anyio.move_on_after(max(0.0, min(until) - now) if until else None):
+                await anyio.wait_readable(follower.sock)
     finally:
+        if follower is not None:
+            follower.close()
         streams[key] -= 1
         last = streams[key] == 0
         if last:
@@ -131,9 +155,13 @@ async def start(rpc: Rpc) -> AsyncIterator[dict[str, Any]]:
     stdin = _b64("k3sysStdin", rpc.msg["k3sysStdin"]) if "k3sysStdin" in rpc.msg else bool(rpc.msg.get("stdin"))
     envs = {**rpc.svc.attrs.get(rpc.sid).envs, **(proc.get("envs") or {})}  # the sandbox's envVars, then the call's
     cwd = await absolute(rpc.svc, rpc.state, rpc.sid, rpc.user, proc.get("cwd") or ".")  # envd: the user's home
-    cid = await rpc.svc.call("envd.start", rpc.svc.rt.start_process, rpc.sid, argv, cwd, envs, rpc.user, stdin,
-                             pty, io=True)
-    async for event in _output(rpc, cid, rpc.svc.rt.command_pid(cid), pty is not None):
+    if rpc.headers.get(FOLLOW_HEADER) == "0":  # the k3sys client's start_command: the pid, no output
+        cid, follower = await rpc.svc.call("envd.start", rpc.svc.rt.start_process, rpc.sid, argv, cwd, envs,
+                                           rpc.user, stdin, pty, io=True), None
+    else:  # followed from its first byte: nothing it writes is dropped before the stream reads it
+        cid, follower = await rpc.svc.call("envd.start", rpc.svc.rt.start_followed, rpc.sid, argv, cwd, envs,
+                                           rpc.user, stdin, pty, io=True)
+    async for event in _output(rpc, cid, rpc.svc.rt.command_pid(cid), pty is not None, follower):
         yield event
 
 
