@@ -150,7 +150,7 @@ class RuncDriver(CriuOps):
                              "soft": min(1024, confine.nofile(spec.pids))}],
                 "noNewPrivileges": True,
             },
-            "root": {"path": str(self.reach.dir / sid), "readonly": False},  # dirs.rootfs, bound there
+            "root": {"path": str(self.reach.root(sid)), "readonly": False},  # dirs.rootfs, bound there
             # CRIU options that replace runc's (read after them); see scripts/install-sandbox.sh.
             "annotations": {"org.criu.config": str(dirs.bundle / "criu.conf")},
             # Constant on purpose: a fork keeps its source's UTS namespace, so an id here would lie.
@@ -197,7 +197,7 @@ class RuncDriver(CriuOps):
             confine.confine(config, uid_base)
         (dirs.bundle / "config.json").write_text(json.dumps(config))
         (dirs.bundle / "criu.conf").write_text(confine.criu_options(self.system.criu_override, spec))
-        self.reach.make(sid)
+        self.reach.make(sid, uid_base or 0)
         return {"prepare.config": time.perf_counter() - t0}, uid_base
 
     def _mounts(self, sid: str, dirs: SandboxDirs, spec: SandboxSpec, lowers: list[Path],
@@ -213,7 +213,8 @@ class RuncDriver(CriuOps):
             lowers = self._idmapped_lowers(dirs, [*lowers[:-1], idmap.dev_mask(self.state_dir), lowers[-1]], uid_base)
             os.chown(dirs.upper, uid_base, uid_base)  # the root directory belongs to root inside
         t["prepare.idmap"], t0 = time.perf_counter() - t0, time.perf_counter()
-        layers.mount_overlay(lowers, dirs.upper, dirs.work, dirs.rootfs)
+        # Without a user namespace runc mknods /dev in the overlay: nodev would make those nodes unusable.
+        layers.mount_overlay(lowers, dirs.upper, dirs.work, dirs.rootfs, nodev=uid_base is not None)
         self.reach.add(sid, dirs.rootfs)
         t["prepare.overlay"] = time.perf_counter() - t0
         return t
