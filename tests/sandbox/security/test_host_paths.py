@@ -134,3 +134,25 @@ def test_host_users_cannot_reach_into_a_sandbox(arena, open_rt, debian_template,
     record_property("figure", f"{len(live) + len(sealed)} host paths to the setuid file, {len(mounts)} mounts "
                               f"(nosuid,nodev): nobody ran, read and planted nothing; root inside = host uid {base}")
     a.finish()
+
+
+def test_scratch_directory_made_first_by_a_host_user(arena, private_root, record_property):
+    record_property("attack", "host user makes the runtime's tmpfs staging directory first (process images)")
+    from k3sys.sandbox import Runtime
+    from k3sys.sandbox.errors import DriverError
+
+    with Runtime(private_root) as rt:
+        a = type(arena)(rt, arena.host, arena.bystander)
+        s = a.create(memory_mb=64)
+        shutil.rmtree(rt.scratch, ignore_errors=True)
+        r = _as_nobody("mkdir", "-m", "0777", str(rt.scratch))  # its name follows from the runtime's path
+        assert r.returncode == 0, r.stderr
+        with pytest.raises(DriverError, match=str(rt.scratch)):
+            s.checkpoint()
+        assert os.listdir(rt.scratch) == []  # no image of the tenant's memory landed there
+        assert s.commands.run("echo still").stdout.strip() == "still"  # the sandbox goes on as it was
+        os.rmdir(rt.scratch)
+        s.checkpoint()  # made afresh, private
+        assert stat.S_IMODE(os.stat(rt.scratch).st_mode) == 0o700
+        record_property("figure", "checkpoint refused, naming the directory; no image written; works once removed")
+        a.finish()
