@@ -8,7 +8,8 @@
 #     restores work in user namespaces; start a lazy restore's background transfer only once the
 #     tasks run), installed into
 #     $K3SYS_SYSTEM_DIR/bin/criu, plus the configuration the driver hands it (etc/criu.conf);
-#   - bin/k3sys-lo-up, the prestart hook that brings loopback up in restored sandboxes, and
+#   - bin/k3sys-net-up, the prestart hook that sets up a sandbox's network namespace (loopback; with
+#     network=True its veth end, moved in) at every create and restore (was bin/k3sys-lo-up), and
 #     bin/k3sys-criu-gate, the CRIU of a `runc restore` started before the sandbox is ready;
 #   - the cgroup2 mount option favordynmods (no RCU grace period on each move into a cgroup);
 #   - the templates `busybox` and `base` (E2B's default: `debian` plus the user `user`).
@@ -123,7 +124,7 @@ build_static() {  # build_static NAME: scripts/sandbox/NAME.c -> $PREFIX/bin/NAM
         log "built $PREFIX/bin/$1"
     fi
 }
-build_static k3sys-lo-up
+build_static k3sys-net-up
 build_static k3sys-criu-gate
 
 install -d -m 0700 -o root -g root "$KDAT_DIR"

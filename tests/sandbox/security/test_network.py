@@ -460,10 +460,10 @@ def test_teardown_never_takes_a_later_owners_slot(outside, tmp_path, record_prop
     mine, theirs = tmp_path / "mine", tmp_path / "theirs"
     mine.mkdir()
     theirs.mkdir()
-    net.setup(mine, None)
+    net.setup(mine, None, mine / "resolv.conf")
     stale = (mine / "network.json").read_text()
     net.teardown(mine)
-    net.setup(theirs, None)
+    net.setup(theirs, None, theirs / "resolv.conf")
     slot = json.loads((theirs / "network.json").read_text())["slot"]
     # Our record, from before our teardown freed the slot, now naming the later owner's slot.
     (mine / "network.json").write_text(json.dumps({**json.loads(stale), "slot": slot}))

@@ -71,7 +71,7 @@ class Checkpoints(Table):
         follower = self.store.follow(images) if store else None
         try:
             t = self.driver.snapshot(rec.id, self._dirs(rec.id), images, fs, self._layer_dir(rec.layer),
-                                     thaw=thaw, network=rec.spec.network)
+                                     thaw=thaw)
         except BaseException:
             if follower is not None:
                 follower.abort()

@@ -22,7 +22,7 @@ from k3sys.sandbox.runtime.drivers.idmap import canonical
 
 _OPAQUE = "trusted.overlay.opaque"
 _MNT_DETACH = 2
-_MS_BIND = 4096
+_MS_NOSUID, _MS_NODEV, _MS_BIND = 2, 4, 4096
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
@@ -32,15 +32,19 @@ def _check(ret: int, what: str) -> None:
         raise DriverError(f"{what}: {os.strerror(err)}")
 
 
-def mount_overlay(lowers: list[Path], upper: Path, work: Path, target: Path) -> None:
-    """Mount `lowers` (top first) + `upper` at `target`.
+def mount_overlay(lowers: list[Path], upper: Path, work: Path, target: Path, nodev: bool = True) -> None:
+    """Mount `lowers` (top first) + `upper` at `target`, nosuid (and nodev unless `nodev` is False):
+    the host never runs a sandbox's setuid file or opens its device node through this mount (nor
+    through its binds, which keep these flags, runc's root included).
 
     redirect_dir and metacopy stay off so the upper holds plain files, whiteouts and opaque
     directories only, which is all `seal` understands (a renamed lower directory is copied up).
     """
     opts = (f"lowerdir={':'.join(map(str, lowers))},upperdir={upper},workdir={work},"
             "redirect_dir=off,metacopy=off,index=off")
-    _check(_libc.mount(b"overlay", os.fsencode(target), b"overlay", 0, opts.encode()), f"mount overlay at {target}")
+    flags = _MS_NOSUID | (_MS_NODEV if nodev else 0)
+    _check(_libc.mount(b"overlay", os.fsencode(target), b"overlay", flags, opts.encode()),
+           f"mount overlay at {target}")
 
 
 def bind(source: Path, target: Path) -> None:

@@ -86,6 +86,9 @@ class Runtime(Recovery, Checkpoints, Files, Commands, Table):
         self.root = (Path(root) if root is not None else default_root()).resolve()
         for d in ("sandboxes", "layers", "tmp"):
             (self.root / d).mkdir(parents=True, exist_ok=True)
+        # Host root's alone: it holds tenants' files (live roots, sealed layers whose owners are
+        # canonical, so a setuid file root wrote inside is host root's there) and checkpoints.
+        self.root.chmod(0o700)
         self._lock_file = open(self.root / "runtime.lock", "a+")  # noqa: SIM115 (held for our lifetime)
         try:
             fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)

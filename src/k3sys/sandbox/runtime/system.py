@@ -2,7 +2,7 @@
 
 `scripts/install-sandbox.sh` installs them under one system directory (`K3SYS_SYSTEM_DIR`, default
 `/opt/k3sys`): `bin/criu` (CRIU 4.1 with our patches), `etc/criu.conf` and `etc/criu-override.conf`
-(options runc cannot pass it), `bin/k3sys-lo-up` (the prestart hook), `bin/k3sys-criu-gate`
+(options runc cannot pass it), `bin/k3sys-net-up` (the prestart hook), `bin/k3sys-criu-gate`
 (drivers/gate.py), `templates/<name>/rootfs`. runc comes from the distribution.
 """
 
@@ -35,8 +35,9 @@ class SystemPaths:
         return self.root / "etc" / "criu-override.conf"
 
     @property
-    def lo_up(self) -> Path:
-        return self.root / "bin" / "k3sys-lo-up"
+    def net_up(self) -> Path:
+        """runc's prestart hook: a sandbox's network namespace set up at every create and restore."""
+        return self.root / "bin" / "k3sys-net-up"
 
     @property
     def criu_gate(self) -> Path:
@@ -63,7 +64,7 @@ class SystemPaths:
         if self.runc is None:
             return "runc is not installed (run scripts/install-sandbox.sh)"
         configs = (self.criu_config, self.criu_override)
-        binaries = (self.criu, self.lo_up, self.criu_gate)
+        binaries = (self.criu, self.net_up, self.criu_gate)
         if not all(os.access(p, os.X_OK) for p in binaries) or not all(c.exists() for c in configs):
             return f"CRIU is not installed under {self.root} (run scripts/install-sandbox.sh)"
         if not os.access(self.agent, os.X_OK):

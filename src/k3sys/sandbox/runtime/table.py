@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 from k3sys.sandbox.errors import (
     AgentError,
     AgentInterruptedError,
+    DriverError,
     InvalidArgumentError,
     InvalidStateError,
     NotFoundError,
@@ -172,6 +173,12 @@ class Table:
         Unique per call: staging is deleted off the caller's path, so a retried operation must not meet
         (or have deleted under it) the directory of an earlier attempt."""
         self.scratch.mkdir(mode=0o700, exist_ok=True)
+        # Its name is predictable and /dev/shm open to every host user, who could make it first and
+        # then read or change tenants' process images (which CRIU, as root, restores): only ours.
+        st = os.lstat(self.scratch)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+            raise DriverError(f"{self.scratch}: not this runtime's private directory (owner {st.st_uid}, mode "
+                              f"{stat.S_IMODE(st.st_mode):o}): another host user made it? Remove it")
         name = f"{name}-{secrets.token_hex(4)}"
         return self.scratch / name, self.root / "tmp" / name
 

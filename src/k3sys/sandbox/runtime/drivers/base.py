@@ -123,7 +123,7 @@ class Driver(Protocol):
         """Thaw a frozen sandbox."""
 
     def snapshot(self, sid: str, dirs: SandboxDirs, images: Path, fs: Path, layer: Path | None,
-                 *, thaw: bool, network: bool) -> dict[str, float]:
+                 *, thaw: bool) -> dict[str, float]:
         """Consistent checkpoint into `images` and `fs` (new directories; `layer` is the sandbox's
         sealed lower layer, if any). The sandbox is left as it was if `thaw`, else frozen (a failed
         snapshot always leaves it as it was). Returns seconds spent per phase."""

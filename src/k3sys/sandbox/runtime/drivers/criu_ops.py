@@ -5,8 +5,9 @@ dumps and restores processes, mixed into it; it uses the driver's plumbing (`_ru
 Choices that keep checkpoints small and fast, measured on this host (see docs/sandbox.md):
 - as few tmpfs mounts as possible (`/dev` lives in the overlay, /sys/firmware is masked by a bind):
   CRIU archives every tmpfs with tar + gzip on each dump;
-- the private network namespace is dumped as empty (`--empty-ns network`): it only ever holds `lo`,
-  which a prestart hook brings up again after a restore (runc does not save network setup).
+- the private network namespace is dumped as empty (`--empty-ns network`): it holds `lo` and, with
+  network=True, the sandbox's veth end, which a prestart hook sets up again after a restore (runc does
+  not save network setup; network.py made a new veth pair for the restored sandbox).
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ class CriuOps:
         images_dir = own if self.hardened else src
         args = ["restore", "-d", "--image-path", str(images_dir), "--work-path", str(work),
                 "--bundle", str(dirs.bundle), "--tcp-established", "--file-locks",
-                *(["--empty-ns", "network"] if not spec.network else []), *(["--lazy-pages"] if lazy else []), sid]
+                "--empty-ns", "network", *(["--lazy-pages"] if lazy else []), sid]
         work.mkdir(parents=True, exist_ok=True)
 
         def stage() -> tuple[PageServer | None, float]:
@@ -139,7 +140,7 @@ class CriuOps:
         return PageServer(images, _no_read).eager(lazy)
 
     def snapshot(self, sid: str, dirs: SandboxDirs, images: Path, fs: Path, layer: Path | None,
-                 *, thaw: bool, network: bool) -> dict[str, float]:
+                 *, thaw: bool) -> dict[str, float]:
         t: dict[str, float] = {}
         self.lazy.settle(sid)  # no dump of memory a lazy restore is still bringing back
         # Before the freeze: nothing that can fail may run between it and the try that thaws.
@@ -176,10 +177,8 @@ class CriuOps:
             raise
         t["freeze"] = time.perf_counter() - t_freeze
         # Always --leave-running: a hibernating sandbox is killed only once its checkpoint is durable.
-        args = ["checkpoint", "--leave-running", "--image-path",
-                str(images), "--work-path", str(work), "--tcp-established", "--file-locks"]
-        if not network:
-            args += ["--empty-ns", "network"]
+        args = ["checkpoint", "--leave-running", "--image-path", str(images), "--work-path", str(work),
+                "--tcp-established", "--file-locks", "--empty-ns", "network"]
         ok = False
         try:
             t1 = time.perf_counter()

@@ -3,14 +3,20 @@ host, NAT to the outside, and an egress policy in nftables (docs/sandbox-network
 
 Per sandbox, slot `n` of a host-wide pool (10.201.0.0/16 cut into /30s; 16384 slots):
 
-    host                                         sandbox namespace /run/netns/k3sys-<n>
+    host                                         the sandbox's network namespace
     k3sb<n> 10.201.x.y+1/30  <---- veth ---->  eth0 10.201.x.y+2/30 and 10.200.0.2/32 (the same in all)
 
 Processes inside use 10.200.0.2 (the default route's source): a checkpoint restored into another
 slot (a fork child, a resume after the slot went to someone else) finds its sockets' address again;
 a rule inside the namespace rewrites it to the slot's own address on the way out, so the host can
-tell sandboxes apart and answer each. runc joins the namespace by path, so runc/CRIU treat it as
-external: a checkpoint does not hold it, a restore joins the one made for it here.
+tell sandboxes apart and answer each.
+
+The sandbox's network namespace is runc's (CRIU's, on a restore), made inside the sandbox's user
+namespace, so CRIU dumps the sandbox (as with loopback only, `--empty-ns network`). The host end is
+made here, its other end `eth0` waiting in the slot's own namespace `/run/netns/k3sys-<n>`; runc's
+prestart hook (`k3sys-net-up` with `_hook_args`, scripts/sandbox/k3sys-net-up.c) moves `eth0` into the
+sandbox's namespace and sets the inside up, at every create and restore. The pair dies with the
+sandbox's namespace (a kill), or with the teardown.
 
 A slot is claimed by creating its namespace (`ip netns add` fails if it exists, whoever made it),
 so runtimes on one host never share one; `<sandbox dir>/network.json` records it, for a kill
@@ -30,6 +36,7 @@ import json
 import logging
 import os
 import random
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -106,6 +113,7 @@ class Network:
 
     def __init__(self) -> None:
         self._ready = False
+        self._nft = "nft"  # its path once the base is ready (runc runs hooks without a PATH search)
 
     def _ensure_base(self) -> None:
         """The shared table (once per host) and IPv4 forwarding on (once, logged: the host routes)."""
@@ -120,16 +128,19 @@ class Network:
                     _run(["nft", "-f", "-"], _BASE)
             except FileNotFoundError:
                 raise DriverError("network=True needs nftables: run scripts/install-network.sh") from None
+        self._nft = shutil.which("nft") or "nft"
         forward = Path("/proc/sys/net/ipv4/ip_forward")
         if forward.read_text().strip() != "1":
             forward.write_text("1")
             _log.warning("enabled net.ipv4.ip_forward: sandboxes with network=True reach outside through NAT")
         self._ready = True
 
-    def setup(self, root: Path, policy: EgressPolicy | None) -> tuple[dict, dict]:
-        """Make the network of the sandbox whose directory is `root`; returns the OCI config's entries
-        for it: (the network namespace to join, the bind mount of its resolv.conf). Whatever was made
-        is removed again if a step fails."""
+    def setup(self, root: Path, policy: EgressPolicy | None, resolv: Path) -> tuple[list[str], dict]:
+        """Make the host's side of the network of the sandbox whose directory is `root`, and its
+        resolv.conf at `resolv` (a new file where the sandbox's runc reaches it); returns the OCI
+        config's entries for it: (the arguments of runc's prestart hook `k3sys-net-up` after argv[0],
+        which set up the inside; the bind mount of the resolv.conf). Whatever was made is removed
+        again if a step fails."""
         self._ensure_base()
         policy = policy or EgressPolicy()
         nameservers = policy.nameservers(_read("/etc/resolv.conf"))
@@ -140,10 +151,18 @@ class Network:
         except BaseException:
             self.teardown(root)
             raise
-        resolv = root / "resolv.conf"
         resolv.write_text("".join(f"nameserver {s}\n" for s in nameservers))
-        return ({"type": "network", "path": str(NETNS_DIR / names(slot)[0])},
+        return (self._hook_args(slot),
                 {"destination": "/etc/resolv.conf", "type": "bind", "source": str(resolv), "options": ["rbind", "ro"]})
+
+    def _hook_args(self, slot: int) -> list[str]:
+        """`FROM DEV ADDR/LEN GATEWAY SRC -- nft RULE` of k3sys-net-up: eth0 moved from the slot's
+        namespace into the sandbox's, addressed and routed there, and the inside rule: the shared
+        address becomes the slot's own on the way out (replies are mapped back)."""
+        host, mine = _addresses(slot)
+        rule = (f"add table ip {TABLE} {{ chain out {{ type nat hook postrouting priority srcnat; "
+                f"oifname \"eth0\" ip saddr {INSIDE} snat to {mine}; }}; }}")
+        return [str(NETNS_DIR / names(slot)[0]), "eth0", f"{mine}/30", host, INSIDE, "--", self._nft, rule]
 
     def _claim(self, root: Path) -> int:
         """A free slot, claimed by creating its namespace, and recorded in `root/network.json`."""
@@ -165,16 +184,10 @@ class Network:
     def _wire(self, slot: int, allow: list[str], deny: list[str]) -> None:
         host, mine = _addresses(slot)
         ns, veth = names(slot)
+        # eth0 waits in the slot's namespace for the sandbox's runc (`_hook_args`).
         _run(["ip", "-b", "-"], f"link add {veth} type veth peer name eth0 netns {ns}\n"
                                 f"addr add {host}/30 dev {veth}\nlink set {veth} up\n")
         Path(f"/proc/sys/net/ipv6/conf/{veth}/disable_ipv6").write_text("1")  # and the ip6 table drops it
-        _run(["ip", "-n", ns, "-b", "-"], f"link set lo up\naddr add {mine}/30 dev eth0\n"
-                                          f"addr add {INSIDE}/32 dev eth0\nlink set eth0 up\n"
-                                          f"route add default via {host} dev eth0 src {INSIDE}\n")
-        # Inside: the shared address becomes the slot's own on the way out (replies are mapped back).
-        _run(["ip", "netns", "exec", ns, "nft", "-f", "-"],
-             f"table ip {TABLE} {{ chain out {{ type nat hook postrouting priority srcnat; "
-             f"oifname \"eth0\" ip saddr {INSIDE} snat to {mine}; }}; }}\n")
         rules = [f"add rule ip {TABLE} sb{slot} ip saddr != {mine} drop"]  # no address but its own
         rules += [f"add rule ip {TABLE} sb{slot} ip daddr {{ {', '.join(nets)} }} {verdict}"
                   for nets, verdict in ((allow, "accept"), (deny, "drop")) if nets]
@@ -206,10 +219,15 @@ class Network:
                                  f"delete element ip {TABLE} egress {{ \"{veth}\" }}\n"
                                  f"delete chain ip {TABLE} sb{slot}\n")
         # Then, not at once: deleting the namespace frees the slot, whose next owner must not find
-        # our chain. The veth pair would go with the namespace, but only once the kernel has cleaned
-        # it up (asynchronously): deleted first, its name is free for that next owner at once.
+        # our chain. The veth pair goes with the sandbox's namespace (or the slot's, before the
+        # hook moved eth0), but only once the kernel has cleaned it up (asynchronously): deleted
+        # first, its name is free for that next owner at once.
         links = f"link del {veth}\n" if Path(f"/sys/class/net/{veth}").exists() else ""
-        _run(["ip", "-force", "-b", "-"], f"{links}netns del {ns}\n")
+        p = subprocess.run(["ip", "-force", "-b", "-"], input=f"{links}netns del {ns}\n", capture_output=True,
+                           text=True, timeout=30)
+        # A pair whose sandbox namespace went after the check above is gone already: that is fine.
+        if p.returncode != 0 and (_identity(ns) is not None or "Cannot find device" not in p.stderr):
+            raise DriverError(f"ip -force -b failed ({p.returncode}): {(p.stderr or p.stdout).strip()}")
         os.unlink(root / "network.json")
 
 

@@ -1,7 +1,8 @@
 """The runc driver: each sandbox is an OCI container run by runc and checkpointed by CRIU through runc.
 
 Shape of a sandbox: root = overlay (sealed layer, template; own upper); own mount, pid, ipc, uts and
-network namespaces (loopback only; with network=True one that network.py made, joined by path);
+network namespaces (loopback only; with network=True a veth end network.py made, moved in by the
+prestart hook);
 cgroup limits on memory (no swap), pids and CPU. Hardened (the default; confine.py, idmap.py, disk.py):
 its own user namespace on a host uid range of its own, lowers idmapped to it, a minimal capability
 set, a seccomp profile, no new privileges, a writable layer of `disk_mb` on a file system of its own.
@@ -127,9 +128,9 @@ class RuncDriver(CriuOps):
             raise DriverError(f"runc {args[0]} failed ({p.returncode}): {detail}")
         return subprocess.CompletedProcess(p.args, p.returncode, out, err)
 
-    def _config(self, sid: str, dirs: SandboxDirs, spec: SandboxSpec, net: tuple[dict, dict] | None,
+    def _config(self, sid: str, dirs: SandboxDirs, spec: SandboxSpec, net: tuple[list[str], dict] | None,
                 uffd: bool) -> dict:
-        namespaces = [{"type": t} for t in ("pid", "ipc", "uts", "mount")] + [net[0] if net else {"type": "network"}]
+        namespaces = [{"type": t} for t in ("pid", "ipc", "uts", "mount", "network")]
         mounts = [
             {"destination": "/proc", "type": "proc", "source": "proc", "options": ["nosuid", "noexec", "nodev"]},
             {"destination": "/sys", "type": "sysfs", "source": "sysfs", "options": ["nosuid", "noexec", "nodev", "ro"]},
@@ -156,14 +157,16 @@ class RuncDriver(CriuOps):
                              "soft": min(1024, confine.nofile(spec.pids))}],
                 "noNewPrivileges": True,
             },
-            "root": {"path": str(self.reach.dir / sid), "readonly": False},  # dirs.rootfs, bound there
+            "root": {"path": str(self.reach.root(sid)), "readonly": False},  # dirs.rootfs, bound there
             # CRIU options that replace runc's (read after them); see scripts/install-sandbox.sh.
             "annotations": {"org.criu.config": str(dirs.bundle / "criu.conf")},
             # Constant on purpose: a fork keeps its source's UTS namespace, so an id here would lie.
             "hostname": "sandbox",
             "mounts": mounts,
-            # Brings loopback up: needed after a restore, harmless after a create (runc did it).
-            "hooks": {"prestart": [{"path": str(self.system.lo_up)}]} if not spec.network else {},
+            # Brings loopback up (needed after a restore, harmless after a create: runc did it) and,
+            # with network=True, moves the sandbox's veth end in and sets it up (network.py).
+            "hooks": {"prestart": [{"path": str(self.system.net_up),
+                                    "args": [self.system.net_up.name, *(net[0] if net else [])]}]},
             "linux": {
                 "resources": {
                     "devices": [{"allow": False, "access": "rwm"}] + ([UFFD_DEVICE] if uffd else []),
@@ -194,16 +197,14 @@ class RuncDriver(CriuOps):
         t0 = time.perf_counter()
         dirs.bundle.mkdir(parents=True, exist_ok=True)
         dirs.logs.mkdir(parents=True, exist_ok=True)
-        net = self.network.setup(dirs.root, spec.egress) if spec.network else None
+        uid_base = self.ranges.claim(dirs.root) if self.hardened else None
+        home = self.reach.make(sid, uid_base or 0)
+        net = self.network.setup(dirs.root, spec.egress, home / "resolv.conf") if spec.network else None
         config = self._config(sid, dirs, spec, net, uffd)
-        # No user namespace with network=True: its namespace (network.py's, joined by path) belongs to
-        # the host's user namespace, and CRIU dumps only namespaces the sandbox's own one owns.
-        uid_base = self.ranges.claim(dirs.root) if self.hardened and not spec.network else None
         if self.hardened:
             confine.confine(config, uid_base)
         (dirs.bundle / "config.json").write_text(json.dumps(config))
         (dirs.bundle / "criu.conf").write_text(confine.criu_options(self.system.criu_override, spec))
-        self.reach.make(sid)
         return {"prepare.config": time.perf_counter() - t0}, uid_base
 
     def _mounts(self, sid: str, dirs: SandboxDirs, spec: SandboxSpec, lowers: list[Path],
@@ -219,7 +220,8 @@ class RuncDriver(CriuOps):
             lowers = self._idmapped_lowers(dirs, [*lowers[:-1], idmap.dev_mask(self.state_dir), lowers[-1]], uid_base)
             os.chown(dirs.upper, uid_base, uid_base)  # the root directory belongs to root inside
         t["prepare.idmap"], t0 = time.perf_counter() - t0, time.perf_counter()
-        layers.mount_overlay(lowers, dirs.upper, dirs.work, dirs.rootfs)
+        # Without a user namespace runc mknods /dev in the overlay: nodev would make those nodes unusable.
+        layers.mount_overlay(lowers, dirs.upper, dirs.work, dirs.rootfs, nodev=uid_base is not None)
         self.reach.add(sid, dirs.rootfs)
         t["prepare.overlay"] = time.perf_counter() - t0
         return t
