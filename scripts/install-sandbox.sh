@@ -8,8 +8,9 @@
 #     restores work in user namespaces; start a lazy restore's background transfer only once the
 #     tasks run), installed into
 #     $K3SYS_SYSTEM_DIR/bin/criu, plus the configuration the driver hands it (etc/criu.conf);
-#   - bin/k3sys-lo-up, the prestart hook that brings loopback up in restored sandboxes, and
-#     bin/k3sys-criu-gate, the CRIU of a `runc restore` started before the sandbox is ready;
+#   - bin/k3sys-lo-up, the prestart hook that brings loopback up in restored sandboxes,
+#     bin/k3sys-criu-gate, the CRIU of a `runc restore` started before the sandbox is ready, and
+#     bin/k3sys-inotify-limit, which sets the inotify limits inside a sandbox's user namespace;
 #   - the cgroup2 mount option favordynmods (no RCU grace period on each move into a cgroup);
 #   - the host's inotify limits raised to the sandboxes' budget (runtime/drivers/inotify.py);
 #   - the templates `busybox` and `base` (E2B's default: `debian` plus the user `user`).
@@ -112,7 +113,7 @@ put_conf "$PREFIX/etc/criu.conf" "network-lock skip"
 put_conf "$PREFIX/etc/criu-override.conf" "manage-cgroups=ignore
 verbosity=3"
 
-# --- small static helpers: the prestart hook, and the CRIU gate of restores started ahead ----------
+# --- small static helpers: the prestart hook, the CRIU gate of early restores, the inotify limits ----
 build_static() {  # build_static NAME: scripts/sandbox/NAME.c -> $PREFIX/bin/NAME when its source changed
     local src="$ROOT/scripts/sandbox/$1.c" want
     want=$(sha256sum < "$src" | cut -c1-16)
@@ -126,6 +127,7 @@ build_static() {  # build_static NAME: scripts/sandbox/NAME.c -> $PREFIX/bin/NAM
 }
 build_static k3sys-lo-up
 build_static k3sys-criu-gate
+build_static k3sys-inotify-limit
 
 install -d -m 0700 -o root -g root "$KDAT_DIR"
 

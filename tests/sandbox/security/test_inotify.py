@@ -140,6 +140,29 @@ def test_inotify_loop_inside_runs_out_of_its_own_count(budgeted, arena, sec_rt, 
                               f"{inotify.HOST_INSTANCES}")
 
 
+ONE_MORE = "python3 -c 'import ctypes, os; os.setuid({uid}); print(ctypes.CDLL(None).inotify_init1(0) >= 0)'"
+LIMITS = "cat /proc/sys/user/max_inotify_instances /proc/sys/user/max_inotify_watches"
+
+
+def test_limits_hold_across_fork_and_hibernate(budgeted, arena, debian_template, record_property):
+    record_property("attack", "inotify limits dropped by a restore (fork, hibernate) or raised from inside")
+    s = arena.create(template="debian", memory_mb=256)
+    assert hold_instances(s) == (inotify.INSTANCES_PER_USER, errno.EMFILE)
+    want = f"{inotify.INSTANCES_PER_USER}\n{inotify.WATCHES_PER_USER}\n"
+    raised = s.commands.run("echo 100000 > /proc/sys/user/max_inotify_instances; echo $?")
+    assert raised.stdout.strip() != "0" and s.commands.run(LIMITS).stdout == want
+    (child,) = s.fork(1)
+    arena.track([child])
+    s.hibernate()
+    s.resume()
+    for box in (child, s):  # restored: CRIU made their user namespaces anew, the driver limited them again
+        assert box.commands.run(LIMITS).stdout == want
+        assert box.commands.run(ONE_MORE.format(uid=0)).stdout == "False\n"  # the restored loop holds root's 128
+        assert box.commands.run(ONE_MORE.format(uid=1000)).stdout == "True\n"  # another user's count is its own
+    record_property("figure", f"limits {want.split()} inside after fork and hibernate+resume; "
+                              "writing them from inside refused; the restored loop still holds root's 128")
+
+
 def test_api_watches_budgeted_per_sandbox(budgeted, arena, sec_rt, record_property):
     record_property("attack", "API watchers by the hundred on one sandbox")
     s = arena.create(memory_mb=64)

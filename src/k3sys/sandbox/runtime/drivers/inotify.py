@@ -8,9 +8,9 @@ namespace as host root, so all sandboxes' instances count against host root's li
 host's own root processes: the kernel has no way to charge them to the sandbox's own host uids.
 What it does allow, and what this module does:
 
-- each sandbox's own namespace gets a limit per user inside (`limit`, after a create and after
-  every restore: CRIU makes the namespace anew), so a loop of `inotify_init1` in one sandbox runs out
-  of its own count, not the host's;
+- each sandbox's own namespace gets a limit per user inside (`limit`, through k3sys-inotify-limit,
+  after a create and after every restore: CRIU makes the namespace anew), so a loop of
+  `inotify_init1` in one sandbox runs out of its own count, not the host's;
 - the host's limit is raised by scripts/install-sandbox.sh to a stated budget (`HOST_INSTANCES`,
   `HOST_WATCHES`): every sandbox a host can hold (`idmap.MAX_RANGES`) at the limit for two users
   (root and `user`), plus room for the host's own processes. `host_shortfall` says when it is not.
@@ -21,8 +21,7 @@ directly: only the host's budget bounds it.
 
 from __future__ import annotations
 
-import ctypes
-import os
+import subprocess
 from pathlib import Path
 
 from k3sys.sandbox.errors import DriverError
@@ -38,12 +37,6 @@ HOST_WATCHES = MAX_RANGES * USERS * WATCHES_PER_USER + HOST_OWN_WATCHES  # 537,9
 HOST_SYSCTLS = {"/proc/sys/fs/inotify/max_user_instances": HOST_INSTANCES,
                 "/proc/sys/fs/inotify/max_user_watches": HOST_WATCHES}
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_CLONE_NEWUSER = 0x10000000
-# What `limit` writes inside a sandbox's user namespace (paths and values made before the fork).
-_LIMITS = [(b"/proc/sys/user/max_inotify_instances", b"%d" % INSTANCES_PER_USER),
-           (b"/proc/sys/user/max_inotify_watches", b"%d" % WATCHES_PER_USER)]
-
 
 def host_shortfall() -> str | None:
     """What of the host's inotify limits is below the budget (None: all of it is there)."""
@@ -58,44 +51,12 @@ def host_shortfall() -> str | None:
     return "; ".join(low) + " (scripts/install-sandbox.sh raises them)" if low else None
 
 
-def limit(pid: int) -> bool:
-    """Give the user namespace of host process `pid` (a sandbox's PID 1) the per-user inotify limits;
-    False when it runs in the host's user namespace (nothing of its own to limit).
-
-    Only a process inside a user namespace sees its `/proc/sys/user`, and only a single-threaded one
-    may enter it: a forked child (system calls only, as `idmap.userns_fd`'s) enters and writes."""
-    try:
-        ns = os.open(f"/proc/{pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
-    except OSError as e:
-        raise DriverError(f"cannot open the user namespace of pid {pid}: {e}") from e
-    try:
-        if os.fstat(ns).st_ino == os.stat("/proc/self/ns/user").st_ino:
-            return False
-        r, w = os.pipe()
-        child = os.fork()
-        if child == 0:  # async-signal-safe calls only
-            err = 0
-            try:
-                if _libc.setns(ns, _CLONE_NEWUSER) != 0:
-                    err = ctypes.get_errno()
-                for path, value in _LIMITS if not err else ():
-                    fd = os.open(path, os.O_WRONLY)
-                    os.write(fd, value)
-                    os.close(fd)
-            except OSError as e:
-                err = e.errno or 1
-            finally:
-                os.write(w, err.to_bytes(2, "little"))
-                os._exit(0)
-        os.close(w)
-        try:
-            err = int.from_bytes(os.read(r, 2) or b"\xff\xff", "little")
-        finally:
-            os.close(r)
-            os.waitpid(child, 0)
-        if err:
-            raise DriverError(f"cannot set the inotify limits of pid {pid}'s user namespace: "
-                              f"{os.strerror(err) if err != 0xFFFF else 'the helper died'}")
-        return True
-    finally:
-        os.close(ns)
+def limit(pid: int, helper: Path) -> bool:
+    """Give the user namespace of host process `pid` (a sandbox's PID 1) the per-user inotify limits,
+    through `helper` (k3sys-inotify-limit: only a single-threaded process may enter a user namespace);
+    False when `pid` runs in the host's user namespace (nothing of its own to limit)."""
+    p = subprocess.run([str(helper), str(pid), str(INSTANCES_PER_USER), str(WATCHES_PER_USER)],
+                       capture_output=True, text=True, timeout=30)
+    if p.returncode not in (0, 3):
+        raise DriverError(f"cannot set the inotify limits of pid {pid}'s user namespace: {p.stderr.strip()[-500:]}")
+    return p.returncode == 0

@@ -250,7 +250,7 @@ class RuncDriver(CriuOps):
         pid = self.init_pid(sid)
         if pid is None:
             raise DriverError(f"sandbox {sid} has no PID 1 to limit")
-        inotify.limit(pid)
+        inotify.limit(pid, self.system.inotify_limit)
 
     def agent(self, sid: str, dirs: SandboxDirs) -> Agent:
         """The client of the sandbox's agent, one per sandbox for its whole life (its gate spans a
