@@ -180,8 +180,9 @@ def test_api_watches_budgeted_per_sandbox(budgeted, arena, sec_rt, record_proper
     record_property("figure", f"watch {MAX_WATCHES + 1} refused: {str(refused.value)[:90]}...; bystander watches")
 
 
-def test_tenant_and_service_watch_budgets():
+def test_tenant_and_service_watch_budgets(record_property):
     """envd's budgets over all of a tenant's sandboxes and the whole service (no sandbox needed)."""
+    record_property("attack", "one tenant's watchers over many sandboxes starve the service's")
     owners = {"a1": "alice", "a2": "alice", "b1": "bob", "x": None}
     svc = SimpleNamespace(tenants=SimpleNamespace(owner=owners.get))
     state = EnvdState()
@@ -198,6 +199,8 @@ def test_tenant_and_service_watch_budgets():
         admit("x")
     with pytest.raises(CapacityError, match="MAX_WATCHES"):
         admit("b1")
+    record_property("figure", f"tenant refused at {filesystem.TENANT_WATCHES} (429 quota_exceeded), another "
+                              f"tenant admitted; the service refused at {filesystem.MAX_WATCHES} (429 capacity)")
 
 
 @pytest.fixture(scope="module")
