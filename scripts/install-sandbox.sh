@@ -159,9 +159,13 @@ INOTIFY_INSTANCES=1056768  # 4096 x 2 x 128 + 8192
 INOTIFY_WATCHES=537919488  # 4096 x 2 x 65536 + 1048576
 for limit in "max_user_instances $INOTIFY_INSTANCES" "max_user_watches $INOTIFY_WATCHES"; do
     read -r name want <<<"$limit"
-    if [ "$(cat "/proc/sys/fs/inotify/$name")" -lt "$want" ]; then
-        echo "$want" > "/proc/sys/fs/inotify/$name"
-        log "fs.inotify.$name raised to $want"
+    have=$(cat "/proc/sys/fs/inotify/$name")
+    if [ "$have" -lt "$want" ]; then
+        if { echo "$want" > "/proc/sys/fs/inotify/$name"; } 2>/dev/null; then
+            log "fs.inotify.$name raised to $want"
+        else
+            log "fs.inotify.$name: cannot raise $have to $want here (read-only /proc/sys?): sandboxes share it with host root"
+        fi
     fi
 done
 

@@ -130,11 +130,13 @@ def test_inotify_loop_inside_runs_out_of_its_own_count(budgeted, arena, sec_rt, 
         assert (got, err) == (inotify.INSTANCES_PER_USER, errno.EMFILE)
         with pytest.raises(SandboxLimitError, match="max_inotify_instances: 128 per user"):
             s.files.watch_dir("/tmp")  # the agent's watch runs as root inside too: told what ran out
+        wait_for(lambda: sec_rt._watches.open(s.id) == 0, "the refused watch's budget given back")
     else:  # no user namespace of its own (network=True for now): its root is host root's count
         assert got == LOOP_N
     assert host_opens(256) == 256, "host root cannot make inotify instances"
     assert still_watches(arena.bystander, "/root")
     in_use = host_instances_in_use()
+    assert inotify.HOST_INSTANCES - in_use >= inotify.HOST_OWN_INSTANCES  # the host's own share is left
     record_property("figure", f"the loop got {got} ({'EMFILE: its own limit, 128 per user' if own else 'no userns'}"
                               f"); host root still opens 256; bystander watches; {in_use} held on the host of "
                               f"{inotify.HOST_INSTANCES}")
