@@ -124,6 +124,7 @@ static const char *errno_name(int err)
 	case ENOTEMPTY: return "ENOTEMPTY";
 	case EXDEV: return "EXDEV";
 	case ENOSPC: return "ENOSPC";
+	case EMFILE: return "EMFILE";
 	case EDQUOT: return "EDQUOT";
 	case EROFS: return "EROFS";
 	case ETIMEDOUT: return "ETIMEDOUT";

@@ -96,6 +96,29 @@ static int watch_tree(int ino, struct watches *w, const char *path, int recursiv
 	return err;
 }
 
+/* Report why a watch could not start. The inotify limits that run out are the sandbox's own, per
+ * user of its user namespace (EMFILE: instances, ENOSPC: watches; the host sets them, see
+ * docs/sandbox-security.md): name the limit and its value, as /proc/sys/user has it. */
+static void watch_failed(struct obuf *o, const char *path, int err)
+{
+	const char *limit = err == EMFILE ? "max_inotify_instances" : err == ENOSPC ? "max_inotify_watches" : NULL;
+	char file[64], value[32] = "?";
+	FILE *f;
+
+	if (!limit) {
+		ob_error(o, err, "watch %s: %s", path, strerror(err));
+		return;
+	}
+	snprintf(file, sizeof(file), "/proc/sys/user/%s", limit);
+	if ((f = fopen(file, "re"))) {
+		if (fgets(value, sizeof(value), f))
+			value[strcspn(value, "\n")] = '\0';
+		fclose(f);
+	}
+	ob_error(o, err, "watch %s: the inotify %s of uid %u in this sandbox ran out (%s: %s per user): %s", path,
+		 err == EMFILE ? "instances" : "watches", (unsigned)geteuid(), limit, value, strerror(err));
+}
+
 static const char *event_type(uint32_t mask)
 {
 	if (mask & (IN_CREATE | IN_MOVED_TO))
@@ -125,7 +148,7 @@ int op_watch(int fd, struct obuf *o, const char *path, int recursive)
 	int err = ino < 0 ? errno : watch_tree(ino, &w, path, recursive);
 
 	if (err) {
-		ob_error(o, err, "watch %s: %s", path, strerror(err));
+		watch_failed(o, path, err);
 		return -1;
 	}
 	ob_fields_begin(o, F_INFO, &mark);

@@ -9,9 +9,11 @@
 #     tasks run), installed into
 #     $K3SYS_SYSTEM_DIR/bin/criu, plus the configuration the driver hands it (etc/criu.conf);
 #   - bin/k3sys-net-up, the prestart hook that sets up a sandbox's network namespace (loopback; with
-#     network=True its veth end, moved in) at every create and restore (was bin/k3sys-lo-up), and
-#     bin/k3sys-criu-gate, the CRIU of a `runc restore` started before the sandbox is ready;
+#     network=True its veth end, moved in) at every create and restore (was bin/k3sys-lo-up),
+#     bin/k3sys-criu-gate, the CRIU of a `runc restore` started before the sandbox is ready, and
+#     bin/k3sys-inotify-limit, which sets the inotify limits inside a sandbox's user namespace;
 #   - the cgroup2 mount option favordynmods (no RCU grace period on each move into a cgroup);
+#   - the host's inotify limits raised to the sandboxes' budget (runtime/drivers/inotify.py);
 #   - the templates `busybox` and `base` (E2B's default: `debian` plus the user `user`).
 # Everything lands under K3SYS_SYSTEM_DIR (default /opt/k3sys); the system's apt sources are untouched
 # (trixie's source index goes to a private apt state directory).
@@ -112,7 +114,7 @@ put_conf "$PREFIX/etc/criu.conf" "network-lock skip"
 put_conf "$PREFIX/etc/criu-override.conf" "manage-cgroups=ignore
 verbosity=3"
 
-# --- small static helpers: the prestart hook, and the CRIU gate of restores started ahead ----------
+# --- small static helpers: the prestart hook, the CRIU gate of early restores, the inotify limits ----
 build_static() {  # build_static NAME: scripts/sandbox/NAME.c -> $PREFIX/bin/NAME when its source changed
     local src="$ROOT/scripts/sandbox/$1.c" want
     want=$(sha256sum < "$src" | cut -c1-16)
@@ -126,6 +128,7 @@ build_static() {  # build_static NAME: scripts/sandbox/NAME.c -> $PREFIX/bin/NAM
 }
 build_static k3sys-net-up
 build_static k3sys-criu-gate
+build_static k3sys-inotify-limit
 
 install -d -m 0700 -o root -g root "$KDAT_DIR"
 
@@ -143,6 +146,29 @@ if [ -n "$cg2" ] && ! awk -v m="$cg2" '$2 == m && $4 ~ /favordynmods/ { f = 1 } 
         log "cgroup2 at $cg2: favordynmods not supported by this kernel (resumes keep a ~10 ms grace-period wait)"
     fi
 fi
+
+# --- inotify: the host's budget -----------------------------------------------------------------
+# runc and CRIU make every sandbox's user namespace as host root, so the kernel charges each inotify
+# instance and watch made inside any sandbox to host root too, beside the host's own root processes
+# (the limits below; runtime/drivers/inotify.py). The driver gives each sandbox's namespace its own
+# limit per user inside (128 instances, 65536 watches); the host's covers every sandbox a host can
+# hold (idmap.MAX_RANGES = 4096) at that limit for two users (root and `user`), plus 8192 instances
+# and 1048576 watches for the host's own processes. Only ever raised (a higher setting is kept); the
+# kernel memory behind them is charged to each sandbox's memory cgroup. Like favordynmods, it lasts
+# until a reboot (rerun this script then; the runtime logs a warning while it is short).
+INOTIFY_INSTANCES=1056768  # 4096 x 2 x 128 + 8192
+INOTIFY_WATCHES=537919488  # 4096 x 2 x 65536 + 1048576
+for limit in "max_user_instances $INOTIFY_INSTANCES" "max_user_watches $INOTIFY_WATCHES"; do
+    read -r name want <<<"$limit"
+    have=$(cat "/proc/sys/fs/inotify/$name")
+    if [ "$have" -lt "$want" ]; then
+        if { echo "$want" > "/proc/sys/fs/inotify/$name"; } 2>/dev/null; then
+            log "fs.inotify.$name raised to $want"
+        else
+            log "fs.inotify.$name: cannot raise $have to $want here (read-only /proc/sys?): sandboxes share it with host root"
+        fi
+    fi
+done
 
 # --- templates ---------------------------------------------------------------------------------
 # The runtime builds templates on first use; prebuild the small default one and E2B's `base` (a copy

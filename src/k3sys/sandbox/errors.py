@@ -17,7 +17,8 @@
     │   └── AgentInterruptedError         a call cut by a checkpoint / hibernate of its sandbox: retry
     ├── AuthError                         the service refused the API key (missing or wrong)
     ├── CapacityError                     the service is at a limit (sandboxes, memory); retry later
-    │   └── QuotaError                    the caller's tenant is at one of its quotas (named in the message)
+    │   ├── QuotaError                    the caller's tenant is at one of its quotas (named in the message)
+    │   └── SandboxLimitError             the sandbox is at one of its own limits (watches, inotify, descriptors)
     ├── UnavailableError                  the service is shutting down or cannot be reached
     └── StoreError                        the checkpoint store (`k3sys.sandbox.runtime.store`)
         ├── CheckpointNotFoundError       unknown checkpoint id (also a NotFoundError)
@@ -33,7 +34,7 @@ a 422 like `InvalidArgumentError` but exits 1, as it always has:
 
     http_status  404 not found (sandbox, command, checkpoint, file)   409 invalid_state, checkpoint_exists
                  422 invalid_argument and its subclasses, store_input  413 too_large   408 command_timeout
-                 401 unauthorized   403 permission_denied   429 capacity, quota_exceeded
+                 401 unauthorized   403 permission_denied   429 capacity, quota_exceeded, sandbox_limit
                  503 unavailable, runtime_locked, agent_interrupted   500 everything else
     exit_code    2 bad argument   3 not found   4 wrong state   5 key refused   6 at a limit
                  7 unavailable or busy   1 everything else
@@ -151,6 +152,14 @@ class QuotaError(CapacityError):
     names it, with the use and the bound); kill or hibernate some of its sandboxes, or ask for more."""
 
     code = "quota_exceeded"
+
+
+class SandboxLimitError(CapacityError):
+    """The sandbox is at one of its own limits: its API watches, the inotify instances or watches
+    of a user inside it, its descriptors, its disk (the message names the limit, with the bound);
+    end some (stop a watch, close files, delete files) and retry."""
+
+    code = "sandbox_limit"
 
 
 class UnavailableError(SandboxError):

@@ -150,8 +150,8 @@ STATUS = {
     "SandboxError": 500, "NotFoundError": 404, "CheckpointNotFoundError": 404, "SandboxFileNotFoundError": 404,
     "InvalidStateError": 409, "CheckpointExistsError": 409, "InvalidArgumentError": 422,
     "UnknownTemplateError": 422, "PathEscapeError": 422, "StoreInputError": 422, "TooLargeError": 413,
-    "CommandTimeoutError": 408, "AuthError": 401, "CapacityError": 429, "QuotaError": 429, "UnavailableError": 503,
-    "RuntimeLockedError": 503, "DriverError": 500, "StoreError": 500, "CorruptStoreError": 500,
+    "CommandTimeoutError": 408, "AuthError": 401, "CapacityError": 429, "QuotaError": 429, "SandboxLimitError": 429,
+    "UnavailableError": 503, "RuntimeLockedError": 503, "DriverError": 500, "StoreError": 500, "CorruptStoreError": 500,
     "WrongFileTypeError": 422, "PermissionDeniedError": 403, "AgentError": 500, "AgentInterruptedError": 503,
 }
 

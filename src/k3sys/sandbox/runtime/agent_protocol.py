@@ -23,6 +23,7 @@ from k3sys.sandbox.errors import (
     PermissionDeniedError,
     SandboxError,
     SandboxFileNotFoundError,
+    SandboxLimitError,
     WrongFileTypeError,
 )
 
@@ -37,6 +38,9 @@ _ERRORS: dict[str, type[SandboxError]] = {
     "EINVAL": InvalidArgumentError, "ENAMETOOLONG": InvalidArgumentError, "ELOOP": InvalidArgumentError,
     "EEXIST": InvalidArgumentError, "ENOTEMPTY": InvalidArgumentError, "EXDEV": InvalidArgumentError,
     "ESRCH": NotFoundError, "ETIMEDOUT": CommandTimeoutError, "E2BIG": InvalidArgumentError,
+    # A limit of the sandbox's own ran out: its descriptors or a user's inotify instances (EMFILE),
+    # its disk or a user's inotify watches (ENOSPC); the agent's message names which.
+    "EMFILE": SandboxLimitError, "ENOSPC": SandboxLimitError,
 }
 
 # User extended attributes (agent/xattr.c has the same bounds): at most XATTR_COUNT_MAX per file,

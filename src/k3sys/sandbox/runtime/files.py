@@ -21,7 +21,7 @@ from k3sys.sandbox.runtime.agent import Agent
 from k3sys.sandbox.runtime.agent_protocol import xattr_fields, xattrs_of
 from k3sys.sandbox.runtime.state import State
 from k3sys.sandbox.runtime.table import Table
-from k3sys.sandbox.runtime.watch import MAX_EVENTS, WatchHandle
+from k3sys.sandbox.runtime.watch import MAX_EVENTS, WatchBudget, WatchHandle
 from k3sys.sandbox.types import EntryInfo
 
 _KINDS = {"file", "dir", "symlink"}
@@ -109,6 +109,8 @@ class _Sized(io.BytesIO):
 
 class Files(Table):
     """`Runtime`'s file operations (see the module docstring)."""
+
+    _watches: WatchBudget  # set by `Runtime.__init__`
 
     def _files(self, sid: str, op: str) -> Agent:
         with self._locked(sid) as rec:
@@ -230,7 +232,13 @@ class Files(Table):
         """Watch directory `path` (and, with `recursive`, every directory below it) for changes;
         returns once the watch is in place. `get_new_events()` on the handle drains what happened
         since, `stop()` ends it; at most `max_events` wait unread, later ones are counted in
-        `dropped` (watch.py)."""
+        `dropped` (watch.py). SandboxLimitError when the sandbox has `watch.MAX_WATCHES` open, or
+        its root's inotify instances or watches inside it ran out (the message names which)."""
         path = sandbox_path(path)
-        self._files(sid, "watch files of")
-        return WatchHandle(self._agent(sid), path, recursive, max_events)
+        agent = self._files(sid, "watch files of")
+        self._watches.take(sid)
+        try:
+            return WatchHandle(agent, path, recursive, max_events, on_end=lambda: self._watches.give(sid))
+        except RuntimeError:  # no thread could start: the watch never began
+            self._watches.give(sid)
+            raise

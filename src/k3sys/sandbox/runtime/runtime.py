@@ -53,6 +53,7 @@ from k3sys.sandbox.runtime.state import Record, State
 from k3sys.sandbox.runtime.store import Store
 from k3sys.sandbox.runtime.table import Table, _rmtree
 from k3sys.sandbox.runtime.templates import template_rootfs
+from k3sys.sandbox.runtime.watch import WatchBudget
 from k3sys.sandbox.spec import ON_TIMEOUT, SandboxSpec, check_number
 from k3sys.sandbox.types import SandboxInfo
 
@@ -109,6 +110,7 @@ class Runtime(Recovery, Checkpoints, Files, Commands, Table):
         self._commands: dict[str, _Command] = {}
         self._timings: dict[str, dict[str, float]] = {}  # sandbox id -> phases of its latest operation
         self._staged: dict[str, _Staged] = {}  # sandbox id -> images prefetched for its resume
+        self._watches = WatchBudget()  # watches open per sandbox (watch.py)
         # Image directories are deleted off the caller's path (freeing 64 MiB of tmpfs takes ~5 ms).
         self._cleaner = ThreadPoolExecutor(1, thread_name_prefix="k3sys-sandbox-cleanup")
         self._closed = threading.Event()

@@ -3,7 +3,8 @@
 `scripts/install-sandbox.sh` installs them under one system directory (`K3SYS_SYSTEM_DIR`, default
 `/opt/k3sys`): `bin/criu` (CRIU 4.1 with our patches), `etc/criu.conf` and `etc/criu-override.conf`
 (options runc cannot pass it), `bin/k3sys-net-up` (the prestart hook), `bin/k3sys-criu-gate`
-(drivers/gate.py), `templates/<name>/rootfs`. runc comes from the distribution.
+(drivers/gate.py), `bin/k3sys-inotify-limit` (drivers/inotify.py), `templates/<name>/rootfs`. runc
+comes from the distribution.
 """
 
 from __future__ import annotations
@@ -45,6 +46,11 @@ class SystemPaths:
         return self.root / "bin" / "k3sys-criu-gate"
 
     @property
+    def inotify_limit(self) -> Path:
+        """Sets the inotify limits inside a sandbox's user namespace (drivers/inotify.py)."""
+        return self.root / "bin" / "k3sys-inotify-limit"
+
+    @property
     def agent(self) -> Path:
         """k3sys-agent, every sandbox's PID 1 (scripts/install-agent.sh)."""
         return self.root / "bin" / "k3sys-agent"
@@ -64,9 +70,10 @@ class SystemPaths:
         if self.runc is None:
             return "runc is not installed (run scripts/install-sandbox.sh)"
         configs = (self.criu_config, self.criu_override)
-        binaries = (self.criu, self.net_up, self.criu_gate)
-        if not all(os.access(p, os.X_OK) for p in binaries) or not all(c.exists() for c in configs):
-            return f"CRIU is not installed under {self.root} (run scripts/install-sandbox.sh)"
+        binaries = (self.criu, self.net_up, self.criu_gate, self.inotify_limit)
+        absent = [p.name for p in binaries if not os.access(p, os.X_OK)] + [c.name for c in configs if not c.exists()]
+        if absent:
+            return f"{', '.join(absent)} not installed under {self.root} (run scripts/install-sandbox.sh)"
         if not os.access(self.agent, os.X_OK):
             return f"k3sys-agent is not installed under {self.root} (run scripts/install-agent.sh)"
         return None

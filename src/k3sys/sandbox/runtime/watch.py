@@ -9,6 +9,11 @@ watches again once the sandbox reopens (after the thaw, a resume from hibernatio
 between the cut and the new watch being in place (the few milliseconds before the freeze and after
 the thaw; none while frozen or hibernated) are not reported: each such gap is counted in `gaps`,
 incremented when the watch is whole again. Killing the sandbox ends the watch.
+
+Each watch is an inotify instance of the sandbox's root inside it, which the kernel charges to the
+sandbox's user namespace and to host root (runtime/drivers/inotify.py): a sandbox has at most
+`MAX_WATCHES` open at once (`WatchBudget`); past it, and past the kernel's limits inside, a watch is
+refused with `SandboxLimitError` naming the limit.
 """
 
 from __future__ import annotations
@@ -17,21 +22,55 @@ import contextlib
 import socket
 import threading
 from collections import deque
+from collections.abc import Callable
 
-from k3sys.sandbox.errors import AgentInterruptedError, SandboxError
+from k3sys.sandbox.errors import AgentInterruptedError, SandboxError, SandboxLimitError
 from k3sys.sandbox.runtime.agent import Agent
 from k3sys.sandbox.runtime.agent_protocol import encode, parse_fields
 from k3sys.sandbox.types import FilesystemEvent
 
 MAX_EVENTS = 100_000  # queued events per watch (about 200 bytes each)
+MAX_WATCHES = 32  # watches open at once per sandbox, whoever asks (embedded, service, fleet)
+
+
+class WatchBudget:
+    """The watches each sandbox has open, at most `per_sandbox`."""
+
+    def __init__(self, per_sandbox: int = MAX_WATCHES) -> None:
+        self.per_sandbox = per_sandbox
+        self._mu = threading.Lock()
+        self._open: dict[str, int] = {}
+
+    def take(self, sid: str) -> None:
+        """Count one more watch of `sid`; SandboxLimitError if it has `per_sandbox` open."""
+        with self._mu:
+            n = self._open.get(sid, 0)
+            if n >= self.per_sandbox:
+                raise SandboxLimitError(f"sandbox {sid} has {n} watches open: its budget of API watches is "
+                                        f"{self.per_sandbox} (watch.MAX_WATCHES); stop one first")
+            self._open[sid] = n + 1
+
+    def give(self, sid: str) -> None:
+        """One watch of `sid` ended."""
+        with self._mu:
+            n = self._open.pop(sid, 1) - 1
+            if n > 0:
+                self._open[sid] = n
+
+    def open(self, sid: str) -> int:
+        """Watches of `sid` open now."""
+        with self._mu:
+            return self._open.get(sid, 0)
 
 
 class WatchHandle:
     """Changes under one directory of a sandbox (see the module docstring); `stop()` ends it."""
 
     def __init__(self, agent: Agent, path: str, recursive: bool, max_events: int = MAX_EVENTS,
-                 ready_timeout: float = 30.0) -> None:
+                 ready_timeout: float = 30.0, on_end: Callable[[], None] | None = None) -> None:
+        """`on_end`: called once the watch has ended (stopped, or failed), from its reader thread."""
         self.path, self.recursive = path, recursive
+        self._on_end = on_end
         self.dropped = 0  # events lost because the queue was full
         self.overflows = 0  # times the sandbox's inotify queue overflowed (events lost inside)
         self.gaps = 0  # times the watch was set up again after a checkpoint cut it (see above)
@@ -51,6 +90,13 @@ class WatchHandle:
             raise self._error
 
     def _run(self) -> None:
+        try:
+            self._follow()
+        finally:
+            if self._on_end is not None:
+                self._on_end()
+
+    def _follow(self) -> None:
         while not self._stopped.is_set():
             try:
                 with self._agent._call(None, stream=True) as st:

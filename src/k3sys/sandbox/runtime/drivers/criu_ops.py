@@ -126,6 +126,9 @@ class CriuOps:
         self.disks.refill()  # now that the restore is done with the CPU (diskpool.py)
         t["criu"] = criulog.criu_seconds(work / "restore.log")
         self._spare_agent(sid)
+        # CRIU made the user namespace anew, unlimited: until this returns (a few ms of the restored
+        # processes running) what they make counts against the host's budget only (inotify.py).
+        self.limit_inotify(sid)
         self.agent(sid, dirs).open_gate()  # a new PID 1 (host pid) behind the same socket path
         # Running: every checkpoint is taken frozen, but CRIU leaves cgroups (the freezer's state
         # included) to runc, which restores into fresh, thawed ones.

@@ -26,7 +26,7 @@ from pathlib import Path
 from k3sys.sandbox.errors import DriverError
 from k3sys.sandbox.runtime import layers
 from k3sys.sandbox.runtime.agent import Agent
-from k3sys.sandbox.runtime.drivers import confine, criulog, disk, idmap
+from k3sys.sandbox.runtime.drivers import confine, criulog, disk, idmap, inotify
 from k3sys.sandbox.runtime.drivers.base import SandboxDirs
 from k3sys.sandbox.runtime.drivers.cgroups import Cgroups
 from k3sys.sandbox.runtime.drivers.criu_ops import CriuOps
@@ -91,6 +91,8 @@ class RuncDriver(CriuOps):
         self._agents: dict[str, Agent] = {}
         self._agents_mu = threading.Lock()
         criulog.ensure_kdat_dir()
+        if (short := inotify.host_shortfall()) is not None:  # sandboxes can starve the host's root of inotify
+            _log.warning("inotify limits below the sandboxes' budget: %s", short)
 
     # --- runc plumbing ------------------------------------------------------------------------
 
@@ -243,11 +245,19 @@ class RuncDriver(CriuOps):
         self._prepare(sid, dirs, spec, lowers)
         self._run(["run", "-d", "--bundle", str(dirs.bundle), sid])
         self._spare_agent(sid)
+        self.limit_inotify(sid)  # before the gate opens: only the agent runs inside yet
         self.disks.refill()  # now that runc is done with the CPU
         self.agent(sid, dirs).open_gate()
 
     def close(self) -> None:
         self.disks.close()
+
+    def limit_inotify(self, sid: str) -> None:
+        """The sandbox's inotify limits per user, in its user namespace if it has one (inotify.py)."""
+        pid = self.init_pid(sid)
+        if pid is None:
+            raise DriverError(f"sandbox {sid} has no PID 1 to limit")
+        inotify.limit(pid, self.system.inotify_limit)
 
     def agent(self, sid: str, dirs: SandboxDirs) -> Agent:
         """The client of the sandbox's agent, one per sandbox for its whole life (its gate spans a

@@ -2,8 +2,10 @@
 resolved by the sandbox's agent, as the requested user; the host opens none of them).
 
 Watchers: WatchDir streams a watch's events; CreateWatcher keeps one for GetWatcherEvents to drain
-and RemoveWatcher to end (at most `MAX_WATCHERS` per service; a killed sandbox's watcher answers
-its error once drained, and is removed then).
+and RemoveWatcher to end (a killed sandbox's watcher answers its error once drained, and is removed
+then). Each is an inotify instance inside its sandbox and a reader thread here: the service holds at
+most `MAX_WATCHES` (CapacityError), a tenant `TENANT_WATCHES` over all its sandboxes (QuotaError),
+a sandbox `watch.MAX_WATCHES` (the runtime's SandboxLimitError); all three answer 429 naming the budget.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from k3sys.sandbox.errors import (
     CapacityError,
     InvalidArgumentError,
     NotFoundError,
+    QuotaError,
     SandboxError,
     SandboxFileNotFoundError,
 )
@@ -29,8 +32,8 @@ from k3sys.sandbox.runtime.watch import WatchHandle
 from k3sys.sandbox.service.envd.rpc import Rpc, absolute, names, past_deadline
 from k3sys.sandbox.types import EntryInfo, FilesystemEvent
 
-MAX_WATCHERS = 1024  # watchers kept for GetWatcherEvents, per service
-MAX_WATCHERS_PER_SANDBOX = 64
+MAX_WATCHES = 1024  # watches the service holds at once, kept (CreateWatcher) or streamed (WatchDir)
+TENANT_WATCHES = 128  # of those, the most one tenant's sandboxes hold together
 # Events a watch queues unread (about 200 bytes each; later ones are dropped and counted), so that
 # every watcher a service keeps, flooded by its sandbox, holds at most ~2 MB of host memory.
 WATCH_EVENTS = 10_000
@@ -99,6 +102,7 @@ class Watch:
 
     sid: str
     handle: WatchHandle
+    slot: object  # its place in the budgets (`_admit`)
     include_entry: bool = False
     moved: set[str] = field(default_factory=set)
 
@@ -132,13 +136,42 @@ async def _events_json(rpc: Rpc, watch: Watch, events: list[FilesystemEvent]) ->
     return out
 
 
-async def _watch(rpc: Rpc) -> WatchHandle:
-    return await rpc.svc.call("envd.watch", rpc.svc.rt.watch_dir, rpc.sid, await _path(rpc),
-                              bool(rpc.msg.get("recursive")), WATCH_EVENTS, io=True)
+def _admit(rpc: Rpc) -> object:
+    """A slot for one more watch of `rpc.sid` within the service's and its tenant's budgets (taken
+    before any await, so concurrent calls cannot overshoot); `_release` gives it back."""
+    slots = rpc.state.watch_slots
+    if len(slots) >= MAX_WATCHES:
+        raise CapacityError(f"the service holds {len(slots)} watches, its budget (MAX_WATCHES) is {MAX_WATCHES}: "
+                            "stop some")
+    tenants = rpc.svc.tenants
+    tenant = tenants.owner(rpc.sid) if tenants is not None else None
+    if tenant is not None and (n := sum(t == tenant for t in slots.values())) >= TENANT_WATCHES:
+        raise QuotaError(f"tenant {tenant!r} holds {n} watches, its budget (TENANT_WATCHES) is {TENANT_WATCHES}: "
+                         "stop some")
+    slot = object()
+    slots[slot] = tenant
+    return slot
+
+
+async def _release(rpc: Rpc, watch: Watch) -> None:
+    rpc.state.watch_slots.pop(watch.slot, None)
+    await anyio.to_thread.run_sync(watch.handle.stop)
+
+
+async def _watch(rpc: Rpc) -> Watch:
+    """A new watch of the request's directory, in the budgets."""
+    slot = _admit(rpc)
+    try:
+        handle = await rpc.svc.call("envd.watch", rpc.svc.rt.watch_dir, rpc.sid, await _path(rpc),
+                                    bool(rpc.msg.get("recursive")), WATCH_EVENTS, io=True)
+    except BaseException:
+        rpc.state.watch_slots.pop(slot, None)
+        raise
+    return Watch(rpc.sid, handle, slot, bool(rpc.msg.get("includeEntry")))
 
 
 async def watch_dir(rpc: Rpc) -> AsyncIterator[dict[str, Any]]:
-    watch = Watch(rpc.sid, await _watch(rpc), bool(rpc.msg.get("includeEntry")))
+    watch = await _watch(rpc)
     try:
         yield {"start": {}}
         quiet = 0.0
@@ -154,20 +187,17 @@ async def watch_dir(rpc: Rpc) -> AsyncIterator[dict[str, Any]]:
         raise late
     finally:
         with anyio.CancelScope(shield=True):
-            await anyio.to_thread.run_sync(watch.handle.stop)
+            await _release(rpc, watch)
 
 
 async def create_watcher(rpc: Rpc) -> dict[str, Any]:
     watchers, live = rpc.state.watchers, {i.id for i in rpc.svc.rt.list()}
     for wid in [w for w, watch in watchers.items() if watch.sid not in live]:  # their sandboxes were killed
         if (gone := watchers.pop(wid, None)) is not None:
-            await anyio.to_thread.run_sync(gone.handle.stop)
-    if len(watchers) >= MAX_WATCHERS:
-        raise CapacityError(f"the service keeps at most {MAX_WATCHERS} watchers: remove some")
-    if sum(w.sid == rpc.sid for w in watchers.values()) >= MAX_WATCHERS_PER_SANDBOX:
-        raise CapacityError(f"sandbox {rpc.sid} has {MAX_WATCHERS_PER_SANDBOX} watchers already: remove some")
+            await _release(rpc, gone)
+    watch = await _watch(rpc)
     wid = "w-" + secrets.token_hex(8)
-    watchers[wid] = Watch(rpc.sid, await _watch(rpc), bool(rpc.msg.get("includeEntry")))
+    watchers[wid] = watch
     return {"watcherId": wid}
 
 
@@ -188,7 +218,7 @@ async def get_watcher_events(rpc: Rpc) -> dict[str, Any]:
         events = watch.drain()
     except Exception:  # the watch ended (its sandbox killed, its directory gone): so does the watcher
         rpc.state.watchers.pop(wid, None)
-        await anyio.to_thread.run_sync(watch.handle.stop)
+        await _release(rpc, watch)
         raise
     return {"events": await _events_json(rpc, watch, events)}
 
@@ -196,5 +226,5 @@ async def get_watcher_events(rpc: Rpc) -> dict[str, Any]:
 async def remove_watcher(rpc: Rpc) -> dict[str, Any]:
     wid, watch = _watcher(rpc)
     rpc.state.watchers.pop(wid, None)
-    await anyio.to_thread.run_sync(watch.handle.stop)
+    await _release(rpc, watch)
     return {}

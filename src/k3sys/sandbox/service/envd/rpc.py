@@ -40,11 +40,12 @@ MAX_REQUEST = 4 << 20  # bytes of one request message (the SDK's own default rea
 @dataclass
 class EnvdState:
     """What envd keeps between calls (on `app.state.envd`): open output streams per (sandbox, pid),
-    the watchers of CreateWatcher by id with their sandbox, users' homes, and user and group names
-    (with when they were read)."""
+    the watchers of CreateWatcher by id with their sandbox, the tenant of every watch held (kept or
+    streamed), users' homes, and user and group names (with when they were read)."""
 
     streams: dict[tuple[str, int], int] = field(default_factory=dict)
     watchers: dict[str, Any] = field(default_factory=dict)  # watcher id -> filesystem.Watch
+    watch_slots: dict[object, str | None] = field(default_factory=dict)  # a held watch's slot -> its tenant
     homes: dict[tuple[str, str | None], str] = field(default_factory=dict)  # (sandbox, user) -> home
     names: dict[str, tuple[float, dict[int, str], dict[int, str]]] = field(default_factory=dict)
 
