@@ -412,3 +412,39 @@ def check_async_dispatch(group: dist.ProcessGroup) -> bool:
 @pytest.mark.timeout(60)
 def test_async_dispatch_equals_sync(ranks: RankPool) -> None:
     assert ranks.run(check_async_dispatch) == [True] * 4
+
+
+def check_failure_after_dispatch(group: dist.ProcessGroup) -> tuple[str, str]:
+    """A bare buffer's user whose expert code raises on rank 1 between dispatch and combine: rank 1
+    finishes its part (`abandon`) and reports at the check-in the others reach after combine; every
+    rank raises, then a normal step works."""
+    R, rank = dist.get_world_size(group), dist.get_rank(group)
+    E, K, S = 16, 2, 32
+    buf = EPBuffer(group, S, H, K, E)
+    xs, ids, ws = make_inputs(R, E, K, S, 3.0, True)
+    home = {n: torch.randn(buf.homes.count(rank), *s) for n, s in WEIGHT_SHAPES.items()}
+    recv_x, _, _, h = buf.dispatch(xs[rank], ids[rank], ws[rank])
+    buf.prefetch(h, home)
+    try:
+        if rank == 1:
+            raise RuntimeError("expert failure")
+        buf.combine(h, recv_x * 2)
+        buf.check_in()
+        outcome = ("none", "")
+    except RuntimeError as e:
+        outcome = (type(e).__name__, str(e))
+        if rank == 1:
+            buf.abandon(h, None)  # prefetch ran: only combine's transfer is left
+            with pytest.raises(ValueError, match="rank 1: RuntimeError: expert failure"):
+                buf.check_in(f"{type(e).__name__}: {e}")
+    _, _, _, h = buf.dispatch(xs[rank], ids[rank], ws[rank])
+    assert buf.combine(h, torch.zeros(buf.buffer_rows, H)).shape == (xs[rank].shape[0], H)
+    return outcome
+
+
+@pytest.mark.timeout(120)
+def test_failure_between_dispatch_and_combine_raises_everywhere(ranks: RankPool) -> None:
+    outcomes = ranks.run(check_failure_after_dispatch, ranks=3)
+    assert outcomes[1] == ("RuntimeError", "expert failure")
+    for name, message in (outcomes[0], outcomes[2]):
+        assert name == "RemoteStepError" and "rank 1 failed: RuntimeError: expert failure" in message, message
