@@ -178,24 +178,27 @@ def test_model_failure_outside_moe_layers_fails_every_rank(ranks: RankPool, wher
     assert "rank 1 failed: HybridModel forward raised before MoE layer" in other[1] and error in other[1], other
 
 
-def check_syncs(group: dist.ProcessGroup) -> dict[str, int]:
-    """Host syncs made by the expert-parallel code (`k3sys.ep`) in one training forward + backward of
-    the hybrid model (KDA's own syncs are not counted here)."""
+def check_syncs(group: dist.ProcessGroup) -> tuple[dict[str, int], dict[str, int]]:
+    """Host syncs made by the expert-parallel code (`k3sys.ep`) in one training forward and in its
+    backward, of the hybrid model (KDA's own syncs are not counted here)."""
     R, rank = dist.get_world_size(group), dist.get_rank(group)
     _, model = tiny_models(group)
     batch = token_batches(R, model.cfg.vocab_size, T + 1)[rank]
-    with count_syncs(within="k3sys.ep") as syncs:
+    with count_syncs(within="k3sys.ep") as forward:
         logits = model(batch[:, :-1])
+    with count_syncs(within="k3sys.ep") as backward:
         F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()).backward()
-    return dict(syncs)
+    return dict(forward), dict(backward)
 
 
 @pytest.mark.timeout(300)
 def test_moe_step_syncs_only_for_split_sizes(ranks: RankPool) -> None:
-    # Per MoE layer one read (the all_to_all split sizes, with the group ends and the replica table
-    # in the same copy), none in backward; per forward one (the failure agreement). 3 MoE layers.
-    for syncs in ranks.run(check_syncs, ranks=3):
-        assert syncs == {"tolist": 3 + 1}, syncs
+    # Per MoE layer one read (the all_to_all split sizes, with the verdicts, the group ends and the
+    # replica table in the same copy), none in backward; per forward one more (the check-in that
+    # fails every rank fast, see test_failure_between_dispatch_and_combine_fails_every_rank).
+    for forward, backward in ranks.run(check_syncs, ranks=3):
+        assert forward == {"tolist": 3 + 1}, forward  # 3 MoE layers + the check-in
+        assert backward == {}, backward
 
 
 class _RaiseOnCall:
