@@ -1,4 +1,4 @@
-"""EPBuffer on real gloo groups (2 and 4 ranks) against the single-process reference, bit for bit."""
+"""EPBuffer on real gloo groups (2, 3, 4 and 8 ranks) against the single-process reference, bit for bit."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from k3sys.ep.comm_reference import (
     prefetch_reference,
     reduce_grads_reference,
 )
+from k3sys.ep.homes import Homes
 from k3sys.ep.measure import hot_on_rank0
 
 H = 16
@@ -70,7 +71,8 @@ def per_rank(R: int, seed: int, make) -> list:
 
 def check_paths(group: dist.ProcessGroup, E: int, K: int, S: int, maxvio: float, hot_rank0: bool, padding: int):
     R, rank = dist.get_world_size(group), dist.get_rank(group)
-    epn = E // R
+    homes = Homes(E, R)  # uneven when R does not divide E: home weights have homes.count(r) rows
+    epn = homes.epn
     xs, ids, ws = make_inputs(R, E, K, S, maxvio, hot_rank0)
     buf = EPBuffer(group, S, H, K, E, token_padding=padding)
     x = xs[rank].clone().requires_grad_()
@@ -87,10 +89,11 @@ def check_paths(group: dist.ProcessGroup, E: int, K: int, S: int, maxvio: float,
     out = buf.combine(h, outs[rank])
     assert torch.equal(out, combine_reference(p, outs, ids, ws)[rank])
 
-    homes = per_rank(R, 2, lambda g: {n: torch.randn(epn, *s, generator=g) for n, s in WEIGHT_SHAPES.items()})
-    home, replicas = buf.prefetch(h, homes[rank])
-    assert all(torch.equal(home[n], homes[rank][n]) for n in WEIGHT_SHAPES)
-    ref_rep = prefetch_reference(p, homes)[rank]
+    g2 = torch.Generator().manual_seed(2)
+    home_w = [{n: torch.randn(homes.count(r), *s, generator=g2) for n, s in WEIGHT_SHAPES.items()} for r in range(R)]
+    home, replicas = buf.prefetch(h, home_w[rank])
+    assert all(torch.equal(home[n], home_w[rank][n]) for n in WEIGHT_SHAPES)
+    ref_rep = prefetch_reference(p, home_w)[rank]
     used = int((p.replicas[rank] >= 0).sum())
     assert (p.replicas[rank, used:] == -1).all()  # the planner fills slots from 0
     for n in WEIGHT_SHAPES:
@@ -103,25 +106,26 @@ def check_paths(group: dist.ProcessGroup, E: int, K: int, S: int, maxvio: float,
 
     # prefetch's backward: home gradient + the replicas' gradients, whether or not `home` is used, and
     # whether or not its gradient is shared with another tensor (which must then stay untouched).
-    scale = per_rank(R, 6, lambda g: {n: torch.randn(epn, *s, generator=g) for n, s in WEIGHT_SHAPES.items()})
+    scale = {n: torch.randn(homes.count(rank), *s, generator=torch.Generator().manual_seed(6 + rank))
+             for n, s in WEIGHT_SHAPES.items()}
     for use_home in ("no", "yes", "shared"):
-        leaves = {n: w.clone().requires_grad_() for n, w in homes[rank].items()}
-        other = {n: torch.zeros_like(w, requires_grad=True) for n, w in homes[rank].items()}
+        leaves = {n: w.clone().requires_grad_() for n, w in home_w[rank].items()}
+        other = {n: torch.zeros_like(w, requires_grad=True) for n, w in home_w[rank].items()}
         home_v, rep_v = buf.prefetch(h, leaves)
         loss = sum((rep_v[n] * grads[rank][n][:used]).sum() for n in WEIGHT_SHAPES)
         made: dict[str, int] = {}
         for n in WEIGHT_SHAPES if use_home != "no" else ():
             w = home_v[n] if use_home == "yes" else _SameGrad.apply(home_v[n], other[n])
-            loss = loss + _Scaled.apply(w, scale[rank][n], made, n).sum()
+            loss = loss + _Scaled.apply(w, scale[n], made, n).sum()
         inputs = list(leaves.values()) + (list(other.values()) if use_home == "shared" else [])
         got = torch.autograd.grad(loss, inputs, materialize_grads=True)  # None = no copies here
         for n, g in zip(WEIGHT_SHAPES, got[: len(leaves)], strict=True):
-            torch.testing.assert_close(g, ref_red[n] + scale[rank][n] if use_home != "no" else ref_red[n],
+            torch.testing.assert_close(g, ref_red[n] + scale[n] if use_home != "no" else ref_red[n],
                                        rtol=0, atol=1e-6)
             if use_home == "yes":
                 assert g.data_ptr() == made[n]  # the replica rows were added into the home gradient in place
         for n, g in zip(WEIGHT_SHAPES, got[len(leaves):], strict=False):  # "shared" only
-            assert torch.equal(g, scale[rank][n])
+            assert torch.equal(g, scale[n])
 
     # Backward of dispatch and of combine against autograd through the reference.
     gy = per_rank(R, 4, lambda g: torch.randn(buf.buffer_rows, H, generator=g))
@@ -143,7 +147,7 @@ def check_paths(group: dist.ProcessGroup, E: int, K: int, S: int, maxvio: float,
     torch.testing.assert_close(geo[rows], geo_ref[rows], rtol=1e-6, atol=1e-6)
     assert not geo[torch.ones(buf.buffer_rows, dtype=torch.bool).index_fill_(0, rows, False)].any()
     torch.testing.assert_close(gw, gw_ref, rtol=1e-6, atol=1e-6)
-    homes_of_copies = p.replicas[p.replicas >= 0] // epn
+    homes_of_copies = homes.rank_of(p.replicas[p.replicas >= 0])
     most_copies_of_one_home = int(torch.bincount(homes_of_copies).max()) if homes_of_copies.numel() else 0
     return p.num_copies, most_copies_of_one_home / epn
 
@@ -155,6 +159,8 @@ CASES = [
     (4, 32, 2, 40, 10.0, False, 1),
     (4, 32, 4, 40, 5.0, True, 4),
     (4, 8, 2, 40, 2.5, True, 1),  # rank 0's experts have more copies than its epn=2 staging slots
+    (3, 16, 2, 40, 3.0, True, 1),  # uneven homes: 5, 5 and 6 experts
+    (3, 16, 4, 40, 1.0, False, 4),
 ]
 
 
@@ -172,6 +178,20 @@ def test_paths_match_reference(ranks: RankPool, case: tuple) -> None:
     assert copies > 0 or case[4] == 0  # skewed routings exercised the replicas
     if case[1] == 8:
         assert home_copies_per_slot > 1  # reduce_grads needed more than one round
+
+
+@pytest.mark.timeout(600)
+def test_paths_match_reference_on_8_ranks_with_uneven_homes() -> None:
+    """R=8, E=28: homes of 3 and 4 experts alternating (K3's 896 on 256 ranks in small), on a pool of
+    its own (8 processes with tiny tensors)."""
+    pool = RankPool(8, timeout=300)
+    try:
+        for case in ((28, 2, 24, 3.0, True, 1), (28, 4, 24, 0.5, False, 2)):
+            results = pool.run(check_paths, *case)
+            assert all(r == results[0] for r in results)  # every rank planned the same
+            assert results[0][0] > 0  # replicas exercised
+    finally:
+        pool.close()
 
 
 def check_static_storage(group: dist.ProcessGroup, steps: int) -> bool:
@@ -392,3 +412,39 @@ def check_async_dispatch(group: dist.ProcessGroup) -> bool:
 @pytest.mark.timeout(60)
 def test_async_dispatch_equals_sync(ranks: RankPool) -> None:
     assert ranks.run(check_async_dispatch) == [True] * 4
+
+
+def check_failure_after_dispatch(group: dist.ProcessGroup) -> tuple[str, str]:
+    """A bare buffer's user whose expert code raises on rank 1 between dispatch and combine: rank 1
+    finishes its part (`abandon`) and reports at the check-in the others reach after combine; every
+    rank raises, then a normal step works."""
+    R, rank = dist.get_world_size(group), dist.get_rank(group)
+    E, K, S = 16, 2, 32
+    buf = EPBuffer(group, S, H, K, E)
+    xs, ids, ws = make_inputs(R, E, K, S, 3.0, True)
+    home = {n: torch.randn(buf.homes.count(rank), *s) for n, s in WEIGHT_SHAPES.items()}
+    recv_x, _, _, h = buf.dispatch(xs[rank], ids[rank], ws[rank])
+    buf.prefetch(h, home)
+    try:
+        if rank == 1:
+            raise RuntimeError("expert failure")
+        buf.combine(h, recv_x * 2)
+        buf.check_in()
+        outcome = ("none", "")
+    except RuntimeError as e:
+        outcome = (type(e).__name__, str(e))
+        if rank == 1:
+            buf.abandon(h, None)  # prefetch ran: only combine's transfer is left
+            with pytest.raises(ValueError, match="rank 1: RuntimeError: expert failure"):
+                buf.check_in(f"{type(e).__name__}: {e}")
+    _, _, _, h = buf.dispatch(xs[rank], ids[rank], ws[rank])
+    assert buf.combine(h, torch.zeros(buf.buffer_rows, H)).shape == (xs[rank].shape[0], H)
+    return outcome
+
+
+@pytest.mark.timeout(120)
+def test_failure_between_dispatch_and_combine_raises_everywhere(ranks: RankPool) -> None:
+    outcomes = ranks.run(check_failure_after_dispatch, ranks=3)
+    assert outcomes[1] == ("RuntimeError", "expert failure")
+    for name, message in (outcomes[0], outcomes[2]):
+        assert name == "RemoteStepError" and "rank 1 failed: RuntimeError: expert failure" in message, message

@@ -55,7 +55,7 @@ def test_routing_weights_normalised_and_ids_distinct() -> None:
         assert (ids.sort(-1).values.diff(dim=-1) > 0).all()
 
 
-def test_last_stats_reports_load() -> None:
+def test_stats_report_load() -> None:
     torch.manual_seed(2)
     layer = MoELayer(8, 8, 4, 2)
     with torch.no_grad():
@@ -63,8 +63,9 @@ def test_last_stats_reports_load() -> None:
         layer.router.weight[0, 0] = layer.router.weight[1, 0] = 100.0  # experts 0 and 1 take everything
     x = torch.randn(10, 8)
     x[:, 0] = 1.0
+    assert layer.stats() is None  # before the first forward
     layer(x)
-    st = layer.last_stats
+    st = layer.stats()
     assert st.slots_per_rank == (20,) and st.copies == 0 and st.moved_tokens == 0
     assert st.maxvio == pytest.approx(1.0)  # T = [10, 10, 0, 0]: max / mean - 1
 
@@ -151,7 +152,7 @@ def test_no_expert_ids_equal_zero_weight_pairs() -> None:
     free = torch.stack([torch.tensor([e for e in range(8) if e not in row][0]) for row in ids.tolist()])
     w = w.detach().requires_grad_()
     out = layer.routed_experts(x, ids.masked_fill(none, -1), w.masked_fill(none, float("nan")))
-    assert not out[0].any() and layer.last_stats.slots_per_rank == (int((~none).sum()),)
+    assert not out[0].any() and layer.stats().slots_per_rank == (int((~none).sum()),)
     ref = layer.routed_experts(x, torch.where(none, free.view(-1, 1), ids), w.masked_fill(none, 0))
     torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
     (g,) = torch.autograd.grad(out.sum(), w)

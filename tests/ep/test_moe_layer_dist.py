@@ -65,7 +65,7 @@ def check_layer(group: dist.ProcessGroup, E: int, K: int, routing: str, router: 
     if shared:
         for name, p in layer.shared.named_parameters():
             err[f"shared.{name}"] = rel(all_reduced(p.grad, group), dict(ref.shared.named_parameters())[name].grad)
-    st = layer.last_stats
+    st = layer.stats()
     total = sum(st.slots_per_rank)
     R = len(st.slots_per_rank)
     assert sorted(st.slots_per_rank, reverse=True) == [total // R + (r < total % R) for r in range(R)]

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import copy
+import time
 from collections.abc import Callable
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from rank_pool import RankPool
+from rank_pool import COLLECTIVE_TIMEOUT_S, RankPool
 
-from k3sys.ep import ExpertParallelMoE, MoELayer, apply_ep
+from k3sys.ep import ExpertParallelMoE, MoELayer, apply_ep, parallelize
+from k3sys.ep.syncs import count_syncs
 from k3sys.model import HybridModel, ModelConfig, generate
 
 BATCH = [2, 1, 3]  # sequences per rank: uneven token counts
@@ -170,5 +172,83 @@ def check_model_failure(group: dist.ProcessGroup, where: str) -> tuple[str, str]
 @pytest.mark.timeout(120)
 def test_model_failure_outside_moe_layers_fails_every_rank(ranks: RankPool, where: str) -> None:
     other, bad = ranks.run(check_model_failure, where, ranks=2)
-    assert bad[0] == ("IndexError" if where == "embedding" else "RuntimeError"), bad
-    assert other[0] == "RemoteInputError" and "rank 1 rejected its input (caller's check)" in other[1], other
+    error = "IndexError: index out of range" if where == "embedding" else "RuntimeError: injected failure"
+    assert bad[0] == error.split(":")[0], bad
+    assert other[0] == "RemoteStepError", other
+    assert "rank 1 failed: HybridModel forward raised before MoE layer" in other[1] and error in other[1], other
+
+
+def check_syncs(group: dist.ProcessGroup) -> tuple[dict[str, int], dict[str, int]]:
+    """Host syncs made by the expert-parallel code (`k3sys.ep`) in one training forward and in its
+    backward, of the hybrid model (KDA's own syncs are not counted here)."""
+    R, rank = dist.get_world_size(group), dist.get_rank(group)
+    _, model = tiny_models(group)
+    batch = token_batches(R, model.cfg.vocab_size, T + 1)[rank]
+    with count_syncs(within="k3sys.ep") as forward:
+        logits = model(batch[:, :-1])
+    with count_syncs(within="k3sys.ep") as backward:
+        F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()).backward()
+    return dict(forward), dict(backward)
+
+
+@pytest.mark.timeout(300)
+def test_moe_step_syncs_only_for_split_sizes(ranks: RankPool) -> None:
+    # Per MoE layer one read (the all_to_all split sizes, with the verdicts, the group ends and the
+    # replica table in the same copy), none in backward; per forward one more (the check-in that
+    # fails every rank fast, see test_failure_between_dispatch_and_combine_fails_every_rank).
+    for forward, backward in ranks.run(check_syncs, ranks=3):
+        assert forward == {"tolist": 3 + 1}, forward  # 3 MoE layers + the check-in
+        assert backward == {}, backward
+
+
+class _RaiseOnCall:
+    """Stands in for the expert function: raises on its `n`-th call, runs the real one otherwise."""
+
+    def __init__(self, real: Callable[..., torch.Tensor], n: int) -> None:
+        self.real, self.n, self.calls = real, n, 0
+
+    def __call__(self, *args: object) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == self.n:
+            raise RuntimeError("injected expert failure")
+        return self.real(*args)
+
+
+def check_failure_inside_moe_layer(group: dist.ProcessGroup, where: str) -> tuple[str, str, list[str], float]:
+    """Rank 1 fails between a MoE layer's dispatch and its combine (its expert function raises in the
+    first or the last MoE layer, or the second layer's shared expert raises while the tokens travel):
+    every rank raises, the others naming rank 1 and its error, and the next forward works."""
+    R, rank = dist.get_world_size(group), dist.get_rank(group)
+    ref, model = tiny_models(group)
+    ids = token_batches(R, ref.cfg.vocab_size, T)[rank]
+    real, hook = parallelize.grouped_swiglu, None
+    if rank == 1 and where.startswith("experts"):
+        parallelize.grouped_swiglu = _RaiseOnCall(real, 1 if where == "experts-first" else 3)
+    elif rank == 1:
+        hook = model.blocks[2].ffn.shared.register_forward_pre_hook(_raise_injected)  # blocks 1-3 are MoE
+    start = time.perf_counter()
+    try:
+        model(ids)
+        outcome = ("none", "", [])
+    except Exception as e:  # noqa: BLE001 - the test reports what each rank raised
+        outcome = (type(e).__name__, str(e), getattr(e, "__notes__", []))
+    finally:
+        parallelize.grouped_swiglu = real
+        if hook is not None:
+            hook.remove()
+    elapsed = time.perf_counter() - start
+    assert rel(model(ids), ref(ids)) <= 2e-5  # the group still works
+    return (*outcome, elapsed)
+
+
+@pytest.mark.parametrize("where", ["experts-first", "experts-last", "shared-expert"])
+@pytest.mark.timeout(180)
+def test_failure_between_dispatch_and_combine_fails_every_rank(ranks: RankPool, where: str) -> None:
+    results = ranks.run(check_failure_inside_moe_layer, where, ranks=3)
+    error = "RuntimeError: injected" + (" expert failure" if where.startswith("experts") else " failure")
+    name, message, notes, _ = results[1]
+    assert name == "RuntimeError" and error.endswith(message), results[1]
+    assert any("rank 1" in note for note in notes), notes
+    for name, message, _, elapsed in (results[0], results[2]):
+        assert name == "RemoteStepError" and "rank 1 failed" in message and error in message, (name, message)
+        assert elapsed < COLLECTIVE_TIMEOUT_S  # told by rank 1, not by gloo's timeout

@@ -2,22 +2,29 @@
 
     buf = EPBuffer(group, capacity=S, hidden=H, top_k=K, num_experts=E)
     recv_x, recv_w, cu_seqlens, handle = buf.dispatch(x, topk_ids, topk_weights)
-    home, replicas = buf.prefetch(handle, {"w_gate": w_gate, ...})  # [epn, ...], [used slots, ...]
+    home, replicas = buf.prefetch(handle, {"w_gate": w_gate, ...})  # [homes, ...], [used slots, ...]
     out = buf.combine(handle, expert_out)                             # [buffer_rows, H] -> [s, H]
     home_grads = buf.reduce_grads(handle, replica_grads)              # what prefetch's backward runs
 
 Legend (tensor-name suffixes): s tokens on this rank (<= S = capacity), k top-k slot, h hidden,
-e expert, r rank, n pairs or buffer rows, g expert groups on a rank (2 * epn: the epn home experts,
-then the epn replica slots). R ranks, E experts, epn = E / R.
+e expert, r rank, n pairs or buffer rows, g expert groups on a rank (2 * epn: the epn home slots,
+then the epn replica slots). R ranks, E experts (any E >= R: `k3sys.ep.homes.Homes` places them,
+epn = ceil(E / R) home experts at most per rank; a rank holds `homes.count(rank)` of them).
+
+Over 400 lines: the buffer is the whole communication API of a step (DeepEP's shape, see STYLE.md):
+dispatch, prefetch, combine, reduce_grads and their autograd functions share the handle, the static
+buffers and the transfer helpers; the cross-rank failure agreement lives apart (`k3sys.ep.agreement`).
 
 One step:
 1. Plan. Each rank checks its input (layout on the host; id range, repeats and finiteness of x and
    the weights on the device), counts the pairs it routes to each expert (-1 ids: "no expert",
-   counted nowhere), and all-gathers the counts `tpe [R, E]` together with a verdict code: before
-   any token moves, a rank whose input is bad raises ValueError and the others raise
-   `RemoteInputError` naming it, so nobody is left waiting in a later collective and the group stays
-   usable. Every rank then runs the planner (`k3sys.ep.planner.plan`) on the same `tpe`: it is
-   integer-only with stable sorts, so all ranks hold the identical plan without a broadcast.
+   counted nowhere), and all-gathers the counts `tpe [R, E]` together with a verdict code. Every rank
+   runs the planner (`k3sys.ep.planner.plan`) on the same `tpe`: it is integer-only with stable
+   sorts, so all ranks hold the identical plan without a broadcast. Then the step's one host sync
+   reads, in one copy, every rank's verdict, the all_to_all split sizes, this rank's group ends and
+   the replica table: before any token moves, a rank whose input is bad raises ValueError and the
+   others raise `RemoteInputError` naming it, so nobody is left waiting in a later collective and the
+   group stays usable (`k3sys.ep.agreement`). Nothing else in a step reads a device value on the host.
 2. Dispatch. The plan gives every pair its destination rank and row (`Plan.slots`). A small
    all_to_all sends each pair's row and routing weight; then one all_to_all_single moves the token
    rows into a static staging buffer and one scatter puts them in their final expert-grouped row.
@@ -32,6 +39,10 @@ One step:
 5. Backward. dispatch and combine are each other's adjoint and run each other's transfer on the
    gradients; prefetch's backward sends the replica weight gradients home and adds them to the home
    experts' gradients (`reduce_grads`), so an optimizer step on home weights equals the local one.
+
+A rank whose own code fails between dispatch and combine calls `abandon` (the other ranks' combine
+then completes) and tells the others at the next agreement point: the next step's dispatch
+(`abort`) or `check_in`. `apply_ep` does both for its layers.
 
 Memory: every receive-side buffer (token rows, staging, replica slots, gradient staging) is sized by
 S and the expert shapes, never by the routing: the same storage serves every step. Use one buffer per
@@ -49,25 +60,14 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
+from k3sys.ep.agreement import CALLER, FAILED, PROBLEMS, VALUES, RemoteInputError, RemoteStepError, raise_on_verdicts
 from k3sys.ep.experts import weighted_sum
 from k3sys.ep.homes import Homes
 from k3sys.ep.planner import Plan, plan
 
-__all__ = ["EPBuffer", "EPHandle", "PendingDispatch", "RemoteInputError"]
+__all__ = ["EPBuffer", "EPHandle", "PendingDispatch", "RemoteInputError", "RemoteStepError"]
 
 _buffer_ids = itertools.count()
-
-# Verdict codes carried by the planning all-gather, so other ranks can say what went wrong where:
-# layout problems 1-4 (found on the host), value problems from _VALUES on (found on the device), and
-# a caller's own check (`EPBuffer.abort`).
-_INPUT_PROBLEMS = ("", "x", "capacity", "topk_ids", "topk_weights", "topk_ids out of range", "topk_ids repeated",
-                   "x not finite", "topk_weights not finite", "caller's check")
-_VALUES = 5
-_CALLER = len(_INPUT_PROBLEMS) - 1
-
-
-class RemoteInputError(RuntimeError):
-    """Another rank rejected its input to a collective step; this rank stops with it instead of hanging."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -79,6 +79,9 @@ class EPHandle:
     send_pair_n: `[n_send]` pair index `t * K + k` of each sent row, grouped by destination rank.
     send_token_n: `[n_send]` its token `t`. recv_row_n: `[n_recv]` buffer row of each received pair.
     ends: this rank's group ends `[2 * epn]` (host ints; `cu_seqlens` as a tuple).
+    copies: (destination rank, slot, expert, home rank) of every replica of the step, sorted by
+    (home, destination, slot): the point-to-point schedule of prefetch and reduce_grads (host ints).
+    used: replica slots in use on this rank (the planner fills them from 0).
     topk_weights_sk: the routing weights combine applies (0 where the id is -1).
     Pairs with id -1 are in no send list.
     """
@@ -93,6 +96,8 @@ class EPHandle:
     send_token_n: torch.Tensor
     recv_row_n: torch.Tensor
     ends: tuple[int, ...]
+    copies: tuple[tuple[int, int, int, int], ...]
+    used: int
     topk_weights_sk: torch.Tensor
 
 
@@ -100,9 +105,10 @@ class EPBuffer:
     """Static-shape dispatch / combine / replica prefetch / gradient reduce for one MoE layer.
 
     Args:
-        group: process group of R ranks (gloo on CPU, NCCL on GPU); expert e lives on rank e // epn.
+        group: process group of R ranks (gloo on CPU, NCCL on GPU); expert e lives on rank
+            `homes.rank_of(e)` (`k3sys.ep.homes.Homes`: contiguous, floor(E / R) or ceil(E / R) each).
         capacity: S, the most tokens a rank dispatches per step; sizes every buffer.
-        hidden: H. top_k: K. num_experts: E, a multiple of R.
+        hidden: H. top_k: K. num_experts: E >= R (any E: K3 puts 896 experts on 256 ranks).
         token_padding: expert groups are padded to a multiple of this many rows. Default 1.
         dtype: dtype of the token rows. Default float32.
         device: where the buffers live. Default: the current CUDA device for NCCL, else CPU.
@@ -188,29 +194,85 @@ class EPBuffer:
             handle: the `EPHandle` for combine / prefetch / reduce_grads.
 
         Raises:
-            ValueError on a rank whose input is bad, `RemoteInputError` naming it on every other rank,
-            all before any token moves (see `_gather_counts`): the group stays usable.
+            ValueError on a rank whose input is bad, `RemoteInputError` naming it and its message on
+            every other rank (`RemoteStepError` if a rank reported a failure with `abort(...,
+            failed=True)`), all before any token moves (`k3sys.ep.agreement`): the group stays usable.
         """
         handle = self._route(x, topk_ids, topk_weights)
         pending = PendingDispatch(self, x, handle, self._start_rows(handle, x.detach(), handle.send_token_n))
         return pending if async_op else pending.wait()
 
-    def abort(self, message: str) -> NoReturn:
-        """Reject this rank's step from a check made before dispatch (e.g. a layer's own input
-        check): joins the counts all-gather with a verdict, so every other rank's dispatch raises
-        `RemoteInputError` instead of waiting; raises ValueError(message) here."""
-        self._gather_counts(None, None, None, (_CALLER, message))
-        raise AssertionError("unreachable: _gather_counts raises for a problem")
+    def abort(self, message: str, *, failed: bool = False) -> NoReturn:
+        """Stop this rank's step in place of its dispatch, so that no other rank waits: joins the counts
+        all-gather with a verdict, every other rank's dispatch raises (`RemoteInputError`, or
+        `RemoteStepError` when `failed`) naming this rank and `message`; raises ValueError(message) here.
+
+        For a check made before dispatch (a layer's own input check), or, with `failed=True`, to report
+        that this rank's code raised since its last agreement point (see `abandon`)."""
+        problem = (FAILED if failed else CALLER, message)
+        _, verdict_r = self._gather_counts(None, None, None, problem)
+        raise_on_verdicts(self.group, verdict_r.tolist(), message, "EPBuffer.dispatch")
+        raise AssertionError("unreachable: raise_on_verdicts raises for a problem")
+
+    def check_in(self, failure: str | None = None) -> None:
+        """An agreement point outside dispatch: every rank of the group calls it at the same point of
+        the program (`apply_ep`: at the end of every model forward). One all-gather of an int64 per
+        rank and one host read.
+
+        Args:
+            failure: None if this rank's step went well since its last agreement point, else what
+                failed (after `abandon`, or a failure with no dispatch after it).
+
+        Raises:
+            `RemoteStepError` naming the failed ranks and their messages on every rank that passed
+            None; ValueError(failure) on a failed rank.
+        """
+        verdict = torch.full((1,), FAILED if failure is not None else 0, dtype=torch.long, device=self.device)
+        verdict_r = torch.empty(self.world, dtype=torch.long, device=self.device)
+        dist.all_gather_single(verdict_r, verdict, group=self.group)
+        raise_on_verdicts(self.group, verdict_r.tolist(), failure, "EPBuffer.check_in")
+
+    def abandon(self, step: EPHandle | PendingDispatch, home_weights: Mapping[str, torch.Tensor] | None) -> None:
+        """Finish this rank's part of a step it cannot complete (its code raised between dispatch and
+        combine), so that the other ranks' prefetch and combine do not wait for it.
+
+        Lands the token rows (pass the `PendingDispatch` of an async dispatch), sends the replica
+        weights when `home_weights` is given (when prefetch has not run on this rank but runs on the
+        others; None when it ran or runs nowhere), and returns zero expert outputs in combine's
+        transfer: the others' combine completes, with zeros for this rank's rows. No autograd. Then
+        report the failure at the next agreement point (`abort(..., failed=True)` in place of the next
+        dispatch on the group, or `check_in`), where every rank raises.
+        """
+        handle = step.handle if isinstance(step, PendingDispatch) else step
+        self._check_handle(handle, "abandon")
+        with torch.no_grad():
+            if isinstance(step, PendingDispatch):
+                step.wait()
+            if home_weights is not None:
+                self._fill_replicas(handle, [w.detach() for w in home_weights.values()], list(home_weights))
+            self._rows_to_pairs(handle, torch.zeros_like(self._recv_x_nh))
 
     def _route(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> EPHandle:
         """Plan the step, give every pair its row and exchange the rows and weights; no token moves yet."""
-        tpe_re, routed_r = self._gather_counts(x, topk_ids, topk_weights, self._check_layout(x, topk_ids, topk_weights))
+        problem = self._check_layout(x, topk_ids, topk_weights)
+        tpe_re, verdict_r = self._gather_counts(x, topk_ids, topk_weights, problem)
         p = self._plan(tpe_re)
         if p.buffer_rows != self.buffer_rows:
             raise AssertionError(f"planner gave {p.buffer_rows} buffer rows, expected {self.buffer_rows}")
-        dst_rank_n, dst_row_n = self._slots(p, topk_ids.reshape(-1), int(routed_r[self.rank]))
         send_r, recv_r = p.traffic_of(self.rank)
-        send_splits, recv_splits = send_r.tolist(), recv_r.tolist()
+        R, epn = self.world, self.experts_per_rank
+        # The step's one host sync: all_to_all_single takes its split sizes as host ints. The
+        # verdicts, the group ends (the grouped GEMM's slicing) and the replica table (the
+        # point-to-point schedule) ride the same copy; nothing else reads the device on the host.
+        host = torch.cat([verdict_r, send_r, recv_r, p.cu_seqlens[self.rank], p.replicas.reshape(-1)]).tolist()
+        verdicts, send_splits, recv_splits = host[:R], host[R:2 * R], host[2 * R:3 * R]
+        message = None
+        if verdicts[self.rank]:
+            message = problem[1] if problem is not None else self._describe(verdicts[self.rank], x, topk_ids,
+                                                                            topk_weights)
+        raise_on_verdicts(self.group, verdicts, message, "EPBuffer.dispatch")
+        ends, replicas = tuple(host[3 * R:3 * R + 2 * epn]), host[3 * R + 2 * epn:]
+        dst_rank_n, dst_row_n = self._slots(p, topk_ids.reshape(-1))
         # Pairs sorted by destination; "no expert" pairs (destination R) sort last and are not sent.
         send_pair_n = dst_rank_n.argsort(stable=True)[: sum(send_splits)].to(self.device)
         # Rows and weights travel ahead of the data, so the data lands in place with one scatter.
@@ -224,23 +286,30 @@ class EPBuffer:
             owner=self._id, rank=self.rank, num_tokens=x.shape[0], plan=p,
             send_splits=tuple(send_splits), recv_splits=tuple(recv_splits),
             send_pair_n=send_pair_n, send_token_n=send_pair_n // self.top_k, recv_row_n=recv_meta[:, 0].long(),
-            ends=tuple(p.cu_seqlens[self.rank].tolist()), topk_weights_sk=topk_weights,
+            ends=ends, copies=self._copy_table(replicas),
+            used=sum(e >= 0 for e in replicas[self.rank * epn:(self.rank + 1) * epn]), topk_weights_sk=topk_weights,
         )
         self._recv_w_n.zero_()
         self._recv_w_n.index_copy_(0, handle.recv_row_n, recv_meta[:, 1].view(torch.float32))
         return handle
 
-    def _slots(self, p: Plan, ids_n: torch.Tensor, routed: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(destination rank, row) `[s*K]` of each pair; rank R for a "no expert" (-1) pair."""
-        if routed == ids_n.numel():
-            dst_rank, dst_row = p.slots(self.rank, ids_n.view(-1, 1))
-            return dst_rank.view(-1), dst_row.view(-1)
-        keep = (ids_n >= 0).to(p.tpe.device)
-        dst_rank_n = torch.full(ids_n.shape, self.world, dtype=torch.long, device=p.tpe.device)
-        dst_row_n = torch.zeros_like(dst_rank_n)
-        dst_rank, dst_row = p.slots(self.rank, ids_n.to(p.tpe.device)[keep].view(-1, 1))
-        dst_rank_n[keep], dst_row_n[keep] = dst_rank.view(-1), dst_row.view(-1)
-        return dst_rank_n, dst_row_n
+    def _slots(self, p: Plan, ids_n: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(destination rank, row) `[s*K]` of each pair; rank R for a "no expert" (-1) pair.
+
+        Unchecked (`check=False`): the verdict has checked every id and tpe is counted from them, so
+        the plan's host re-validation would only add syncs. `Plan.slots(rank, ids)` (check=True) is
+        the debugging check, and the reference (`k3sys.ep.comm_reference`) runs it in the tests.
+        """
+        dst_rank, dst_row = p.slots(self.rank, ids_n.view(-1, 1), check=False)
+        return torch.where(dst_rank >= 0, dst_rank, self.world).view(-1), dst_row.view(-1)
+
+    def _copy_table(self, replicas: list[int]) -> tuple[tuple[int, int, int, int], ...]:
+        """(destination rank, slot, expert, home rank) of each replica in `replicas` (the plan's
+        `[R, epn]` table as host ints, -1 for an unused slot), sorted by (home, destination, slot)."""
+        epn = self.experts_per_rank
+        copies = [(dest, slot, e, self.homes.rank_of(e))
+                  for i, e in enumerate(replicas) if e >= 0 for dest, slot in [divmod(i, epn)]]
+        return tuple(sorted(copies, key=lambda c: (c[3], c[0], c[1])))
 
     def _check_layout(
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
@@ -270,17 +339,17 @@ class EPBuffer:
         repeated = ((ids_sorted.diff(dim=-1) == 0) & (ids_sorted[:, 1:] >= 0)).any()
         problems = torch.stack([~known_n.all(), repeated, ~x.isfinite().all(),
                                 ~weights_sk.masked_fill(ids_sk < 0, 0).isfinite().all()])
-        codes = torch.arange(_VALUES, _VALUES + 4, device=problems.device)
-        return torch.where(problems, codes, len(_INPUT_PROBLEMS)).min() % len(_INPUT_PROBLEMS)
+        codes = torch.arange(VALUES, VALUES + 4, device=problems.device)
+        return torch.where(problems, codes, len(PROBLEMS)).min() % len(PROBLEMS)
 
     def _describe(self, code: int, x: torch.Tensor, ids_sk: torch.Tensor, weights_sk: torch.Tensor) -> str:
         """The bad rank's message for a value problem (reads the values: only on the error path)."""
-        if code == _VALUES:
+        if code == VALUES:
             return (f"topk_ids must lie in [-1, {self.num_experts}) (-1: no expert), "
                     f"got [{int(ids_sk.min())}, {int(ids_sk.max())}]")
-        if code == _VALUES + 1:
+        if code == VALUES + 1:
             return "topk_ids repeats an expert within a token's row"
-        if code == _VALUES + 2:
+        if code == VALUES + 2:
             return f"x holds {int((~x.isfinite()).sum())} non-finite values (NaN or inf)"
         bad = int((~weights_sk.masked_fill(ids_sk < 0, 0).isfinite()).sum())
         return f"topk_weights holds {bad} non-finite values (NaN or inf) on routed pairs"
@@ -289,14 +358,14 @@ class EPBuffer:
         self, x: torch.Tensor | None, ids_sk: torch.Tensor | None, weights_sk: torch.Tensor | None,
         problem: tuple[int, str] | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """All-gather `tpe [R, E]` plus a verdict column; raise on every rank if any input was bad.
-
-        Returns tpe `[R, E]` on the buffer's device and the routed pairs of each rank `[R]` (CPU).
+        """All-gather `tpe [R, E]` plus a verdict column: (tpe `[R, E]`, verdicts `[R]`), both on the
+        buffer's device (the caller reads the verdicts with the split sizes, `_route`).
 
         The verdict is the code of this rank's first problem: a layout one (`problem`, known on the
         host) or a value one (ids out of range or repeated, non-finite x or weights), computed on
-        the device and carried by the same all-gather, so checking the values costs no host sync
-        beyond the one reading the gathered counts. -1 ids are counted nowhere.
+        the device and carried by the same all-gather, so checking the values costs no host sync of
+        its own. -1 ids are counted nowhere; a rank with a problem counts nothing, so every rank can
+        still plan from the gathered tpe before it reads the verdicts.
         """
         E = self.num_experts
         row = torch.zeros(E + 1, dtype=torch.long, device=self.device)
@@ -311,19 +380,7 @@ class EPBuffer:
         out_re = torch.empty(self.world * (E + 1), dtype=torch.long, device=self.device)
         dist.all_gather_single(out_re, row, group=self.group)
         out_re = out_re.view(self.world, E + 1)
-        # The one host sync of planning: every rank's verdict and routed pairs, read together.
-        verdict_r, routed_r = torch.stack([out_re[:, E], out_re[:, :E].sum(1)]).cpu()
-        mine = int(verdict_r[self.rank])
-        if mine:
-            message = problem[1] if problem is not None else self._describe(mine, x, ids_sk, weights_sk)
-            raise ValueError(f"EPBuffer.dispatch on rank {self.rank}: {message}")
-        if bool(verdict_r.any()):
-            bad = int(verdict_r.nonzero()[0])
-            raise RemoteInputError(
-                f"EPBuffer.dispatch: rank {bad} rejected its input ({_INPUT_PROBLEMS[int(verdict_r[bad])]}); "
-                f"rank {self.rank} stops too"
-            )
-        return out_re[:, :E], routed_r  # the counts stay on the device: the planner runs there
+        return out_re[:, :E], out_re[:, E]  # the counts stay on the device: the planner runs there
 
     def _plan(self, tpe_re: torch.Tensor) -> Plan:
         # The planner balances token-k pairs. With "no expert" (-1) ids a rank's pairs are not s*K,
@@ -389,13 +446,13 @@ class EPBuffer:
 
         Args:
             handle: from this buffer's dispatch (its plan names the replicas).
-            home_weights: name -> `[epn, ...]` this rank's home expert weights (same names, shapes
-                and dtypes every step).
+            home_weights: name -> `[homes, ...]` this rank's home expert weights (`homes.count(rank)`
+                rows: epn, or epn - 1 with uneven homes; same names, shapes and dtypes every step).
 
         Returns:
             (home, replicas): the weights of the groups, home experts then replica slots, as two
             tensors rather than one `[2 * epn, ...]` concatenation (which would copy every home weight
-            each step). `home` (`[epn, ...]` per name) is `home_weights` passed through: use it in the
+            each step). `home` (`[homes, ...]` per name) is `home_weights` passed through: use it in the
             home GEMMs, so that every rank's backward joins the gradient exchange and the replicas'
             gradients are added into the home gradient in place (see `_Prefetch`).
             `replicas` (`[c, ...]` per name, c <= epn the slots in use this step; the planner fills
@@ -429,19 +486,11 @@ class EPBuffer:
         if given != layout:
             raise ValueError(f"{what} must match the first prefetch's weights {layout}, got {given}")
 
-    def _copies(self, p: Plan) -> torch.Tensor:
-        """`[c, 4]` (destination rank, slot, expert, home rank) of every replica, sorted by (home, dest, slot)."""
-        dest, slot = torch.nonzero(p.replicas >= 0, as_tuple=True)
-        expert = p.replicas[dest, slot]
-        home = self.homes.rank_of(expert)
-        key = (home * self.world + dest) * self.experts_per_rank + slot
-        return torch.stack([dest, slot, expert, home], 1)[key.argsort()].cpu()  # host tables: p2p schedule
-
     def _fill_replicas(self, h: EPHandle, home: list[torch.Tensor], names: list[str]) -> None:
         ops = []
-        copies = self._copies(h.plan)
-        copies = copies[(copies[:, 0] == self.rank) | (copies[:, 3] == self.rank)]  # the ones this rank is in
-        for dest, slot, expert, src in copies.tolist():
+        for dest, slot, expert, src in h.copies:
+            if self.rank not in (dest, src):  # only the copies this rank is in
+                continue
             for i, name in enumerate(names):
                 tag = slot * len(names) + i
                 if src == self.rank:
@@ -488,20 +537,24 @@ class EPBuffer:
         schedule comes from the plan, identical on every rank.
         """
         epn = self.experts_per_rank
-        copies = self._copies(h.plan)
-        home_r = copies[:, 3].contiguous()
-        # Position of each copy among its home rank's copies (copies are sorted by home).
-        position = torch.arange(len(copies)) - torch.searchsorted(home_r, home_r, side="left")
-        mine = home_r == self.rank
-        experts, landing = torch.unique(self.homes.local(copies[mine, 2]), return_inverse=True)  # copy -> its sum's row
-        sums = {name: g.new_zeros(len(experts), *g.shape[1:]) for name, g in grads.items()} if mine.any() else None
-        rounds = int(position.max()) // epn + 1 if len(copies) else 0
-        involved = mine | (copies[:, 0] == self.rank)  # rounds count every copy; ops only this rank's
+        # Position of each copy among its home rank's copies (copies are sorted by home); host ints
+        # from the handle's table, so the schedule reads nothing off the device.
+        position, seen = [], {}
+        for *_, home in h.copies:
+            position.append(seen.get(home, 0))
+            seen[home] = position[-1] + 1
+        mine = [(local, pos) for (_, _, e, home), pos in zip(h.copies, position, strict=True) if home == self.rank
+                for local in [self.homes.local(e)]]
+        experts = sorted({local for local, _ in mine})  # this rank's experts that have copies
+        row_of = {local: i for i, local in enumerate(experts)}
+        sums = {name: g.new_zeros(len(experts), *g.shape[1:]) for name, g in grads.items()} if mine else None
+        rounds = max(position) // epn + 1 if position else 0
         for rnd in range(rounds):
-            in_round = ((position // epn) == rnd) & involved
             ops = []
-            for (dest, slot, _, src), stage in zip(copies[in_round].tolist(), (position[in_round] % epn).tolist(),
-                                                   strict=True):
+            for (dest, slot, _, src), pos in zip(h.copies, position, strict=True):
+                if pos // epn != rnd or self.rank not in (dest, src):  # rounds count every copy; ops only this rank's
+                    continue
+                stage = pos % epn
                 for i, name in enumerate(grads):
                     tag = slot * len(grads) + i
                     if dest == self.rank:
@@ -512,11 +565,12 @@ class EPBuffer:
                                               tag=tag, group_peer=dest))
             _run_p2p(ops)
             # This rank's copies in a round are consecutive positions, so they fill stage slots 0, 1, ...
-            rows = landing[(position[mine] // epn) == rnd].to(self.device)
-            if len(rows):
+            landing = [row_of[local] for local, pos in mine if pos // epn == rnd]
+            if landing:
+                rows = torch.tensor(landing, device=self.device)
                 for name, total in sums.items():
                     total.index_add_(0, rows, self._grad_stage[name][: len(rows)].to(total.dtype))
-        return None if sums is None else (experts.to(self.device), sums)
+        return None if sums is None else (torch.tensor(experts, device=self.device), sums)
 
 
 def _run_p2p(ops: list[dist.P2POp]) -> None:
@@ -590,12 +644,12 @@ class _Combine(torch.autograd.Function):
         grad_nh[end:].zero_()
         if buf.token_padding > 1:
             padding = torch.ones(end, dtype=torch.bool, device=grad_nh.device).index_fill_(0, h.recv_row_n, False)
-            grad_nh[:end][padding] = 0
+            grad_nh[:end].masked_fill_(padding.unsqueeze(1), 0)  # not `[padding] = 0`: a boolean index syncs
         return grad_nh, None, None
 
 
 class _Prefetch(torch.autograd.Function):
-    """home weights `[epn, ...]` per name -> (the same home weights, replica slots `[used, ...]`);
+    """home weights `[homes, ...]` per name -> (the same home weights, replica slots `[used, ...]`);
     backward: the replica gradients go home and join the home gradient.
 
     The home weights come in twice: first as the replicas' source, then to pass through. Backward
@@ -616,16 +670,14 @@ class _Prefetch(torch.autograd.Function):
         home = home_twice[len(names):]
         buf._fill_replicas(handle, list(home), names)
         # Only the slots in use (the planner fills slots from 0): unused ones get no gradient to write.
-        used = int((handle.plan.replicas[handle.rank] >= 0).sum())
-        return (*(w.view_as(w) for w in home), *(buf._replicas[n][:used] for n in names))
+        return (*(w.view_as(w) for w in home), *(buf._replicas[n][:handle.used] for n in names))
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         buf, h, names = ctx.buf, ctx.handle, ctx.names
         n = len(names)
-        used = int((h.plan.replicas[h.rank] >= 0).sum())
         home_grads = grads[:n]
-        replica_grads = {name: g if g is not None else torch.zeros_like(buf._replicas[name][:used])
+        replica_grads = {name: g if g is not None else torch.zeros_like(buf._replicas[name][:h.used])
                          for name, g in zip(names, grads[n:], strict=True)}
         received = buf._send_grads_home(h, replica_grads)
         if received is None:

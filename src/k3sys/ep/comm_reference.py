@@ -2,7 +2,8 @@
 
 Each function takes every rank's inputs as a list indexed by rank and returns every rank's result,
 by direct indexing with the plan's slot map: no staging, no splits, no process group. The real
-transfers only move values, so they must match these bit for bit.
+transfers only move values, so they must match these bit for bit. Expert homes come from the plan's
+`Homes` (E need not be a multiple of R: rank r holds `homes.count(r)` experts, epn or epn - 1).
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ __all__ = ["combine_reference", "dispatch_reference", "prefetch_reference", "red
 
 
 def _slots(p: Plan, rank: int, ids_sk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    # EPBuffer plans every token-k pair as a token of a top-1 routing (see `EPBuffer._plan`).
-    dst_rank, dst_row = p.slots(rank, ids_sk.reshape(-1, p.top_k))
+    # EPBuffer plans every token-k pair as a token of a top-1 routing (see `EPBuffer._plan`). The
+    # slot map's host check (check=True) runs here: the buffer skips it, the tests keep it.
+    dst_rank, dst_row = p.slots(rank, ids_sk.reshape(-1, p.top_k), check=True)
     return dst_rank.view_as(ids_sk), dst_row.view_as(ids_sk)
 
 
@@ -55,27 +57,30 @@ def combine_reference(
 
 
 def prefetch_reference(p: Plan, home: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
-    """Each rank's replica slots `[epn, ...]` per name: slot j holds expert `replicas[rank, j]` (zeros if unused)."""
-    epn = p.experts_per_rank
+    """Each rank's replica slots `[epn, ...]` per name, from every rank's home weights (`[homes.count(r),
+    ...]` per name): slot j holds expert `replicas[rank, j]` (zeros if unused)."""
+    homes, epn = p.homes, p.experts_per_rank
     out = []
     for rank in range(p.num_ranks):
         slots = {}
         for name, w in home[rank].items():
-            slots[name] = torch.zeros_like(w)
+            slots[name] = w.new_zeros(epn, *w.shape[1:])
             for j, e in enumerate(p.replicas[rank].tolist()):
                 if e >= 0:
-                    slots[name][j] = home[e // epn][name][e % epn]
+                    slots[name][j] = home[homes.rank_of(e)][name][homes.local(e)]
         out.append(slots)
     return out
 
 
 def reduce_grads_reference(p: Plan, grads: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
-    """Each rank's `[epn, ...]` per name: the sum of the replica-slot gradients of its home experts."""
-    epn = p.experts_per_rank
-    out = [{name: torch.zeros_like(g) for name, g in grads[0].items()} for _ in range(p.num_ranks)]
+    """Each rank's `[homes.count(rank), ...]` per name: the sum of the replica-slot gradients (`[epn, ...]`
+    per name on every rank) of its home experts."""
+    homes = p.homes
+    out = [{name: g.new_zeros(homes.count(r), *g.shape[1:]) for name, g in grads[0].items()}
+           for r in range(p.num_ranks)]
     for rank in range(p.num_ranks):
         for j, e in enumerate(p.replicas[rank].tolist()):
             if e >= 0:
                 for name, g in grads[rank].items():
-                    out[e // epn][name][e % epn] += g[j]
+                    out[homes.rank_of(e)][name][homes.local(e)] += g[j]
     return out

@@ -19,7 +19,6 @@ import torch
 from torch import nn
 
 from k3sys.ep.experts import grouped_swiglu, weighted_sum
-from k3sys.ep.routing import maxvio
 
 if TYPE_CHECKING:
     from k3sys.ep.comm import PendingDispatch
@@ -27,7 +26,7 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class MoEStats:
-    """What the last forward did.
+    """What the last forward did (`MoELayer.stats()`).
 
     slots_per_rank: token-expert pairs each rank's experts processed (one entry when local).
     copies: replica expert weights prefetched this step. moved_tokens: pairs processed on a replica
@@ -131,7 +130,9 @@ class MoELayer(nn.Module):
         self.w_up = nn.Parameter(torch.empty(num_experts, hidden, ffn_hidden))
         self.w_down = nn.Parameter(torch.empty(num_experts, ffn_hidden, hidden))
         self.shared = SwiGLU(hidden, num_shared_experts * ffn_hidden) if num_shared_experts else None
-        self.last_stats: MoEStats | None = None
+        # The last forward's statistics stay on the device until `stats()` reads them: reading them
+        # every step would add host syncs to the expert-parallel step (issue 29).
+        self._stats: torch.Tensor | None = None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -153,6 +154,24 @@ class MoELayer(nn.Module):
             weights_sk = scores_se.gather(-1, ids_sk)
         weights_sk = weights_sk / weights_sk.sum(-1, keepdim=True) * self.routed_scale
         return ids_sk, weights_sk.to(x_sh.dtype)
+
+    def stats(self) -> MoEStats | None:
+        """What the last forward did (None before the first). Reads a few integers off the device (a
+        host sync): call it when you log (every N steps), not inside the step."""
+        if self._stats is None:
+            return None
+        values = self._stats.tolist()
+        E = self.num_experts
+        loads, (copies, moved), tpe_e = values[:-E - 2], values[-E - 2:-E], values[-E:]
+        mean = sum(tpe_e) / E
+        return MoEStats(tuple(loads), copies, moved, 0.0 if mean == 0 else max(tpe_e) / mean - 1)
+
+    def _keep_stats(
+        self, loads_r: torch.Tensor, copies: torch.Tensor, moved: torch.Tensor, tpe_e: torch.Tensor
+    ) -> None:
+        """Keep the step's statistics on the device, packed for `stats()`: loads `[R]`, replica copies and
+        moved pairs (scalars), pairs per expert `[E]` (maxvio's input)."""
+        self._stats = torch.cat([loads_r, copies.view(1), moved.view(1), tpe_e]).long()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         work = self.start(x)
@@ -184,7 +203,7 @@ class MoELayer(nn.Module):
         return MoEWork(x_sh, topk_ids, topk_weights, x_sh.shape)
 
     def finish(self, work: MoEWork) -> torch.Tensor:
-        """Second half: `sum_k w[t, k] * expert_{ids[t, k]}(x[t])`, shaped as `work.shape`. Sets `last_stats`."""
+        """Second half: `sum_k w[t, k] * expert_{ids[t, k]}(x[t])`, shaped as `work.shape`. Keeps `stats()`."""
         x_sh, ids_sk, weights_sk = work.x_sh, work.ids_sk, work.weights_sk
         s, k = ids_sk.shape
         E = self.num_experts
@@ -199,14 +218,15 @@ class MoELayer(nn.Module):
         inverse_n = torch.empty_like(order_n)
         inverse_n[order_n] = torch.arange(order_n.numel(), device=order_n.device)
         y_skh = y_nh[inverse_n].view(s, k, self.hidden)
-        self.last_stats = MoEStats((ends[-1],), 0, 0, maxvio(tpe_e))
+        none = tpe_e.new_zeros(())
+        self._keep_stats(tpe_e.sum().view(1), none, none, tpe_e)
         return weighted_sum(weights_sk.masked_fill(ids_sk < 0, 0), y_skh).view(work.shape)
 
     def routed_experts(self, x_sh: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """The routed half of the layer for a given routing: `sum_k w[t, k] * expert_{ids[t, k]}(x[t])`.
 
         x_sh `[s, h]`, topk_ids `[s, K]` (-1: no expert), topk_weights `[s, K]` -> `[s, h]`. Benchmarks
-        and custom routers call it directly. Sets `last_stats`.
+        and custom routers call it directly. Keeps `stats()`.
         """
         return self.finish(self.start_routed(x_sh, topk_ids, topk_weights))
 

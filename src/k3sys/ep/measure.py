@@ -115,9 +115,9 @@ def _worker(rank: int, c: StepSetup, methods: tuple[str, ...], port: int, out_fi
             x.grad = None
             layer.zero_grad(set_to_none=True)  # as an optimizer step would
             if i >= c.warmup:
-                loads = torch.tensor(layer.last_stats.slots_per_rank, dtype=torch.float64)
-                for key, value in zip(keys, (*elapsed, loads.max() / loads.mean(), layer.last_stats.copies),
-                                      strict=True):
+                stats = layer.stats()  # read after the timed step: the read is a host sync
+                loads = torch.tensor(stats.slots_per_rank, dtype=torch.float64)
+                for key, value in zip(keys, (*elapsed, loads.max() / loads.mean(), stats.copies), strict=True):
                     rec[m][key].append(float(value))
     rss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024], dtype=torch.float64)
     dist.all_reduce(rss, op=dist.ReduceOp.MAX)
