@@ -17,7 +17,14 @@ from dataclasses import dataclass, fields
 import torch
 
 from k3sys.kda.gate import kda_gate
-from k3sys.kda.validate import KDADims, check_inputs, check_log_decay, compute_dtype, resolve_cu_seqlens
+from k3sys.kda.validate import (
+    MAX_HEAD_DIM,
+    KDADims,
+    check_inputs,
+    check_log_decay,
+    compute_dtype,
+    resolve_cu_seqlens,
+)
 
 
 @dataclass(frozen=True)
@@ -147,7 +154,7 @@ class Prepared:
 def prepare(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float | None,
     initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None, cu_seqlens_cpu: torch.Tensor | None,
-    opts: KDAOptions, max_head_dim: int | None = None, dtype: torch.dtype | None = None,
+    opts: KDAOptions, max_head_dim: int = MAX_HEAD_DIM, dtype: torch.dtype | None = None,
 ) -> Prepared:
     """Check shapes, apply the options' activations, check g's range; shared by every sequence op.
 

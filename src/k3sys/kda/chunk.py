@@ -45,7 +45,6 @@ import torch
 
 from k3sys.kda.activations import Prepared, kda_options, prepare, state_out
 
-MAX_HEAD_DIM = 512
 # Stands in for g = -inf (see `_two_phases`): every exponent that includes such a step is <= this, and
 # exp(-1e4) is 0 in fp32 and fp64; the blocks holding it are wider than any factorisation, so they take
 # the pairwise path, whose segment sums never subtract it.
@@ -387,7 +386,7 @@ def kda_chunk(
                               **options)
         if backend == "triton":
             raise ValueError(f"backend='triton' cannot run this call: {why}")
-    p = prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens, cu_seqlens_cpu, opts, max_head_dim=MAX_HEAD_DIM)
+    p = prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens, cu_seqlens_cpu, opts)
     dims, dt, device = p.dims, p.v.dtype, q.device
     S0 = p.S0 if p.S0 is not None else torch.zeros(dims.N, dims.HV, dims.K, dims.V, dtype=dt, device=device)
     if dims.B * dims.T == 0:  # no tokens: every state passes through

@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 
 from k3sys.kda.activations import kda_options
-from k3sys.kda.chunk import MAX_HEAD_DIM, kda_chunk
-from k3sys.kda.validate import compute_dtype
+from k3sys.kda.chunk import kda_chunk
+from k3sys.kda.validate import MAX_HEAD_DIM, compute_dtype
 
 
 class _AllGather(torch.autograd.Function):

@@ -21,6 +21,19 @@ def check_lower_bound(lower_bound: float | None, safe: bool = True) -> None:
         raise ValueError(f"lower_bound must be None or a finite negative float, got {lower_bound}")
 
 
+def check_gate(H: int, K: int, A_log: torch.Tensor | None, dt_bias: torch.Tensor | None,
+               lower_bound: float | None, safe: bool = True) -> None:
+    """Raise ValueError unless the gate's parameters fit H heads of K channels (see `kda_gate`)."""
+    if A_log is None and lower_bound is None:
+        raise ValueError("A_log is required for the softplus gate (lower_bound=None)")
+    if A_log is not None and A_log.shape != (H,):
+        raise ValueError(f"A_log must have shape [H] = [{H}], got {list(A_log.shape)}")
+    if dt_bias is not None and dt_bias.shape not in ((H, K), (H * K,)):
+        raise ValueError(f"dt_bias must have shape [H, K] = [{H}, {K}] or [H * K] = [{H * K}], "
+                         f"got {list(dt_bias.shape)}")
+    check_lower_bound(lower_bound, safe)
+
+
 def kda_gate(
     f: torch.Tensor,
     A_log: torch.Tensor | None,
@@ -44,14 +57,7 @@ def kda_gate(
         g `[..., H, K]` fp32 (fp64 for fp64 f), <= 0.
     """
     H, K = f.shape[-2], f.shape[-1]
-    if A_log is None and lower_bound is None:
-        raise ValueError("A_log is required for the softplus gate (lower_bound=None)")
-    if A_log is not None and A_log.shape != (H,):
-        raise ValueError(f"A_log must have shape [H] = [{H}], got {list(A_log.shape)}")
-    if dt_bias is not None and dt_bias.shape not in ((H, K), (H * K,)):
-        raise ValueError(f"dt_bias must have shape [H, K] = [{H}, {K}] or [H * K] = [{H * K}], "
-                         f"got {list(dt_bias.shape)}")
-    check_lower_bound(lower_bound, safe)
+    check_gate(H, K, A_log, dt_bias, lower_bound, safe)
     dt = torch.promote_types(f.dtype, torch.float32)  # fp32, or fp64 in oracle mode
     f = f.to(dt)
     A = None if A_log is None else A_log.to(dt).exp().unsqueeze(-1)  # [H, 1]

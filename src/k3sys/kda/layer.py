@@ -21,11 +21,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from k3sys.kda.chunk import MAX_HEAD_DIM, kda_chunk
+from k3sys.kda.chunk import kda_chunk
 from k3sys.kda.cp import from_previous_rank, kda_chunk_cp
 from k3sys.kda.gate import check_lower_bound
 from k3sys.kda.state import STATE_LAYOUTS, KDAState
 from k3sys.kda.step import step_unchecked
+from k3sys.kda.validate import MAX_HEAD_DIM, NaNError, check_cu_seqlens
 
 # fla's layer names that map one to one onto ours (same shape); the rest are split, fused or reshaped.
 _SAME_NAMES = ("f_proj.0.weight", "f_proj.1.weight", "b_proj.weight", "A_log", "g_proj.0.weight",
@@ -134,7 +135,7 @@ class KimiDeltaAttention(nn.Module):
                               head_v_dim=self.head_v_dim, layout=self.state_layout)
 
     def _check(self, x: torch.Tensor, state: KDAState | None, cu_seqlens: torch.Tensor | None) -> int:
-        """Validate x, cu_seqlens and state; return the number of sequences N."""
+        """Validate x, cu_seqlens (a host copy: its values are read) and state; return the number of sequences N."""
         if x.dim() != 3 or x.shape[-1] != self.hidden_size:
             raise ValueError(f"x must be [B, T, {self.hidden_size}], got {list(x.shape)}")
         N = x.shape[0]
@@ -145,7 +146,7 @@ class KimiDeltaAttention(nn.Module):
             if x.shape[0] != 1 or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.is_floating_point():
                 raise ValueError(f"cu_seqlens must be 1-D int [N + 1] with x [1, T, D], got cu_seqlens "
                                  f"{list(cu_seqlens.shape)} {cu_seqlens.dtype} and x {list(x.shape)}")
-            N = cu_seqlens.numel() - 1
+            N = check_cu_seqlens(cu_seqlens, x.shape[1])
         if state is None:
             return N
         want_S = self.init_state(N, device=torch.device("meta")).recurrent.shape
@@ -190,8 +191,8 @@ class KimiDeltaAttention(nn.Module):
         return out, new_tail
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, b: torch.Tensor,
-                S0: torch.Tensor, cu_seqlens: torch.Tensor | None, cp_group: dist.ProcessGroup | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+                S0: torch.Tensor, cu_seqlens: torch.Tensor | None, cu_host: torch.Tensor | None,
+                cp_group: dist.ProcessGroup | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The KDA op on pre-activation inputs, the one place the layer calls it.
 
         q, k `[B, T, H, K]` and v `[B, T, HV, V]` after conv + SiLU; f `[B, T, HV, K]` the gate projection;
@@ -210,7 +211,8 @@ class KimiDeltaAttention(nn.Module):
             # Shapes are the layer's own and its gate is in range by construction: no per-token check (sync).
             o, S = step_unchecked(q[:, 0], k[:, 0], v[:, 0], f[:, 0], b[:, 0], S0, **options)
             return o[:, None], S
-        return kda_chunk(q, k, v, f, b, initial_state=S0, output_final_state=True, cu_seqlens=cu_seqlens, **options)
+        return kda_chunk(q, k, v, f, b, initial_state=S0, output_final_state=True, cu_seqlens=cu_seqlens,
+                         cu_seqlens_cpu=cu_host, **options)
 
     def forward(self, x: torch.Tensor, state: KDAState | None = None, attention_mask: torch.Tensor | None = None,
                 cu_seqlens: torch.Tensor | None = None, cp_group: dist.ProcessGroup | None = None
@@ -233,7 +235,9 @@ class KimiDeltaAttention(nn.Module):
             if cu_seqlens is not None:
                 raise ValueError("pass attention_mask or cu_seqlens, not both")
             return self._forward_masked(x, state, attention_mask)
-        N = self._check(x, state, cu_seqlens)
+        # the one read of the offsets (a sync on a GPU, which the op would make anyway: it gets this copy)
+        cu_host = None if cu_seqlens is None else cu_seqlens.cpu()
+        N = self._check(x, state, cu_host)
         B, T, _ = x.shape
         H, K, HV, V, W = self.num_heads, self.head_dim, self.num_v_heads, self.head_v_dim, self.conv_size
         state = self.init_state(N, x.device) if state is None else state
@@ -253,14 +257,27 @@ class KimiDeltaAttention(nn.Module):
             qkv, conv = self._packed_conv(proj[0], state.conv, cu_seqlens)
             qkv = qkv[None]
         q, k, v = F.silu(qkv).split(self.splits, dim=-1)
-        o, S = self._attend(q.view(B, T, H, K), k.view(B, T, H, K), v.view(B, T, HV, V),
-                            self.f_proj(x).view(B, T, HV, K), self.b_proj(x), state.recurrent, cu_seqlens, cp_group)
+        try:
+            o, S = self._attend(q.view(B, T, H, K), k.view(B, T, H, K), v.view(B, T, HV, V),
+                                self.f_proj(x).view(B, T, HV, K), self.b_proj(x), state.recurrent, cu_seqlens, cu_host,
+                                cp_group)
+        except NaNError as e:  # the op sees only its gate: name where the NaN came from
+            raise NaNError(self._nan_source(x)) from e
         gate = self.g_proj(x).view(B, T, HV, V)
         o = o.to(S.dtype)
         o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.norm_eps) * self.o_norm_weight
         o = o * torch.sigmoid(gate.to(S.dtype))
         y = self.o_proj(o.to(x.dtype).reshape(B, T, HV * V))
         return y, KDAState(conv=conv, recurrent=S)
+
+    def _nan_source(self, x: torch.Tensor) -> str:
+        """Why the gate is NaN: the input, a parameter (by name), or neither (an overflow inside)."""
+        if torch.isnan(x).any():
+            return f"x (the layer's input) contains NaN at {int(torch.isnan(x).sum())} of {x.numel()} elements"
+        for name, p in self.named_parameters():
+            if torch.isnan(p).any():
+                return f"parameter {name} contains NaN at {int(torch.isnan(p).sum())} of {p.numel()} elements"
+        return "the gate is NaN although x and every parameter are NaN-free (an overflow to inf in f_proj?)"
 
     def _forward_masked(self, x: torch.Tensor, state: KDAState | None, attention_mask: torch.Tensor
                         ) -> tuple[torch.Tensor, KDAState]:

@@ -8,10 +8,32 @@ Per head, with state S [K, V]:
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-from k3sys.kda.activations import kda_options, prepare, state_out
+from k3sys.kda.activations import KDAOptions, kda_options
+from k3sys.kda.gate import check_gate
 from k3sys.kda.step import delta_update
-from k3sys.kda.validate import sequence_spans
+from k3sys.kda.validate import check_inputs, check_log_decay, compute_dtype, resolve_cu_seqlens, sequence_spans
+
+
+def _activate(q, k, g, beta, opts: KDAOptions, dt: torch.dtype):
+    """The options' activations written out from their formulas (KDAOptions' docstring), in `dt`.
+
+    Deliberately not `activations.activate`/`kda_gate`, which every fast path shares: the oracle is a
+    second writing of the math, so a slip in the shared code shows up as a test failure.
+    """
+    q, k, g, beta = (x.to(dt) for x in (q, k, g, beta))
+    if opts.use_qk_l2norm_in_kernel:
+        q, k = (x / torch.sqrt((x * x).sum(-1, keepdim=True) + opts.l2norm_eps) for x in (q, k))
+    if opts.use_gate_in_kernel:
+        H, K = g.shape[-2:]
+        check_gate(H, K, opts.A_log, opts.dt_bias, opts.lower_bound, safe=opts.safe_gate)
+        a = torch.ones(H, 1, dtype=dt) if opts.A_log is None else opts.A_log.to(dt).exp()[:, None]
+        z = g if opts.dt_bias is None else g + opts.dt_bias.to(dt).reshape(H, K)
+        g = -a * F.softplus(z) if opts.lower_bound is None else opts.lower_bound * torch.sigmoid(a * z)
+    if opts.use_beta_sigmoid_in_kernel:
+        beta = torch.sigmoid(beta) * (2.0 if opts.allow_neg_eigval else 1.0)
+    return q, k, g, beta
 
 
 def _recurrence(q, k, v, g, beta, S, chunk_size: int):
@@ -68,15 +90,24 @@ def kda_naive(
         `return_intermediate_states` the entering states `[B, NT, HV, K, V]` (`[1, sum of NT, ...]` varlen).
     """
     opts = kda_options(**options)
-    p = prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens, cu_seqlens_cpu, opts)
-    dims, dt = p.dims, p.v.dtype
-    S0 = p.S0 if p.S0 is not None else torch.zeros(dims.N, dims.HV, dims.K, dims.V, dtype=dt, device=q.device)
-    xs = (p.q * p.scale, p.k, p.v, p.g, p.beta)
-    if p.cu_seqlens is None:
+    cu_seqlens, cu_host = resolve_cu_seqlens(cu_seqlens, cu_seqlens_cpu, q.device)
+    dims = check_inputs(q, k, v, g, beta, initial_state, cu_host, state_v_first=opts.state_v_first)
+    dt = compute_dtype(q, k, v, g, beta, initial_state)
+    q, k, g, beta = _activate(q, k, g, beta, opts, dt)
+    check_log_decay(g)
+    group = dims.HV // dims.H  # value head j reads q/k head j // group
+    q, k = q.repeat_interleave(group, dim=2), k.repeat_interleave(group, dim=2)
+    v_first = (lambda S: S.transpose(-1, -2)) if opts.state_v_first else (lambda S: S)
+    if initial_state is None:
+        S0 = torch.zeros(dims.N, dims.HV, dims.K, dims.V, dtype=dt, device=q.device)
+    else:
+        S0 = v_first(initial_state).to(dt)
+    xs = (q * (dims.K**-0.5 if scale is None else scale), k, v.to(dt), g, beta)
+    if cu_seqlens is None:
         o, S, h = _recurrence(*xs, S0, chunk_size)
     else:
         pieces = [_recurrence(*(x[:, s:e] for x in xs), S0[n:n + 1], chunk_size)
-                  for n, (_, s, e) in enumerate(sequence_spans(dims, p.cu_seqlens))]
+                  for n, (_, s, e) in enumerate(sequence_spans(dims, cu_host))]
         o, S, h = (torch.cat(parts, dim=d) for parts, d in zip(zip(*pieces, strict=True), (1, 0, 1), strict=True))
-    result = (o.to(v.dtype), state_out(S, opts) if output_final_state else None)
-    return (*result, state_out(h, opts)) if return_intermediate_states else result
+    result = (o.to(v.dtype), v_first(S) if output_final_state else None)
+    return (*result, v_first(h)) if return_intermediate_states else result

@@ -26,6 +26,8 @@ def _check_step_ranks(q, k, v, g, beta, state, state_v_first: bool) -> None:
         if not isinstance(x, torch.Tensor) or x.dim() != rank:
             got = f"{x.dim()}-D shape {list(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
             raise ValueError(f"{name} must be {rank}-D {what} (one token per sequence), got {got}")
+        if not x.is_floating_point():  # an integer state would be cast and truncated silently
+            raise ValueError(f"{name} must be a floating-point tensor, got {x.dtype}")
     N, H, K = q.shape
     HV, V = v.shape[-2], v.shape[-1]
     for name, x, want in (("k", k, (N, H, K)), ("g", g, (N, HV, K)), ("v", v, (N, HV, V)), ("beta", beta, (N, HV))):
