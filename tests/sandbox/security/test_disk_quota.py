@@ -13,7 +13,7 @@ import pytest
 from service_process import ServiceProcess
 from test_tenants import add_key
 
-from k3sys.sandbox import Checkpoint, QuotaError, Sandbox
+from k3sys.sandbox import Checkpoint, QuotaError, Runtime, Sandbox
 
 pytestmark = pytest.mark.timeout(300)
 DISK_MB = 64  # the smallest disk_mb the spec allows
@@ -88,6 +88,26 @@ def test_disk_mb_holds_across_hibernate_restore_and_fork(arena, record_property)
     record_property("figure", "; ".join(figures) + f"; 3 rounds held {held:.0f} MiB of {DISK_MB}; rm gives it back")
 
 
+def test_disk_mb_holds_across_a_runtime_restart(private_root, leak_check, host, bystander, record_property):
+    record_property("attack", "disk_mb bypassed by hibernate, then a runtime restart")
+    with Runtime(private_root) as rt:
+        s = Sandbox.create(runtime=rt, memory_mb=64, disk_mb=DISK_MB)
+        assert s.commands.run(WRITE.format(mb=MB, name="a"), timeout=120).exit_code == 0
+        s.hibernate()
+    with Runtime(private_root) as rt:  # what it holds comes back from its record, not from memory
+        s = Sandbox.get(s.id, runtime=rt)
+        s.resume()
+        used = used_mib(s)
+        assert used >= MB, used
+        refused_at = second_write_refused(s)
+        s.kill()
+        for c in rt.checkpoints():
+            rt.delete_checkpoint(c.id)
+    assert leak_check(private_root, {s.id}) == []
+    assert host.unchanged() and bystander.commands.run("cat /root/mine").stdout == "bystander"
+    record_property("figure", f"after a restart: df used {used:.0f} MiB, 2nd {MB} MiB ENOSPC at {refused_at} MiB")
+
+
 def test_sparse_file_is_not_inflated_by_a_checkpoint(arena, record_property):
     record_property("attack", "a sparse file of 2 GiB sealed into a layer")
     rt = arena.rt
@@ -126,9 +146,9 @@ def test_snapshots_count_against_the_tenant_disk_quota(svc, record_property):
     dana = {"api_url": svc.url, "api_key": svc.keys["dana"]}
     s = Sandbox.create(memory_mb=64, disk_mb=DISK_MB, **dana)
     assert s.commands.run(WRITE.format(mb=30, name="a"), timeout=120).exit_code == 0
-    taken = []
+    taken = []  # each ~30 MiB: the sandbox's 64 MiB + 4 of them fit in 200 MiB
     with pytest.raises(QuotaError, match=rf"quota disk_mb: tenant 'dana' .*at most {QUOTA_MB} MiB") as refused:
-        for _ in range(8):  # each ~30 MiB: the sandbox's 64 MiB + 4 of them fit in 200 MiB
+        for _ in range(8):
             taken.append(s.checkpoint())
     mib = DISK_MB + sum(-(-c.bytes_total // (1 << 20)) for c in taken)
     assert 2 <= len(taken) <= 5 and mib <= QUOTA_MB, (len(taken), mib)
@@ -147,9 +167,24 @@ def test_snapshots_count_against_the_tenant_disk_quota(svc, record_property):
     b = Sandbox.create(memory_mb=64, disk_mb=DISK_MB, api_url=svc.url, api_key=svc.keys["eve"])
     assert b.commands.run("echo bystander").stdout == "bystander\n"
     b.kill()
+    # A restart (which hibernates the sandbox) forgets nothing: the usage comes from the store and
+    # the records. The hibernation's own checkpoint counts with the sandbox, so it can resume; once
+    # it runs again that checkpoint is one more kept, and the tenant is over: a snapshot is refused.
+    svc.stop()
+    svc.start()
+    dana["api_url"] = svc.url
+    with pytest.raises(QuotaError, match="quota disk_mb"):
+        Sandbox.restore(taken[0].id, **dana)
+    s = Sandbox.get(s.id, **dana)
+    assert s.state == "hibernated"
+    s.resume()
+    assert s.commands.run("wc -c < /root/a").stdout.strip() == str(30 << 20)
+    with pytest.raises(QuotaError, match="quota disk_mb"):
+        s.checkpoint()
     s.kill()
-    for c in taken:
+    for c in Checkpoint.list(**dana):
         c.delete()
     assert Sandbox.list(**dana) == [] and Checkpoint.list(**dana) == []
     record_property("figure", f"tenant disk_mb={QUOTA_MB}: sandbox {DISK_MB} MiB + {len(taken)} snapshots = {mib} MiB "
-                              f"kept; the next one 429 ({str(refused.value)[:60]}...); after a delete one fits")
+                              f"kept; the next one 429 ({str(refused.value)[:60]}...); after a delete one fits; "
+                              "the same after a restart")

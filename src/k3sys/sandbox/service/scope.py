@@ -148,7 +148,10 @@ class Scope:
         runtime's records and the store each time, so a restart loses nothing of it."""
         mine = self.sandboxes(self.rt.list())
         held = [i for i in mine if i.state not in _IDLE]
-        kept = self.checkpoints(self.rt.checkpoints())
+        # A hibernated sandbox's latest checkpoint is the sandbox itself (its files are its disk_mb),
+        # so a hibernation, which is never refused (shutdown, timeouts), never puts a tenant over.
+        resting = {i.head for i in mine if i.state == "hibernated"}
+        kept = [c for c in self.checkpoints(self.rt.checkpoints()) if c.id not in resting]
         disk = sum(disk_mb(i.spec) for i in mine) + sum(checkpoint_mb(c) for c in kept)
         return Usage(len(held), sum(i.spec.memory_mb for i in held), disk)
 
