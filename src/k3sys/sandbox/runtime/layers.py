@@ -95,8 +95,9 @@ def _remove(path: str) -> None:
 
 def sparse_copy(src: str | Path, dst: str | Path) -> None:
     """Copy regular file `src` to the new file `dst`, holes kept as holes: a sandbox's sparse file
-    (`truncate -s 1T` fits any disk) must not become that many bytes of zeros on the host."""
-    with open(src, "rb") as s, open(dst, "xb") as d:
+    (`truncate -s 1T` fits any disk) must not become that many bytes of zeros on the host. A link
+    at `src` is not followed."""
+    with open(os.open(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC), "rb") as s, open(dst, "xb") as d:
         fi, fo = s.fileno(), d.fileno()
         size, off = os.fstat(fi).st_size, 0
         while off < size:

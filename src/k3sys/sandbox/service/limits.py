@@ -75,7 +75,6 @@ class Admission:
                 if left != Usage():
                     self._pending_by_tenant[who] = left
 
-
     def keep(self, ck: CheckpointInfo, scope: access.Scope) -> None:
         """QuotaError unless the caller's tenant is within its disk quota with the checkpoint `ck` it
         just took, counting operations in flight (checked after the checkpoint: its size is known

@@ -165,9 +165,9 @@ class Scope:
         """QuotaError unless the caller's tenant is within its disk quota with checkpoint `ck` (just
         taken, and counted in `usage`), counting `pending`; the admin has no quota."""
         if self.who.tenant is not None and self.tenants is not None:
-            after = self.usage() + pending
-            before = after - Usage(disk_mb=checkpoint_mb(ck))
-            check_usage(self.who.tenant, before, after, f"this snapshot ({checkpoint_mb(ck)} MiB)")
+            mb = checkpoint_mb(ck)
+            after = Usage(disk_mb=(self.usage() + pending).disk_mb)  # only the disk is this snapshot's to pass
+            check_usage(self.who.tenant, Usage(disk_mb=after.disk_mb - mb), after, f"this snapshot ({mb} MiB)")
 
     def claim(self, infos: Iterable[SandboxInfo]) -> None:
         """Record the caller as the owner of sandboxes it just made (restores, forks: children too)."""

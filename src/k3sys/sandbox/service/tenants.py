@@ -136,13 +136,13 @@ def check_quota(tenant: Tenant, held: Usage, n: int, spec: SandboxSpec, disk: bo
 def check_usage(tenant: Tenant, held: Usage, after: Usage, what: str) -> None:
     """QuotaError naming the first quota `after` passes, which `what` would take `tenant` from `held` to."""
     q = tenant.quota
-    held_by = {"sandboxes": "kill or hibernate some", "memory_mb": "kill or hibernate some",
+    remedy = {"sandboxes": "kill or hibernate some", "memory_mb": "kill or hibernate some",
                "disk_mb": "sandboxes' disk_mb and the snapshots kept; kill sandboxes or delete snapshots"}
     for name, unit in (("sandboxes", ""), ("memory_mb", " MiB"), ("disk_mb", " MiB")):
         have, want, bound = getattr(held, name), getattr(after, name), getattr(q, name)
         if want > bound:
             raise QuotaError(f"quota {name}: tenant {tenant.name!r} holds {have}{unit} of at most {bound}{unit}; "
-                             f"{what} would make {want}{unit} ({held_by[name]})")
+                             f"{what} would make {want}{unit} ({remedy[name]})")
 
 
 class Tenants:

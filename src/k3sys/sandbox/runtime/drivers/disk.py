@@ -33,10 +33,10 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _LOOP_CTL_GET_FREE, _LOOP_CONFIGURE = 0x4C82, 0x4C0A
 _LO_FLAGS_AUTOCLEAR, _LO_FLAGS_DIRECT_IO = 4, 16
 _MS_NOSUID, _MS_NODEV, _MNT_DETACH = 2, 4, 2
-# No journal: a sandbox's upper does not outlive a host crash (its processes do not either, and
-# checkpoints are sealed copies); no reserved blocks: the sandbox gets all of disk_mb.
 RESERVED = "sealed"  # the file `reserve` allocates, beside upper/ and work/ (out of the sandbox's sight)
 _SLACK = 1 << 20  # bytes `reserve` leaves free at least: whiteouts and copied-up directories need some
+# No journal: a sandbox's upper does not outlive a host crash (its processes do not either, and
+# checkpoints are sealed copies); no reserved blocks: the sandbox gets all of disk_mb.
 _MKFS = ["mkfs.ext4", "-q", "-F", "-O", "^has_journal", "-m", "0", "-E", "lazy_itable_init=1,nodiscard"]
 
 
