@@ -10,6 +10,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from sandbox_fixtures import leftovers
 from service_process import ServiceProcess
 from test_tenants import add_key
 
@@ -139,6 +140,7 @@ def svc(tmp_path_factory):
                 admin.kill(i.id)
             for c in admin.checkpoints():
                 admin.delete_checkpoint(c.id)
+    assert leftovers(data) == []
 
 
 def test_snapshots_count_against_the_tenant_disk_quota(svc, record_property):
