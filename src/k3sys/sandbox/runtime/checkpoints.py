@@ -37,15 +37,13 @@ from k3sys.sandbox.types import CheckpointInfo, SandboxInfo
 @dataclass(frozen=True)
 class _Snapshot:
     """A sandbox's state captured in staging: checkpoint id, image and sealed-fs directories, timings
-    (seconds per phase), the store follower already packing the images, and the bytes of the
-    sealed fs charged to the disk (`layers.tree_bytes`)."""
+    (seconds per phase), and the store follower already packing the images."""
 
     ck: str
     images: Path
     fs: Path
     t: dict[str, float]
     follower: Follower | None
-    fs_bytes: int
 
 
 @dataclass(frozen=True)
@@ -75,9 +73,6 @@ class Checkpoints(SealedLayers):
         try:
             t = self.driver.snapshot(rec.id, self._dirs(rec.id), images, fs, self._layer_dir(rec.layer),
                                      thaw=thaw)
-            t1 = time.perf_counter()
-            fs_bytes = layers.tree_bytes(fs)  # after the thaw: the sandbox runs meanwhile
-            t["measure"] = time.perf_counter() - t1
         except BaseException:
             if follower is not None:
                 follower.abort()
@@ -85,12 +80,16 @@ class Checkpoints(SealedLayers):
             _rmtree(fs)
             self._set(rec, rec.prev, prev=None, pending=None)
             raise
-        return _Snapshot(ck, images, fs, t, follower, fs_bytes)
+        return _Snapshot(ck, images, fs, t, follower)
 
     def _commit(self, rec: Record, snap: _Snapshot, fs: Path | None = None) -> Manifest:
-        """Commit `snap` (its sealed fs from `fs` if it moved) as the sandbox's next checkpoint."""
-        meta = {"sandbox": rec.id, "spec": rec.spec.to_json(), FS_BYTES: snap.fs_bytes}
-        return self.store.commit({"images": snap.images, "fs": fs or snap.fs}, parent=rec.head, meta=meta,
+        """Commit `snap` (its sealed fs from `fs` if it moved) as the sandbox's next checkpoint, with
+        what its sealed fs holds of a disk (`FS_BYTES`)."""
+        fs = fs or snap.fs
+        t0 = time.perf_counter()  # "measure", within "store"
+        meta = {"sandbox": rec.id, "spec": rec.spec.to_json(), FS_BYTES: layers.tree_bytes(fs)}
+        snap.t["measure"] = time.perf_counter() - t0
+        return self.store.commit({"images": snap.images, "fs": fs}, parent=rec.head, meta=meta,
                                  id=snap.ck, follower=snap.follower)
 
     def checkpoint(self, sid: str) -> CheckpointInfo:
@@ -170,8 +169,8 @@ class Checkpoints(SealedLayers):
         os.rename(fs, self._layer_dir(ck))
         t["stop"] = time.perf_counter() - t1
         self._warm(ck, images)  # before "hibernated": their tmpfs is freed too (~50 ms per GiB)
-        self._set(rec, State.HIBERNATED, head=ck, layer=None, sealed_bytes=snap.fs_bytes, prev=None, pending=None,
-                  then_hibernate=False)
+        self._set(rec, State.HIBERNATED, head=ck, layer=None, sealed_bytes=m.meta[FS_BYTES], prev=None,
+                  pending=None, then_hibernate=False)
         self._gc_layers()
         t["total"] = time.perf_counter() - t0
         self._timings[sid] = t
@@ -296,11 +295,13 @@ class Checkpoints(SealedLayers):
                 # `pending` stays set until the end: it keeps the new layer from being collected.
                 self._set(rec, rec.prev, prev=None)
                 os.rename(fs, self._layer_dir(ck))
+                t1 = time.perf_counter()
+                fs_bytes = layers.tree_bytes(self._layer_dir(ck))  # what each child's disk holds already
+                t["measure"] = time.perf_counter() - t1
                 private = [self._private_images(images, i) for i in range(n)]  # before any child starts
                 t1 = time.perf_counter()
                 with ThreadPoolExecutor(max_workers=min(n, 8)) as pool:
-                    spawns = [pool.submit(self._spawn, rec.spec, ck, rec.head, snap.fs_bytes, None, d)
-                              for d in private]
+                    spawns = [pool.submit(self._spawn, rec.spec, ck, rec.head, fs_bytes, None, d) for d in private]
                     failures = []
                     for f in spawns:
                         try:
