@@ -11,8 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 from sandbox_fixtures import leftovers
-from service_process import ServiceProcess
-from test_tenants import add_key
+from service_process import ServiceProcess, add_key
 
 from k3sys.sandbox import Checkpoint, QuotaError, Runtime, Sandbox
 
