@@ -1,6 +1,6 @@
 """Checkpoints of sandboxes: snapshot (CRIU images on tmpfs + the sealed file system), commit to
-the store, hibernate, restore, fork, prefetch for a coming resume, and the collection of sealed
-layers no sandbox stands on.
+the store, hibernate, restore, fork, prefetch for a coming resume. The sealed file systems they
+leave as lower layers, and what those hold of a sandbox's disk: sealed.py.
 
 A snapshot freezes the sandbox, dumps it and (checkpoint, fork) thaws it at once; the store packs the
 memory images while CRIU writes them (`Store.follow`). A fork stores nothing: its images and sealed
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -22,12 +21,14 @@ from k3sys.sandbox.errors import (
     InvalidStateError,
     SandboxError,
 )
+from k3sys.sandbox.runtime import layers
 from k3sys.sandbox.runtime.background import Cancelled, Hibernator, Job
 from k3sys.sandbox.runtime.drivers.base import Images, is_page_image
+from k3sys.sandbox.runtime.sealed import FS_BYTES, SealedLayers
 from k3sys.sandbox.runtime.state import LIVE, Record, State
 from k3sys.sandbox.runtime.store import Follower, Manifest
 from k3sys.sandbox.runtime.store.reader import FileReader
-from k3sys.sandbox.runtime.table import Table, _new_id, _rmtree
+from k3sys.sandbox.runtime.table import _new_id, _rmtree
 from k3sys.sandbox.runtime.templates import template_rootfs
 from k3sys.sandbox.spec import MAX_FORK, SandboxSpec, check_number
 from k3sys.sandbox.types import CheckpointInfo, SandboxInfo
@@ -54,7 +55,7 @@ class _Staged:
     expires: float
 
 
-class Checkpoints(Table):
+class Checkpoints(SealedLayers):
     """`Runtime`'s checkpoint operations (see the module docstring)."""
 
     _staged: dict[str, _Staged]
@@ -82,9 +83,13 @@ class Checkpoints(Table):
         return _Snapshot(ck, images, fs, t, follower)
 
     def _commit(self, rec: Record, snap: _Snapshot, fs: Path | None = None) -> Manifest:
-        """Commit `snap` (its sealed fs from `fs` if it moved) as the sandbox's next checkpoint."""
-        meta = {"sandbox": rec.id, "spec": rec.spec.to_json()}
-        return self.store.commit({"images": snap.images, "fs": fs or snap.fs}, parent=rec.head, meta=meta,
+        """Commit `snap` (its sealed fs from `fs` if it moved) as the sandbox's next checkpoint, with
+        what its sealed fs holds of a disk (`FS_BYTES`)."""
+        fs = fs or snap.fs
+        t0 = time.perf_counter()  # "measure", within "store"
+        meta = {"sandbox": rec.id, "spec": rec.spec.to_json(), FS_BYTES: layers.tree_bytes(fs)}
+        snap.t["measure"] = time.perf_counter() - t0
+        return self.store.commit({"images": snap.images, "fs": fs}, parent=rec.head, meta=meta,
                                  id=snap.ck, follower=snap.follower)
 
     def checkpoint(self, sid: str) -> CheckpointInfo:
@@ -164,7 +169,8 @@ class Checkpoints(Table):
         os.rename(fs, self._layer_dir(ck))
         t["stop"] = time.perf_counter() - t1
         self._warm(ck, images)  # before "hibernated": their tmpfs is freed too (~50 ms per GiB)
-        self._set(rec, State.HIBERNATED, head=ck, layer=None, prev=None, pending=None, then_hibernate=False)
+        self._set(rec, State.HIBERNATED, head=ck, layer=None, sealed_bytes=m.meta[FS_BYTES], prev=None,
+                  pending=None, then_hibernate=False)
         self._gc_layers()
         t["total"] = time.perf_counter() - t0
         self._timings[sid] = t
@@ -181,18 +187,6 @@ class Checkpoints(Table):
         dirs = self._dirs(rec.id)
         for d in (dirs.upper, dirs.work, dirs.bundle, dirs.logs):
             _rmtree(d)
-
-    def _ensure_layer(self, ck: str) -> Path:
-        """The sealed fs of checkpoint `ck` as a layer directory, checked out of the store if needed."""
-        layer = self._layer_dir(ck)
-        if not layer.exists():
-            tmp = self.root / "tmp" / f"{ck}-fs-{secrets.token_hex(4)}"
-            self.store.checkout(ck, {"fs": tmp})
-            try:
-                os.rename(tmp, layer)
-            except OSError:  # another thread checked it out first
-                _rmtree(tmp)
-        return layer
 
     def _restore_into(self, rec: Record, ck: str, images: Path | None = None) -> dict[str, float]:
         """Start `rec`'s processes from checkpoint `ck` (images from `prefetch` or the store unless
@@ -222,7 +216,8 @@ class Checkpoints(Table):
                 ready = Images(images, Images.page_bytes_of(reader.sizes()), wait, reader.read, reader.prefetch)
             lowers = [self._layer_dir(ck), template_rootfs(rec.spec.template)]
             # Lazily where the images are ours: the sandbox runs while its memory streams in.
-            t.update(self.driver.restore(rec.id, self._dirs(rec.id), rec.spec, lowers, ready, lazy=own))
+            t.update(self.driver.restore(rec.id, self._dirs(rec.id), rec.spec, lowers, ready, lazy=own,
+                                         sealed_bytes=rec.sealed_bytes))
         finally:
             pool.shutdown()  # a restore that failed before waiting for the checkout lets it finish first
             if own and images is not None:
@@ -260,16 +255,16 @@ class Checkpoints(Table):
         changes = {k: v for k, v in (("timeout_s", timeout_s), ("on_timeout", on_timeout)) if v is not None}
         if changes:
             spec = SandboxSpec(**{**spec.to_json(), **changes})
-        return self._spawn(spec, ck, ck, id)
+        return self._spawn(spec, ck, ck, self._fs_bytes(ck), id)
 
-    def _spawn(self, spec: SandboxSpec, ck: str, head: str | None, id: str | None = None,
+    def _spawn(self, spec: SandboxSpec, ck: str, head: str | None, sealed_bytes: int, id: str | None = None,
                images: Path | None = None) -> SandboxInfo:
-        """A new sandbox restored from snapshot `ck` (its layer; its images from the store unless
-        given), whose latest stored checkpoint is `head`."""
+        """A new sandbox restored from snapshot `ck` (its layer, holding `sealed_bytes` of its disk; its
+        images from the store unless given), whose latest stored checkpoint is `head`."""
         sid = self._claim_id(id)
         now = time.time()
         rec = Record(sid, spec, State.CREATING, now, deadline=now + spec.timeout_s if spec.timeout_s else None,
-                     head=head, layer=ck)
+                     head=head, layer=ck, sealed_bytes=sealed_bytes)
         self._register(rec)
         with self._locked(sid):
             self._save(rec)
@@ -300,10 +295,13 @@ class Checkpoints(Table):
                 # `pending` stays set until the end: it keeps the new layer from being collected.
                 self._set(rec, rec.prev, prev=None)
                 os.rename(fs, self._layer_dir(ck))
+                t1 = time.perf_counter()
+                fs_bytes = layers.tree_bytes(self._layer_dir(ck))  # what each child's disk holds already
+                t["measure"] = time.perf_counter() - t1
                 private = [self._private_images(images, i) for i in range(n)]  # before any child starts
                 t1 = time.perf_counter()
                 with ThreadPoolExecutor(max_workers=min(n, 8)) as pool:
-                    spawns = [pool.submit(self._spawn, rec.spec, ck, rec.head, None, d) for d in private]
+                    spawns = [pool.submit(self._spawn, rec.spec, ck, rec.head, fs_bytes, None, d) for d in private]
                     failures = []
                     for f in spawns:
                         try:
@@ -387,13 +385,3 @@ class Checkpoints(Table):
         if staged is not None and not keep:
             self._cleaner.submit(_rmtree, staged.path)
         return staged
-
-    def _gc_layers(self) -> None:
-        """Remove sealed layers no sandbox stands on (or will resume onto)."""
-        with self._mu:
-            used = {r.layer for r in self._records.values()} | {
-                r.head for r in self._records.values() if r.state in (State.HIBERNATED, State.RESUMING)}
-            used |= {r.pending for r in self._records.values()}
-        for d in (self.root / "layers").iterdir():
-            if d.name not in used:
-                _rmtree(d)

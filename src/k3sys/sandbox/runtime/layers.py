@@ -6,6 +6,9 @@ flattens "sealed layer + upper" into one new tree, so no sandbox ever stacks mor
 however many times it is checkpointed and restored. Overlay's own encoding is kept in sealed trees
 (a whiteout is a 0/0 character device, an opaque directory has `trusted.overlay.opaque=y`), so a
 sealed tree works directly as a lower layer and as a store tree.
+
+A sealed layer counts against its sandbox's `disk_mb` (`tree_bytes`, docs/sandbox-security.md
+"Quotas"): it is what the sandbox wrote, kept in the host's layers directory and the store.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from k3sys.sandbox.errors import DriverError
 from k3sys.sandbox.runtime.drivers.idmap import canonical
 
 _OPAQUE = "trusted.overlay.opaque"
+BLOCK = 4096  # bytes: what `tree_bytes` charges at least, per file system object
 _MNT_DETACH = 2
 _MS_NOSUID, _MS_NODEV, _MS_BIND = 2, 4, 4096
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -89,10 +93,60 @@ def _remove(path: str) -> None:
         os.unlink(path)
 
 
+def sparse_copy(src: str | Path, dst: str | Path) -> None:
+    """Copy regular file `src` to the new file `dst`, holes kept as holes: a sandbox's sparse file
+    (`truncate -s 1T` fits any disk) must not become that many bytes of zeros on the host. A link
+    at `src` is not followed."""
+    with open(os.open(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC), "rb") as s, open(dst, "xb") as d:
+        fi, fo = s.fileno(), d.fileno()
+        size, off = os.fstat(fi).st_size, 0
+        while off < size:
+            try:
+                start = os.lseek(fi, off, os.SEEK_DATA)
+            except OSError as e:
+                if e.errno == errno.ENXIO:  # only a hole left
+                    break
+                raise
+            end = os.lseek(fi, start, os.SEEK_HOLE)
+            while start < end:
+                try:
+                    n = os.copy_file_range(fi, fo, end - start, start, start)
+                except OSError as e:
+                    if e.errno != errno.EXDEV:
+                        raise
+                    os.lseek(fo, start, os.SEEK_SET)  # another file system: sendfile copies across
+                    n = os.sendfile(fo, fi, start, end - start)
+                if n == 0:  # the source shrank under us
+                    break
+                start += n
+            off = end
+        os.ftruncate(fo, size)
+
+
+def tree_bytes(root: Path) -> int:
+    """Bytes a sealed tree is charged against its sandbox's disk: per file system object (each inode
+    once, however many names it has), its data bytes (holes excluded) rounded up to `BLOCK`, and at
+    least one `BLOCK`, so a tree of empty files or links is bounded by the disk as data is."""
+    total, seen, todo = 0, set(), [os.fspath(root)]
+    while todo:  # no recursion: a sandbox's tree can be any depth
+        with os.scandir(todo.pop()) as it:
+            for e in it:
+                st = e.stat(follow_symlinks=False)
+                if st.st_nlink > 1 and not stat.S_ISDIR(st.st_mode):
+                    if st.st_ino in seen:
+                        continue
+                    seen.add(st.st_ino)
+                data = min(st.st_size, st.st_blocks * 512)
+                total += max(BLOCK, -(-data // BLOCK) * BLOCK)
+                if stat.S_ISDIR(st.st_mode):
+                    todo.append(e.path)
+    return total
+
+
 def _copy_entry(src: str, dst: str, st: os.stat_result, uid_base: int) -> None:
     """Copy one non-directory entry (file, symlink, whiteout or other special file)."""
     if stat.S_ISREG(st.st_mode):
-        shutil.copyfile(src, dst, follow_symlinks=False)
+        sparse_copy(src, dst)
     elif stat.S_ISLNK(st.st_mode):
         os.symlink(os.readlink(src), dst)
     else:

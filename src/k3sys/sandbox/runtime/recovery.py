@@ -64,7 +64,8 @@ class Recovery(Table):
             with contextlib.suppress(SandboxError):
                 self.driver.destroy(rec.id, self._dirs(rec.id))
             self._wipe_upper(rec)
-            self._set(rec, State.HIBERNATED, head=committed, layer=None, prev=None, pending=None, then_hibernate=False)
+            self._set(rec, State.HIBERNATED, head=committed, layer=None, sealed_bytes=self._fs_bytes(committed),
+                      prev=None, pending=None, then_hibernate=False)
         elif s in (State.CHECKPOINTING, State.HIBERNATING, *LIVE) and alive:
             target = rec.prev if s in (State.CHECKPOINTING, State.HIBERNATING) else s
             if target is State.RUNNING and status == "paused":

@@ -19,8 +19,9 @@ Commands run without the lock (a long command does not block `pause` or `kill`).
 Recovery: a runtime opening a directory another runtime left (crashed) adopts its sandboxes
 (recovery.py). The class is assembled from its parts, one job each: table.py (records, locks,
 transitions), commands.py, files.py, checkpoints.py (checkpoint, hibernate, restore, fork,
-prefetch, layer collection), recovery.py (startup recovery, the timeout reaper); this module holds
-construction, create / kill / pause / resume and the queries.
+prefetch), sealed.py (sealed layers: checkout, collection, their charge to the disk), recovery.py
+(startup recovery, the timeout reaper); this module holds construction, create / kill / pause /
+resume and the queries.
 """
 
 from __future__ import annotations
@@ -269,7 +270,8 @@ class Runtime(Recovery, Checkpoints, Files, Commands, Table):
                 else:  # the sealed fs of its last checkpoint under a fresh upper, the template's PID 1
                     self._ensure_layer(rec.head)
                     self.driver.create(sid, self._dirs(sid), rec.spec,
-                                       [self._layer_dir(rec.head), template_rootfs(rec.spec.template)])
+                                       [self._layer_dir(rec.head), template_rootfs(rec.spec.template)],
+                                       sealed_bytes=rec.sealed_bytes)
             except BaseException:
                 with contextlib.suppress(SandboxError):
                     self.driver.destroy(sid, self._dirs(sid))

@@ -44,7 +44,9 @@ class Record:
     """What the runtime knows about one sandbox; `created` and `deadline` in unix seconds.
 
     `head` is the sandbox's latest checkpoint (the parent of its next one), `layer` the checkpoint
-    whose sealed file system is its lower layer (None: the bare template). `then_hibernate`: paused
+    whose sealed file system is its lower layer (None: the bare template); `sealed_bytes` what that
+    layer (for a hibernated sandbox: `head`'s) holds of its `disk_mb` (`layers.tree_bytes`), reserved
+    on the disk it gets at its next start so that the quota holds across them. `then_hibernate`: paused
     by `pause(hibernate=True)`, a background hibernation is queued or running (background.py); it
     survives a restart of the runtime, whose recovery queues the hibernation again.
     """
@@ -58,6 +60,7 @@ class Record:
     layer: str | None = None
     prev: State | None = None
     pending: str | None = None
+    sealed_bytes: int = 0
     reason: str = ""
     then_hibernate: bool = False
     extra: dict[str, Any] = field(default_factory=dict)

@@ -268,7 +268,7 @@ async def create_snapshot(svc: Svc, sid: Sid, scope: Caller, body: Snapshot | No
     moves to the newest snapshot given it) to restore it."""
     body = body or Snapshot()
     no_memory(body.memory)
-    ck = await svc.call("checkpoint", svc.rt.checkpoint, sid)
+    ck = await svc.call("checkpoint", svc.snapshot, sid, scope)
     if body.name:
         svc.names.set(scope.name_key(body.name), ck.id)
     return _snapshot(svc, scope, ck)

@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 import anyio
 import anyio.to_thread
 
-from k3sys.sandbox.errors import InvalidArgumentError, SandboxError, UnavailableError
+from k3sys.sandbox.errors import InvalidArgumentError, QuotaError, SandboxError, UnavailableError
 from k3sys.sandbox.runtime.runtime import HIBERNATE_DELAY_S, Runtime
 from k3sys.sandbox.runtime.state import State
 from k3sys.sandbox.service import metrics as _metrics
@@ -27,7 +27,7 @@ from k3sys.sandbox.service.limits import Admission
 from k3sys.sandbox.service.scope import Principal, Scope
 from k3sys.sandbox.service.tenants import Tenants
 from k3sys.sandbox.spec import ON_TIMEOUT, SandboxSpec, check_number
-from k3sys.sandbox.types import SandboxInfo
+from k3sys.sandbox.types import CheckpointInfo, SandboxInfo
 
 T = TypeVar("T")
 ON_SHUTDOWN = ("hibernate", "keep", "kill")
@@ -183,15 +183,29 @@ class Service:
         return kids
 
     def resume(self, sid: str, scope: Scope, memory: bool = True) -> SandboxInfo:
-        """Resume (see `Runtime.resume`; `memory=False`: a hibernated sandbox boots cold)."""
+        """Resume (see `Runtime.resume`; `memory=False`: a hibernated sandbox boots cold). It adds no
+        disk (a hibernated sandbox holds its own), but is refused while the tenant is over its disk
+        quota, so that hibernations, which are never refused, cannot fill the store round after round."""
         info = scope.sandbox(sid)
-        room = self.admission.admit(1, info.spec, scope) if info.state == "hibernated" else contextlib.nullcontext()
+        hibernated = info.state == "hibernated"
+        room = self.admission.admit(1, info.spec, scope, disk=False) if hibernated else contextlib.nullcontext()
         with room:
             if memory:
                 self.rt.resume(sid)
             else:
                 self.rt.resume(sid, memory=False)
         return self.rt.info(sid)
+
+    def snapshot(self, sid: str, scope: Scope) -> CheckpointInfo:
+        """Checkpoint a sandbox the caller owns into the store, kept only within its tenant's disk
+        quota (QuotaError naming it past that; the checkpoint is deleted again)."""
+        ck = self.rt.checkpoint(sid)
+        try:
+            self.admission.keep(ck, scope)
+        except QuotaError:
+            self.rt.delete_checkpoint(ck.id)
+            raise
+        return ck
 
     def pause(self, sid: str) -> SandboxInfo:
         self.rt.pause(sid)

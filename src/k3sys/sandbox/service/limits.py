@@ -21,6 +21,7 @@ from k3sys.sandbox.runtime.runtime import Runtime
 from k3sys.sandbox.service import scope as access
 from k3sys.sandbox.service.tenants import Usage
 from k3sys.sandbox.spec import SandboxSpec
+from k3sys.sandbox.types import CheckpointInfo
 
 _IDLE = ("hibernated", "lost")  # states that hold no memory
 
@@ -47,9 +48,10 @@ class Admission:
         return len(held) + self._pending[0], sum(i.spec.memory_mb for i in held) + self._pending[1]
 
     @contextlib.contextmanager
-    def admit(self, n: int, spec: SandboxSpec, scope: access.Scope | None = None) -> Iterator[None]:
-        """Reserve room for `n` sandboxes of `spec` (for `scope`'s caller) for the length of the block."""
-        memory_mb, who = spec.memory_mb, scope.who.name if scope is not None else None
+    def admit(self, n: int, spec: SandboxSpec, scope: access.Scope | None = None, disk: bool = True) -> Iterator[None]:
+        """Reserve room for `n` sandboxes of `spec` (for `scope`'s caller) for the length of the block
+        (`disk` False: they add no disk, as a resume)."""
+        memory_mb, who, adds = spec.memory_mb, scope.who.name if scope is not None else None, Usage.of(n, spec, disk)
         with self._mu:
             count, mb = self.usage()
             if count + n > self.max_sandboxes:
@@ -59,19 +61,26 @@ class Admission:
                 raise CapacityError(f"the service has {mb} of {self.max_memory_mb} MiB of sandbox memory in use; "
                                     f"{n} x {memory_mb} MiB more do not fit (kill or hibernate some)")
             if scope is not None:
-                scope.check_quota(n, spec, self._pending_by_tenant.get(who, Usage()))
+                scope.check_quota(n, spec, self._pending_by_tenant.get(who, Usage()), disk)
             self._pending[0] += n
             self._pending[1] += n * memory_mb
-            self._pending_by_tenant[who] = self._pending_by_tenant.get(who, Usage()) + Usage.of(n, spec)
+            self._pending_by_tenant[who] = self._pending_by_tenant.get(who, Usage()) + adds
         try:
             yield
         finally:
             with self._mu:
                 self._pending[0] -= n
                 self._pending[1] -= n * memory_mb
-                left = self._pending_by_tenant.pop(who) - Usage.of(n, spec)
+                left = self._pending_by_tenant.pop(who) - adds
                 if left != Usage():
                     self._pending_by_tenant[who] = left
+
+    def keep(self, ck: CheckpointInfo, scope: access.Scope) -> None:
+        """QuotaError unless the caller's tenant is within its disk quota with the checkpoint `ck` it
+        just took, counting operations in flight (checked after the checkpoint: its size is known
+        only then; a caller that gets the error deletes it)."""
+        with self._mu:
+            scope.check_kept(ck, self._pending_by_tenant.get(scope.who.name, Usage()))
 
 
 async def send_error(send: Callable[[Message], Awaitable[None]], exc: BaseException) -> None:

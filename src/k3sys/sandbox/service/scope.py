@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from k3sys.sandbox.errors import AuthError, CheckpointNotFoundError, InvalidArgumentError, NotFoundError
-from k3sys.sandbox.service.tenants import Tenant, Tenants, Usage, check_quota, disk_mb
+from k3sys.sandbox.service.tenants import Tenant, Tenants, Usage, check_quota, check_usage, checkpoint_mb, disk_mb
 from k3sys.sandbox.spec import SandboxSpec
 from k3sys.sandbox.types import CheckpointInfo, SandboxInfo
 
@@ -74,6 +74,7 @@ class Runtimeish(Protocol):
     def list(self) -> list[SandboxInfo]: ...
     def info(self, sid: str) -> SandboxInfo: ...
     def get_checkpoint(self, ck: str) -> CheckpointInfo: ...
+    def checkpoints(self) -> list[CheckpointInfo]: ...
 
 
 _IDLE = ("hibernated", "lost")  # states that hold no memory (as limits.Admission counts)
@@ -143,16 +144,30 @@ class Scope:
             raise InvalidArgumentError(f"id: sandbox {sid!r} already exists")
 
     def usage(self) -> Usage:
-        """What the caller's tenant holds now (see `tenants.Quota` for what counts)."""
+        """What the caller's tenant holds now (see `tenants.Quota` for what counts): derived from the
+        runtime's records and the store each time, so a restart loses nothing of it."""
         mine = self.sandboxes(self.rt.list())
         held = [i for i in mine if i.state not in _IDLE]
-        return Usage(len(held), sum(i.spec.memory_mb for i in held), sum(disk_mb(i.spec) for i in mine))
+        # A hibernated sandbox's latest checkpoint is the sandbox itself (its files are its disk_mb),
+        # so a hibernation, which is never refused (shutdown, timeouts), never puts a tenant over.
+        resting = {i.head for i in mine if i.state == "hibernated"}
+        kept = [c for c in self.checkpoints(self.rt.checkpoints()) if c.id not in resting]
+        disk = sum(disk_mb(i.spec) for i in mine) + sum(checkpoint_mb(c) for c in kept)
+        return Usage(len(held), sum(i.spec.memory_mb for i in held), disk)
 
-    def check_quota(self, n: int, spec: SandboxSpec, pending: Usage) -> None:
+    def check_quota(self, n: int, spec: SandboxSpec, pending: Usage, disk: bool = True) -> None:
         """QuotaError unless `n` more sandboxes of `spec` fit the caller's quota, counting `pending`
-        (the tenant's operations in flight); the admin has no quota."""
+        (the tenant's operations in flight; `disk`: as for `Usage.of`); the admin has no quota."""
         if self.who.tenant is not None and self.tenants is not None:
-            check_quota(self.who.tenant, self.usage() + pending, n, spec)
+            check_quota(self.who.tenant, self.usage() + pending, n, spec, disk)
+
+    def check_kept(self, ck: CheckpointInfo, pending: Usage) -> None:
+        """QuotaError unless the caller's tenant is within its disk quota with checkpoint `ck` (just
+        taken, and counted in `usage`), counting `pending`; the admin has no quota."""
+        if self.who.tenant is not None and self.tenants is not None:
+            mb = checkpoint_mb(ck)
+            after = Usage(disk_mb=(self.usage() + pending).disk_mb)  # only the disk is this snapshot's to pass
+            check_usage(self.who.tenant, Usage(disk_mb=after.disk_mb - mb), after, f"this snapshot ({mb} MiB)")
 
     def claim(self, infos: Iterable[SandboxInfo]) -> None:
         """Record the caller as the owner of sandboxes it just made (restores, forks: children too)."""

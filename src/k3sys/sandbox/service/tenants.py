@@ -37,6 +37,7 @@ from pathlib import Path
 
 from k3sys.sandbox.errors import InvalidArgumentError, NotFoundError, QuotaError
 from k3sys.sandbox.spec import SandboxSpec, check_id, check_number
+from k3sys.sandbox.types import CheckpointInfo
 
 DB_FILE = "tenants.db"
 KEY_PREFIX = "k3s_"
@@ -53,8 +54,10 @@ CREATE INDEX IF NOT EXISTS owners_by_tenant ON owners(tenant);
 @dataclass(frozen=True)
 class Quota:
     """What one tenant may hold at once: `sandboxes` holding memory (running or paused), the sum of
-    their `memory_mb` (MiB), the sum of `disk_mb` (MiB) over all its sandboxes, hibernated ones too
-    (their writable layer is kept), and `pids`, the most a single sandbox may ask for."""
+    their `memory_mb` (MiB), disk (MiB): the sum of `disk_mb` over all its sandboxes, hibernated ones
+    too (their writable layer is kept), plus the logical size of every checkpoint of its sandboxes
+    kept in the store (`checkpoint_mb`; but a hibernated sandbox's own, which it resumes from), and
+    `pids`, the most a single sandbox may ask for."""
 
     sandboxes: int = 16
     memory_mb: int = 16 << 10
@@ -91,6 +94,14 @@ def disk_mb(spec: SandboxSpec) -> int:
     return int(getattr(spec, "disk_mb", 0))
 
 
+def checkpoint_mb(ck: CheckpointInfo) -> int:
+    """What a checkpoint kept in the store counts against its tenant's disk quota, MiB: its logical
+    size (every byte of its images and sealed fs, rounded up), not the bytes it added to the store.
+    Deduplication is store-wide, so those would depend on what other tenants store (and tell a
+    tenant whether another holds the same data), and on the order checkpoints are deleted in."""
+    return -(-ck.bytes_total // (1 << 20))
+
+
 @dataclass(frozen=True)
 class Usage:
     """What a tenant holds now: sandboxes and MiB of memory (holding ones), MiB of disk (all)."""
@@ -100,9 +111,10 @@ class Usage:
     disk_mb: int = 0
 
     @classmethod
-    def of(cls, n: int, spec: SandboxSpec) -> Usage:
-        """What `n` sandboxes of `spec` hold."""
-        return cls(n, n * spec.memory_mb, n * disk_mb(spec))
+    def of(cls, n: int, spec: SandboxSpec, disk: bool = True) -> Usage:
+        """What `n` sandboxes of `spec` hold (`disk` False: no disk, as a resume, whose sandbox holds
+        its disk while hibernated too)."""
+        return cls(n, n * spec.memory_mb, n * disk_mb(spec) if disk else 0)
 
     def __add__(self, other: Usage) -> Usage:
         return Usage(*(a + b for a, b in zip(astuple(self), astuple(other), strict=True)))
@@ -111,18 +123,26 @@ class Usage:
         return Usage(*(a - b for a, b in zip(astuple(self), astuple(other), strict=True)))
 
 
-def check_quota(tenant: Tenant, held: Usage, n: int, spec: SandboxSpec) -> None:
-    """QuotaError naming the quota unless `n` more sandboxes of `spec` fit in `tenant`'s quota."""
+def check_quota(tenant: Tenant, held: Usage, n: int, spec: SandboxSpec, disk: bool = True) -> None:
+    """QuotaError naming the quota unless `n` more sandboxes of `spec` fit in `tenant`'s quota
+    (`disk`: as for `Usage.of`)."""
     q = tenant.quota
     if spec.pids > q.pids:
         raise QuotaError(f"quota pids: tenant {tenant.name!r} may ask for at most {q.pids} tasks per sandbox, "
                          f"got pids={spec.pids}")
-    after = held + Usage.of(n, spec)
+    check_usage(tenant, held, held + Usage.of(n, spec, disk), f"{n} more sandbox(es)")
+
+
+def check_usage(tenant: Tenant, held: Usage, after: Usage, what: str) -> None:
+    """QuotaError naming the first quota `after` passes, which `what` would take `tenant` from `held` to."""
+    q = tenant.quota
+    remedy = {"sandboxes": "kill or hibernate some", "memory_mb": "kill or hibernate some",
+               "disk_mb": "sandboxes' disk_mb and the snapshots kept; kill sandboxes or delete snapshots"}
     for name, unit in (("sandboxes", ""), ("memory_mb", " MiB"), ("disk_mb", " MiB")):
         have, want, bound = getattr(held, name), getattr(after, name), getattr(q, name)
         if want > bound:
             raise QuotaError(f"quota {name}: tenant {tenant.name!r} holds {have}{unit} of at most {bound}{unit}; "
-                             f"{n} more sandbox(es) would make {want}{unit} (kill or hibernate some)")
+                             f"{what} would make {want}{unit} ({remedy[name]})")
 
 
 class Tenants:

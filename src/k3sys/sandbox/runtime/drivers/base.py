@@ -91,15 +91,17 @@ class Driver(Protocol):
 
     name: str
 
-    def create(self, sid: str, dirs: SandboxDirs, spec: SandboxSpec, lowers: list[Path]) -> None:
-        """Start a fresh sandbox over `lowers` (top first) with an empty upper."""
+    def create(self, sid: str, dirs: SandboxDirs, spec: SandboxSpec, lowers: list[Path],
+               sealed_bytes: int = 0) -> None:
+        """Start a fresh sandbox over `lowers` (top first) with an empty upper; `sealed_bytes` of its
+        `disk_mb` are held already by its sealed lower layer (what it wrote before)."""
 
     def restore(self, sid: str, dirs: SandboxDirs, spec: SandboxSpec, lowers: list[Path],
-                images: Images, lazy: bool = False) -> dict[str, float]:
+                images: Images, lazy: bool = False, sealed_bytes: int = 0) -> dict[str, float]:
         """Start a sandbox from process `images` over `lowers` (the sealed layer first) with an empty
-        upper; the driver may wait for the images beside its own set-up. Returns seconds spent per
-        phase. `lazy`: it may run before all of its memory is back (the driver then needs the
-        images until `settle` returns)."""
+        upper (`sealed_bytes`: as for `create`); the driver may wait for the images beside its own
+        set-up. Returns seconds spent per phase. `lazy`: it may run before all of its memory is back
+        (the driver then needs the images until `settle` returns)."""
 
     def settle(self, sid: str) -> None:
         """Wait until a lazy restore of `sid` has all its memory back (at once if none is under way)."""

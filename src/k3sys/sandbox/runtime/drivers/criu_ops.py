@@ -58,7 +58,7 @@ class CriuOps:
     """`restore`, `settle`, `snapshot` and `cleanup_stale` of `RuncDriver` (see the module docstring)."""
 
     def restore(self, sid: str, dirs: SandboxDirs, spec: SandboxSpec, lowers: list[Path],
-                images: Images, lazy: bool = False) -> dict[str, float]:
+                images: Images, lazy: bool = False, sealed_bytes: int = 0) -> dict[str, float]:
         """Start `sid` from CRIU `images`, made ready (a checkout finished, the pages CRIU restores
         itself written) on a thread while the sandbox's mounts go up, and runc started before both
         are done (gate.py); `lazy` (where supported and worth it): before its memory is all back
@@ -90,7 +90,7 @@ class CriuOps:
                 t, uid_base = self._bundle(sid, dirs, spec, uffd=lazy)
                 gate = Gate(work, self.system.criu)
                 runc = self._start(args, gate)
-                t.update(self._mounts(sid, dirs, spec, lowers, uid_base))
+                t.update(self._mounts(sid, dirs, spec, lowers, uid_base, sealed_bytes))
                 t1 = time.perf_counter()
                 t["mount"] = t1 - t0
                 server, t["pages"] = staging.result()

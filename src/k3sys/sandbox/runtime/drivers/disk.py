@@ -5,7 +5,8 @@ Each sandbox's overlay upper and work directories live on an ext4 file system in
 inside shows the quota (overlayfs reports its upper's file system), the host loses at most
 `disk_mb` (plus a little ext4 metadata), and killing the sandbox gives everything back (unmount, the
 loop device detaches itself, the image is deleted). Deleted files free host space at once (`discard`
-punches holes into the image).
+punches holes into the image). What the sandbox wrote before its last hibernation, restore or fork
+(its sealed lower layer) is reserved on its new disk (`reserve`), so `disk_mb` bounds both together.
 
 This kernel has no disk quotas (no CONFIG_QUOTA, no XFS quota), so one file system per sandbox is
 the way to a hard limit. To keep it cheap, `mkfs` runs once per size: a formatted image is cached
@@ -26,11 +27,14 @@ import time
 from pathlib import Path
 
 from k3sys.sandbox.errors import DriverError
+from k3sys.sandbox.runtime import layers
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _LOOP_CTL_GET_FREE, _LOOP_CONFIGURE = 0x4C82, 0x4C0A
 _LO_FLAGS_AUTOCLEAR, _LO_FLAGS_DIRECT_IO = 4, 16
 _MS_NOSUID, _MS_NODEV, _MNT_DETACH = 2, 4, 2
+RESERVED = "sealed"  # the file `reserve` allocates, beside upper/ and work/ (out of the sandbox's sight)
+_SLACK = 1 << 20  # bytes `reserve` leaves free at least: whiteouts and copied-up directories need some
 # No journal: a sandbox's upper does not outlive a host crash (its processes do not either, and
 # checkpoints are sealed copies); no reserved blocks: the sandbox gets all of disk_mb.
 _MKFS = ["mkfs.ext4", "-q", "-F", "-O", "^has_journal", "-m", "0", "-E", "lazy_itable_init=1,nodiscard"]
@@ -53,24 +57,6 @@ def blank(cache: Path, mb: int) -> Path:
     finally:
         tmp.unlink(missing_ok=True)
     return image
-
-
-def _sparse_copy(src: Path, dst: Path) -> None:
-    """Copy `src` to the new file `dst`, holes kept as holes."""
-    with open(src, "rb") as s, open(dst, "xb") as d:
-        size, off = os.fstat(s.fileno()).st_size, 0
-        while off < size:
-            try:
-                start = os.lseek(s.fileno(), off, os.SEEK_DATA)
-            except OSError as e:
-                if e.errno == errno.ENXIO:  # only a hole left
-                    break
-                raise
-            end = os.lseek(s.fileno(), start, os.SEEK_HOLE)
-            while start < end:
-                start += os.copy_file_range(s.fileno(), d.fileno(), end - start, start, start)
-            off = end
-        os.ftruncate(d.fileno(), size)
 
 
 def _attach(image: Path) -> tuple[str, int]:
@@ -100,7 +86,7 @@ def _attach(image: Path) -> tuple[str, int]:
 def make(cache: Path, image: Path, mb: int) -> tuple[str, int]:
     """A fresh `mb` MiB file system in the new file `image`, attached: the device's path and an open
     descriptor on it (`mount` it, or close the descriptor to detach it)."""
-    _sparse_copy(blank(cache, mb), image)
+    layers.sparse_copy(blank(cache, mb), image)
     return _attach(image)
 
 
@@ -117,6 +103,28 @@ def mount(dev: str, loop: int, target: Path) -> None:
 def create(cache: Path, image: Path, target: Path, mb: int) -> None:
     """A fresh `mb` MiB file system in `image`, mounted at `target` (nosuid, nodev, discard)."""
     mount(*make(cache, image, mb), target)
+
+
+def reserve(target: Path, nbytes: int) -> int:
+    """Take `nbytes` of the file system mounted at `target` for what its sandbox already wrote and
+    sealed (its lower layer, `layers.tree_bytes`): a file beside the upper, allocated but never
+    written (the image stays sparse), so `df` inside shows it used and writes past `disk_mb` get
+    ENOSPC across hibernation, restore and fork. A layer charged more than the disk holds (the
+    charge rounds up; this disk's blocks may be smaller) leaves `_SLACK` free to delete files with.
+    Returns the bytes reserved."""
+    if nbytes <= 0:
+        return 0
+    vfs = os.statvfs(target)
+    n = min(nbytes, max(0, vfs.f_bavail * vfs.f_frsize - _SLACK))
+    if n:
+        fd = os.open(target / RESERVED, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, n)
+        except OSError as e:
+            raise DriverError(f"cannot reserve {n} bytes of the sandbox's disk at {target}: {e.strerror}") from e
+        finally:
+            os.close(fd)
+    return n
 
 
 def remove(image: Path, target: Path) -> None:

@@ -184,11 +184,10 @@ class RuncDriver(CriuOps):
         }
 
     def _prepare(self, sid: str, dirs: SandboxDirs, spec: SandboxSpec, lowers: list[Path],
-                 uffd: bool = False) -> dict[str, float]:
-        """Bundle, mounts and uid range of a sandbox about to start (`uffd`: its CRIU restore may open
-        /dev/userfaultfd); seconds per step (`prepare.*`)."""
-        t, uid_base = self._bundle(sid, dirs, spec, uffd)
-        t.update(self._mounts(sid, dirs, spec, lowers, uid_base))
+                 sealed_bytes: int = 0) -> dict[str, float]:
+        """Bundle, mounts and uid range of a sandbox about to start; seconds per step (`prepare.*`)."""
+        t, uid_base = self._bundle(sid, dirs, spec, uffd=False)
+        t.update(self._mounts(sid, dirs, spec, lowers, uid_base, sealed_bytes))
         return t
 
     def _bundle(self, sid: str, dirs: SandboxDirs, spec: SandboxSpec,
@@ -210,11 +209,13 @@ class RuncDriver(CriuOps):
         return {"prepare.config": time.perf_counter() - t0}, uid_base
 
     def _mounts(self, sid: str, dirs: SandboxDirs, spec: SandboxSpec, lowers: list[Path],
-                uid_base: int | None) -> dict[str, float]:
-        """The sandbox's disk, upper and overlay root, bound where runc finds it; seconds per step."""
+                uid_base: int | None, sealed_bytes: int) -> dict[str, float]:
+        """The sandbox's disk (`sealed_bytes` of it reserved for its sealed layer), upper and overlay
+        root, bound where runc finds it; seconds per step."""
         t, t0 = {}, time.perf_counter()
         if self.hardened:
             self.disks.create(dirs.root / "disk.img", dirs.disk, spec.disk_mb)
+            disk.reserve(dirs.disk, sealed_bytes)
         for d in (dirs.upper, dirs.work, dirs.rootfs):
             d.mkdir(parents=True, exist_ok=True)
         t["prepare.disk"], t0 = time.perf_counter() - t0, time.perf_counter()
@@ -241,8 +242,9 @@ class RuncDriver(CriuOps):
 
     # --- life cycle ---------------------------------------------------------------------------
 
-    def create(self, sid: str, dirs: SandboxDirs, spec: SandboxSpec, lowers: list[Path]) -> None:
-        self._prepare(sid, dirs, spec, lowers)
+    def create(self, sid: str, dirs: SandboxDirs, spec: SandboxSpec, lowers: list[Path],
+               sealed_bytes: int = 0) -> None:
+        self._prepare(sid, dirs, spec, lowers, sealed_bytes)
         self._run(["run", "-d", "--bundle", str(dirs.bundle), sid])
         self._spare_agent(sid)
         self.limit_inotify(sid)  # before the gate opens: only the agent runs inside yet
