@@ -10,11 +10,13 @@ from collections import OrderedDict
 from typing import Any
 
 from k3sys.fleet.members import Members
-from k3sys.sandbox.errors import NotFoundError
+from k3sys.sandbox.errors import InvalidArgumentError, NotFoundError
+from k3sys.sandbox.runtime.agent_protocol import Exit
 
 SEP = "~"
 KEPT = 1 << 16  # commands whose pid / exit the gateway remembers
 LOOK_WAIT_S = 0.005  # a look at a command's output waits this long on its node for something new
+LOOK_MAX_S = 0.05  # ... and a followed command's, once it is quiet, up to this (the node answers early)
 
 
 class _Bounded(OrderedDict):
@@ -24,6 +26,40 @@ class _Bounded(OrderedDict):
         self[key] = value
         if len(self) > KEPT:
             self.popitem(last=False)
+
+
+class PolledFollower:
+    """A command's output through the gateway, with what the envd streams read of `OutputFollower`
+    (`read`, `pid`, `pos`, `dropped`, `close`). No socket crosses nodes, so `sock` is None: the stream
+    calls `read` off its event loop, and each `read` is one look on the command's node, which waits
+    there for something new (longer while the command is quiet; it answers as soon as output comes).
+    The node's look waits out a checkpoint, so a read is never cut."""
+
+    sock = None
+
+    def __init__(self, fleet: Commands, cid: str) -> None:
+        self._fleet, self._cid = fleet, cid
+        self.pid = fleet.command_pid(cid)
+        self.pos = self.dropped = 0
+        self._since, self._wait = (0, 0), LOOK_WAIT_S
+        self.exit: Exit | None = None
+
+    def read(self) -> list[tuple[str, bytes] | Exit]:
+        """What the next look finds: `("stdout" | "stderr", bytes)` pieces, and last the Exit."""
+        if self.exit is not None:
+            return []
+        out, err, done = self._fleet.read_command_output(self._cid, self._since, self._wait)
+        self._since = (self._since[0] + len(out), self._since[1] + len(err))
+        self.pos += len(out) + len(err)
+        self._wait = LOOK_WAIT_S if out or err else min(self._wait * 2, LOOK_MAX_S)
+        pieces: list[tuple[str, bytes] | Exit] = [(n, d) for n, d in (("stdout", out), ("stderr", err)) if d]
+        if done and (end := self._fleet.command_exit(self._cid)) is not None:
+            self.exit, self.dropped = end, end.dropped
+            pieces.append(end)
+        return pieces
+
+    def close(self) -> None:
+        """Nothing is held open across nodes."""
 
 
 class Commands:
@@ -59,9 +95,10 @@ class Commands:
         own, node = self._split(cid)
         return self.members.call(node, "command_pid", own)
 
-    def read_command_output(self, cid: str, since: tuple[int, int] = (0, 0)) -> tuple[bytes, bytes, bool]:
+    def read_command_output(self, cid: str, since: tuple[int, int] = (0, 0),
+                            wait_s: float = LOOK_WAIT_S) -> tuple[bytes, bytes, bool]:
         own, node = self._split(cid)
-        out, err, done, end = self.members.invoke(node, "look", own, since, LOOK_WAIT_S)
+        out, err, done, end = self.members.invoke(node, "look", own, since, wait_s)
         if done:
             with self._cmd_mu:
                 self._exits.put(cid, end)
@@ -87,3 +124,18 @@ class Commands:
 
     def forget_command(self, cid: str) -> None:
         self._drop("forget_command", cid)
+
+    def start_followed(self, sid: str, cmd: str | list[str], cwd: str | None = None,
+                       env: dict[str, str] | None = None, user: str | None = None,
+                       stdin: bool | bytes | None = None, pty: tuple[int, int] | None = None
+                       ) -> tuple[str, PolledFollower]:
+        """`Runtime.start_followed` across nodes: the command started on its node, its output looked at."""
+        cid = self._new_command("start_process", sid, cmd, cwd, env, user, stdin, pty)
+        return cid, PolledFollower(self, cid)
+
+    def follow_command(self, cid: str, pos: int = 0) -> PolledFollower:
+        """`Runtime.follow_command` across nodes, from the command's first byte (a gateway stream is
+        never cut by a checkpoint, so it never goes on from another offset)."""
+        if pos:
+            raise InvalidArgumentError(f"a command through the gateway is followed from its start, not from {pos}")
+        return PolledFollower(self, cid)

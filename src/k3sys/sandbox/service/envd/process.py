@@ -72,7 +72,8 @@ def _gone(rpc: Rpc) -> UnavailableError | None:
 async def _output(rpc: Rpc, cid: str, pid: int, pty: bool,
                   follower: OutputFollower | None = None) -> AsyncIterator[dict[str, Any]]:
     """The start event, the process's output, then its end (or a deadline or keepalive meanwhile).
-    `follower`: the one its start opened (else one is opened from the process's first byte)."""
+    `follower`: the one its start opened (else one is opened from the process's first byte): an
+    `OutputFollower`, or the fleet gateway's look-based follower of the same interface (`sock` None)."""
     rt, key, streams = rpc.svc.rt, (rpc.sid, pid), rpc.state.streams
     streams[key] = streams.get(key, 0) + 1
     ended = False
@@ -88,8 +89,9 @@ async def _output(rpc: Rpc, cid: str, pid: int, pty: bool,
         while True:
             if follower is None:
                 follower = await rpc.svc.call("envd.follow", rt.follow_command, cid, 0, io=True)
-            try:
-                pieces = follower.read()
+            try:  # a follower with no socket (the fleet's) looks on its node: off the event loop
+                pieces = (follower.read() if follower.sock is not None
+                          else await rpc.svc.call("envd.output", follower.read, io=True))
             except AgentInterruptedError:  # a checkpoint cut it: go on from its offset once the sandbox runs
                 pos, follower = follower.pos, None
                 follower = await rpc.svc.call("envd.follow", rt.follow_command, cid, pos, io=True)
@@ -125,8 +127,9 @@ async def _output(rpc: Rpc, cid: str, pid: int, pty: bool,
             # Until more comes (or the call is cut: its end reads as more), a keepalive or the deadline.
             keepalive = None if rpc.keepalive_s is None else quiet_since + rpc.keepalive_s
             until = [t for t in (rpc.deadline, keepalive) if t is not None]
-            with anyio.move_on_after(max(0.0, min(until) - now) if until else None):
-                await anyio.wait_readable(follower.sock)
+            if follower.sock is not None:  # (a look on a node waited there already)
+                with anyio.move_on_after(max(0.0, min(until) - now) if until else None):
+                    await anyio.wait_readable(follower.sock)
     finally:
         if follower is not None:
             follower.close()
