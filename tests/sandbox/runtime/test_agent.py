@@ -29,6 +29,7 @@ from k3sys.sandbox.errors import (
     WrongFileTypeError,
 )
 from k3sys.sandbox.runtime.agent import SOCKET, Agent, Deadlines
+from k3sys.sandbox.runtime.agent_link import ANSWER_ENV
 from k3sys.sandbox.runtime.agent_protocol import (
     XATTR_COUNT_MAX,
     XATTR_NAME_LEN_MAX,
@@ -493,3 +494,15 @@ def test_silence_is_probed_not_failed_and_a_frozen_agent_counts_as_answering(age
     frozen.clear()
     t.join(10)
     assert got and got[0][0].text("stdout") == b"thawed\n"
+
+
+def test_deadlines_are_set_in_one_place(monkeypatch):
+    """`Deadlines` defaults, and `K3SYS_AGENT_ANSWER_S` (the probe half of it), checked."""
+    monkeypatch.delenv(ANSWER_ENV, raising=False)
+    assert Deadlines.default() == Deadlines(answer=30.0, probe=15.0)
+    monkeypatch.setenv(ANSWER_ENV, "4")
+    assert Deadlines.default() == Deadlines(answer=4.0, probe=2.0)
+    for bad in ("soon", "0"):
+        monkeypatch.setenv(ANSWER_ENV, bad)
+        with pytest.raises(ValueError, match=ANSWER_ENV if bad == "soon" else "answer"):
+            Deadlines.default()

@@ -200,12 +200,14 @@ def test_stuck_agent_fails_calls_within_deadlines_and_kill_completes(fast_arena,
                               f"(backlog full); kill during a checkpoint {t_kill:.2f} s, nothing left")
 
 
-def test_silent_command_outlives_its_probes(fast_arena):
+def test_silent_command_outlives_its_probes(fast_arena, record_property):
     """A command that prints nothing for several probe intervals is not taken for a stuck agent."""
+    record_property("attack", "a silent command mistaken for a stuck agent")
     s = fast_arena.create(memory_mb=64)
     quiet = FAST.probe * 3
-    r = s.commands.run(f"sleep {quiet}; echo done", timeout=120)
+    r = s.commands.run(f"sleep {quiet:g}; echo done", timeout=120)
     assert r.stdout == "done\n"
+    record_property("figure", f"{quiet:g} s silent ({quiet / FAST.probe:g} probe intervals): ran to its end")
 
 
 def test_stuck_sandbox_past_its_timeout_is_killed_and_logged(fast_arena, fast_rt, caplog, record_property):
@@ -296,14 +298,3 @@ def test_shutdown_gives_up_after_shutdown_s(tmp_path, record_property):
         svc.stop(signal.SIGKILL)
         _kill_left(root, {"stuck"})
     record_property("figure", f"SIGTERM exit in {took:.1f} s with --shutdown-timeout 2 (hibernation left)")
-
-
-def test_deadlines_are_set_in_one_place(monkeypatch):
-    monkeypatch.delenv(ANSWER_ENV, raising=False)
-    assert Deadlines.default() == Deadlines(answer=30.0, probe=15.0)
-    monkeypatch.setenv(ANSWER_ENV, "4")
-    assert Deadlines.default() == Deadlines(answer=4.0, probe=2.0)
-    for bad in ("soon", "0"):
-        monkeypatch.setenv(ANSWER_ENV, bad)
-        with pytest.raises(ValueError, match=ANSWER_ENV if bad == "soon" else "answer"):
-            Deadlines.default()
