@@ -133,8 +133,8 @@ class Service:
         rt = self.runtime
         if rt is None:
             return
-        left = {i.id for i in rt.list() if i.state in _HOLDING}
         act = {"hibernate": rt.hibernate, "kill": rt.kill, "keep": None}[self.config.on_shutdown]
+        left = {i.id for i in rt.list() if i.state in _HOLDING} if act is not None else set()
         mu = threading.Lock()
 
         def work(todo: list[str]) -> None:
@@ -152,7 +152,7 @@ class Service:
                     left.discard(sid)
 
         def finish() -> None:
-            if act is not None and left:
+            if left:
                 todo = sorted(left)
                 # A few at a time (each hibernation is a CRIU dump plus a store commit); daemon threads,
                 # so one stuck past the deadline never holds the process.
