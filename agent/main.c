@@ -287,6 +287,12 @@ int main(int argc, char **argv)
 	 * agent's memory (and what a checkpoint dumps of it) follows what its rings hold now, not the
 	 * most they ever held. */
 	mallopt(M_MMAP_THRESHOLD, CHUNK);
+	/* Not dumpable, before anything in the sandbox can run: ptrace, process_vm_writev and
+	 * /proc/1/mem then need CAP_SYS_PTRACE over our mm's user namespace, which no process of the
+	 * sandbox has. Without it root inside could PTRACE_ATTACH and leave PID 1 stopped (every call
+	 * to the sandbox waits) or write into it. Workers forked for requests inherit it; commands get
+	 * it back at their execve. CRIU saves and restores the flag (docs/sandbox-security.md). */
+	prctl(PR_SET_DUMPABLE, 0);
 	int ls = listen_on(sock);
 	/* Orphans come to us even when we are not PID 1 (run by hand, in tests). */
 	prctl(PR_SET_CHILD_SUBREAPER, 1);

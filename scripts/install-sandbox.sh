@@ -6,7 +6,8 @@
 #     sockets; skip the conntrack walk for empty network namespaces; read another user's rlimits
 #     from /proc when the host withholds CAP_SYS_RESOURCE; open /dev/userfaultfd so that lazy
 #     restores work in user namespaces; start a lazy restore's background transfer only once the
-#     tasks run), installed into
+#     tasks run; check a dump's namespaces through descriptors opened with CRIU's own credentials,
+#     so a non-dumpable task, the agent, restored by CRIU can be dumped again), installed into
 #     $K3SYS_SYSTEM_DIR/bin/criu, plus the configuration the driver hands it (etc/criu.conf);
 #   - bin/k3sys-net-up, the prestart hook that sets up a sandbox's network namespace (loopback; with
 #     network=True its veth end, moved in) at every create and restore (was bin/k3sys-lo-up),

@@ -18,6 +18,7 @@ from typing import Any
 
 from k3sys.sandbox._wire import ERROR_HEADER as ERROR_TYPE  # our error type: a header, or a stream's trailer
 from k3sys.sandbox.errors import (
+    AgentTimeoutError,
     AuthError,
     CapacityError,
     CommandTimeoutError,
@@ -49,7 +50,8 @@ _CODES: list[tuple[type[SandboxError], str]] = [
     (InvalidArgumentError, "invalid_argument"),
     (InvalidStateError, "failed_precondition"), (AuthError, "unauthenticated"),
     (PermissionDeniedError, "permission_denied"), (CapacityError, "resource_exhausted"),
-    (CommandTimeoutError, "deadline_exceeded"), (UnavailableError, "unavailable"),
+    (CommandTimeoutError, "deadline_exceeded"), (AgentTimeoutError, "deadline_exceeded"),
+    (UnavailableError, "unavailable"),
 ]
 # Connect code -> the class the k3sys client raises when the answer names no type of ours.
 _CLASSES = {"not_found": NotFoundError, "invalid_argument": InvalidArgumentError, "out_of_range": InvalidArgumentError,

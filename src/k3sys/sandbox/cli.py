@@ -325,6 +325,8 @@ def serve(host: Annotated[str, typer.Option(help="Address to listen on (beyond l
                                                         "hibernate, keep or kill.")] = "hibernate",
           pause_delay: Annotated[float, typer.Option(help="Seconds from E2B's pause (a freeze, answered at once) "
                                                          "to its background hibernation.")] = 1.0,
+          shutdown_timeout: Annotated[float, typer.Option(help="Most seconds a stop spends on --on-shutdown "
+                                                              "(the rest is adopted at the next start).")] = 120.0,
           max_connections: Annotated[int, typer.Option(help="Most open connections (past it, the one waiting "
                                                             "longest for a request header goes).")] = 4096,
           max_connections_per_client: Annotated[int, typer.Option(help="Most open connections from one "
@@ -346,7 +348,8 @@ def serve(host: Annotated[str, typer.Option(help="Address to listen on (beyond l
         extra = {"max_memory_mb": max_memory_mb} if max_memory_mb else {}
         config = ServiceConfig(root, key, max_sandboxes=max_sandboxes, max_body_bytes=int(max_body_mb * 2**20),
                                max_command_timeout_s=max_command_timeout, on_timeout=on_timeout,
-                               on_shutdown=on_shutdown, pause_delay_s=pause_delay, **extra,
+                               on_shutdown=on_shutdown, pause_delay_s=pause_delay, shutdown_s=shutdown_timeout,
+                               **extra,
                                connections=ConnectionLimits(max_connections, header_timeout,
                                                             max_connections_per_client))
         check_bind(host, key)

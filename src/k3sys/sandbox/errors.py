@@ -14,7 +14,8 @@
     ├── DriverError                       runc / CRIU / the kernel refused; carries the tool's log tail
     ├── PermissionDeniedError (PermissionError)  the sandbox itself refused (EPERM, EACCES inside it)
     ├── AgentError                        the in-sandbox agent failed or cannot be reached
-    │   └── AgentInterruptedError         a call cut by a checkpoint / hibernate of its sandbox: retry
+    │   ├── AgentInterruptedError         a call cut by a checkpoint / hibernate of its sandbox: retry
+    │   └── AgentTimeoutError             the agent left a call unanswered past its deadline (stuck)
     ├── AuthError                         the service refused the API key (missing or wrong)
     ├── CapacityError                     the service is at a limit (sandboxes, memory); retry later
     │   ├── QuotaError                    the caller's tenant is at one of its quotas (named in the message)
@@ -35,7 +36,7 @@ a 422 like `InvalidArgumentError` but exits 1, as it always has:
     http_status  404 not found (sandbox, command, checkpoint, file)   409 invalid_state, checkpoint_exists
                  422 invalid_argument and its subclasses, store_input  413 too_large   408 command_timeout
                  401 unauthorized   403 permission_denied   429 capacity, quota_exceeded, sandbox_limit
-                 503 unavailable, runtime_locked, agent_interrupted   500 everything else
+                 503 unavailable, runtime_locked, agent_interrupted   504 agent_timeout   500 everything else
     exit_code    2 bad argument   3 not found   4 wrong state   5 key refused   6 at a limit
                  7 unavailable or busy   1 everything else
 """
@@ -204,6 +205,16 @@ class AgentInterruptedError(AgentError):
 
     code = "agent_interrupted"
     http_status = 503
+    exit_code = 7
+
+
+class AgentTimeoutError(AgentError):
+    """The sandbox's agent left a call unanswered past its deadline (runtime/agent_link.py: stopped,
+    or overloaded far beyond a slow machine); the message names the sandbox. The sandbox can still
+    be killed; a checkpoint, pause or hibernation of it failed and left it as it was."""
+
+    code = "agent_timeout"
+    http_status = 504
     exit_code = 7
 
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
+import socket
 import subprocess
 import tempfile
 import threading
@@ -18,6 +20,7 @@ import pytest
 
 from k3sys.sandbox.errors import (
     AgentError,
+    AgentTimeoutError,
     CommandTimeoutError,
     InvalidArgumentError,
     NotFoundError,
@@ -25,7 +28,8 @@ from k3sys.sandbox.errors import (
     SandboxFileNotFoundError,
     WrongFileTypeError,
 )
-from k3sys.sandbox.runtime.agent import SOCKET, Agent
+from k3sys.sandbox.runtime.agent import SOCKET, Agent, Deadlines
+from k3sys.sandbox.runtime.agent_link import ANSWER_ENV
 from k3sys.sandbox.runtime.agent_protocol import (
     XATTR_COUNT_MAX,
     XATTR_NAME_LEN_MAX,
@@ -56,7 +60,7 @@ def _agent_in(agent_bin: Path, root: Path, *args: str):
     """An agent run by hand on `root` (1 MiB rings, and `args`), stopped at the end."""
     root.mkdir()
     proc = subprocess.Popen([str(agent_bin), "--socket", str(root / SOCKET), "--ring", str(1 << 20), *args])
-    a = Agent(root, pid=lambda: proc.pid, timeout=10)
+    a = Agent(root, pid=lambda: proc.pid, deadlines=Deadlines(10, 10))
     deadline = time.monotonic() + 10
     while True:  # the socket file appears at bind(), before listen(): wait for an answer
         try:
@@ -476,3 +480,72 @@ def test_client_refuses_a_socket_with_another_peer(agent):
     wrong = Agent(agent.root_dir, pid=lambda: 1)
     with pytest.raises(AgentError, match="peer"):
         wrong.ping()
+
+
+# --- deadlines (agent_link.py) -------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _stopped(pid: int):
+    """The agent stopped (SIGSTOP, as a tracer leaves it) for the block's length."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+def test_a_stopped_agent_fails_every_call_within_its_deadline(agent):
+    quick = Agent(agent.root_dir, pid=agent._pid, sandbox="sbx-x", deadlines=Deadlines(answer=1.0, probe=0.5))
+    with _stopped(agent._pid()):
+        for call, limit in [(quick.ping, 1.0), (lambda: quick.run("echo hi"), 1.5), (quick.processes, 1.0),
+                            (lambda: quick.wait(1), 1.5), (quick.quiesce, 1.0)]:
+            t0 = time.monotonic()
+            with pytest.raises(AgentTimeoutError, match="sandbox sbx-x's agent did not answer"):
+                call()
+            assert time.monotonic() - t0 < limit + 3
+        # Its backlog full (connections it never accepted), a connect waits no longer than an answer.
+        held = []
+        with contextlib.ExitStack() as stack:
+            while True:
+                c = stack.enter_context(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
+                c.setblocking(False)
+                try:
+                    c.connect(str(agent.root_dir / SOCKET))
+                except BlockingIOError:
+                    break
+                held.append(c)
+            t0 = time.monotonic()
+            with pytest.raises(AgentTimeoutError, match="backlog"):
+                quick.ping()
+            assert time.monotonic() - t0 < 1.0 + 3
+    assert quick.ping()["version"] == "1"  # going again once it runs
+
+
+def test_silence_is_probed_not_failed_and_a_frozen_agent_counts_as_answering(agent):
+    frozen = threading.Event()
+    quick = Agent(agent.root_dir, pid=agent._pid, deadlines=Deadlines(answer=0.5, probe=0.2), frozen=frozen.is_set)
+    out, end = quick.run("sleep 1.5; echo done")  # seven probes' worth of silence
+    assert (out.text("stdout"), end.exit) == (b"done\n", 0)
+    got: list = []
+    t = threading.Thread(target=lambda: got.append(quick.run("sleep 0.3; echo thawed")))
+    t.start()
+    time.sleep(0.1)
+    frozen.set()  # as the freezer would: the agent stops, by design
+    with _stopped(agent._pid()):
+        time.sleep(1.5)  # probes and answer deadlines pass: none fails the call
+    frozen.clear()
+    t.join(10)
+    assert got and got[0][0].text("stdout") == b"thawed\n"
+
+
+def test_deadlines_are_set_in_one_place(monkeypatch):
+    """`Deadlines` defaults, and `K3SYS_AGENT_ANSWER_S` (the probe half of it), checked."""
+    monkeypatch.delenv(ANSWER_ENV, raising=False)
+    assert Deadlines.default() == Deadlines(answer=30.0, probe=15.0)
+    monkeypatch.setenv(ANSWER_ENV, "4")
+    assert Deadlines.default() == Deadlines(answer=4.0, probe=2.0)
+    for bad in ("soon", "0"):
+        monkeypatch.setenv(ANSWER_ENV, bad)
+        with pytest.raises(ValueError, match=ANSWER_ENV if bad == "soon" else "answer"):
+            Deadlines.default()

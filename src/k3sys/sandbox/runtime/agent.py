@@ -1,196 +1,44 @@
-"""Client of `k3sys-agent`, the sandbox's PID 1 (agent/; docs/sandbox-agent.md); wire format: agent_protocol.py.
-
-`Agent` adds the gate the life cycle needs: `close_gate` (before a CRIU dump: a connection to the
-host is a resource CRIU cannot save) lets calls in flight finish for a grace period and cuts the
-rest with `AgentInterruptedError` (retryable: the sandbox lost nothing); `quiesce` has the agent
-drop their sockets; new calls wait until `open_gate` (after the thaw or restore). Output streams reconnect
-by themselves from the byte offset they had reached, so a follower only sees a pause.
-
-The host never resolves a path inside the sandbox: it opens the socket's directory without
-following a symlink and checks the peer's pid (SO_PEERCRED) is the sandbox's PID 1, so a socket
-the sandbox swapped for a link to some host socket is refused.
+"""Client of `k3sys-agent`, the sandbox's PID 1 (agent/; docs/sandbox-agent.md): its requests for
+processes and files. The connection under them (the peer check, the deadlines every call carries,
+the gate a checkpoint closes) is agent_link.py; the wire format agent_protocol.py. Output streams
+reconnect by themselves from the byte offset they had reached, so a follower only sees a pause.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 import secrets
-import socket
-import struct
-import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from k3sys.sandbox.errors import (
-    AgentError,
     AgentInterruptedError,
     CommandTimeoutError,
     InvalidArgumentError,
     SandboxError,
 )
-from k3sys.sandbox.runtime.agent_protocol import Exit, Gap, Output, Stream, encode, parse_fields, xattr_fields
+from k3sys.sandbox.runtime.agent_link import SOCKET, AgentLink, Deadlines
+from k3sys.sandbox.runtime.agent_protocol import Exit, Gap, Output, encode, parse_fields, xattr_fields
 
-SOCKET = ".k3sys/agent.sock"  # relative to the sandbox's root
+__all__ = ["SOCKET", "Agent", "Deadlines"]
 
 
-class Agent:
-    """The agent of one sandbox, reached at `root/.k3sys/agent.sock`; `pid()` gives the host pid the
-    socket's peer must have (None: not checked, for an agent run by hand)."""
+class Agent(AgentLink):
+    """The agent of one sandbox (see `AgentLink` for the arguments)."""
 
-    def __init__(self, root: Path, pid: Callable[[], int | None] = lambda: None, timeout: float = 30.0) -> None:
-        self.root = root
-        self._pid = pid
-        self.timeout = timeout
-        self._cv = threading.Condition()
-        self._open = True
-        self._dead = ""  # why calls fail for good (the sandbox was killed)
-        self._peer: int | None = None  # the PID 1 checked last (cached until the gate reopens)
-        self._live: set[socket.socket] = set()
+    def __init__(self, root: Path, pid: Callable[[], int | None] = lambda: None, *, sandbox: str = "",
+                 deadlines: Deadlines | None = None, frozen: Callable[[], bool] = lambda: False) -> None:
+        super().__init__(root, pid, sandbox=sandbox, deadlines=deadlines, frozen=frozen)
         # Who a start or file call that names no user runs as: its template's default user
         # (templates.template_user, set by the runtime); None leaves it to the agent (root).
         self.user: str | None = None
-        # Of those, the calls that wait on the sandbox (an output follower, a wait, a watch): they
-        # may never end by themselves, so a checkpoint cuts them at once (they reconnect).
-        self._streams: set[socket.socket] = set()
-
-    # --- connections and the gate -------------------------------------------------------------
-
-    def _connect(self) -> socket.socket:
-        try:
-            d = os.open(self.root, os.O_PATH | os.O_DIRECTORY)
-        except OSError as e:
-            raise AgentError(f"sandbox agent unreachable: no sandbox root at {self.root} ({e.strerror})") from None
-        try:
-            sub, name = os.path.split(SOCKET)
-            # No symlink followed inside the sandbox: the directory by O_NOFOLLOW, the socket
-            # itself by the peer check below (a link to another socket has another peer).
-            sd = os.open(sub, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=d)
-        except OSError as e:
-            raise AgentError(f"sandbox agent unreachable: no socket directory under {self.root} ({e.strerror}); "
-                             "commands.run falls back to `runc exec`, other calls need the agent") from None
-        finally:
-            os.close(d)
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            s.connect(f"/proc/self/fd/{sd}/{name}")
-            peer = struct.unpack("3i", s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
-            want = self._peer
-            if want != peer:  # not the PID 1 checked last: ask again (reading runc's state costs)
-                want = self._pid()
-            if want is not None:
-                if peer != want:
-                    raise AgentError(f"sandbox agent: the socket's peer is pid {peer}, "
-                                     f"not the sandbox's PID 1 ({want})")
-                self._peer = peer
-        except OSError as e:
-            s.close()
-            raise AgentError(f"sandbox agent unreachable ({e.strerror or e}): it may have died; "
-                             "commands.run falls back to `runc exec`, other calls need the agent") from None
-        except BaseException:
-            s.close()
-            raise
-        finally:
-            os.close(sd)
-        return s
-
-    @contextlib.contextmanager
-    def _call(self, timeout: float | None = None, stream: bool = False) -> Iterator[Stream]:
-        """A connection for one request, registered so `close_gate` can cut it; waits while the gate
-        is closed (a checkpoint in progress). `stream`: it waits on the sandbox (see `_streams`)."""
-        with self._cv:
-            if not self._cv.wait_for(lambda: self._open or self._dead, timeout=60):
-                raise AgentInterruptedError("sandbox agent: the sandbox stayed closed to calls for 60 s")
-            if self._dead:
-                raise AgentError(f"sandbox agent: {self._dead}")
-        s = self._connect()
-        s.settimeout(timeout)
-        with self._cv:
-            self._live.add(s)
-            if stream:
-                self._streams.add(s)
-        try:
-            yield Stream(s, None if timeout is None else time.monotonic() + timeout)
-        except SandboxError:
-            raise
-        except (EOFError, OSError) as e:
-            with self._cv:
-                cut = not self._open
-            if cut and self._dead:
-                raise AgentError(f"sandbox agent: {self._dead}") from None
-            if cut:
-                raise AgentInterruptedError("sandbox agent: call cut by a checkpoint of the sandbox; retry") from None
-            if isinstance(e, TimeoutError):
-                raise CommandTimeoutError(f"sandbox agent: no answer within {timeout} s") from None
-            raise AgentError(f"sandbox agent: the connection broke ({e or 'closed'}); the agent may be dead") from None
-        finally:
-            with self._cv:
-                self._live.discard(s)
-                self._streams.discard(s)
-                self._cv.notify_all()
-            s.close()
-
-    def _streaming(self, s: socket.socket) -> None:
-        """Call `s` now waits on the sandbox (a `run` whose start went through): cut it at once if a
-        checkpoint is waiting for calls to end."""
-        with self._cv:
-            if s in self._live:
-                self._streams.add(s)
-                if not self._open:
-                    _shutdown({s})
-                self._cv.notify_all()
 
     def _request(self, op: str, fields: Iterable[tuple[str, object]] = (),
                  timeout: float | None = None) -> dict[str, str]:
-        with self._call(timeout or self.timeout) as st:
+        with self._call(timeout or self.deadlines.answer) as st:
             st.send(encode(op, fields))
             return st.result()
-
-    def close_gate(self, grace: float = 0.5) -> bool:
-        """Hold new calls and give those in flight `grace` seconds; cut the rest (their callers get
-        AgentInterruptedError). Returns whether any was cut: then `quiesce` must run before a dump."""
-        with self._cv:
-            self._open = False
-            cut = bool(self._streams)
-            _shutdown(self._streams)  # they would only use up the grace: they reconnect
-            self._cv.wait_for(lambda: self._live <= self._streams, timeout=grace)
-            cut = cut or bool(self._live)
-            _shutdown(self._live)
-            self._cv.wait_for(lambda: not self._live, timeout=5)
-        return cut
-
-    def quiesce(self) -> None:
-        """Have the agent drop every connection whose client is gone (so nothing of the host's
-        remains in the sandbox for a dump). Bypasses the gate."""
-        s = self._connect()
-        try:
-            s.settimeout(5)
-            st = Stream(s, time.monotonic() + 5)
-            st.send(encode("quiesce", ()))
-            st.result()
-            # The agent closes its end first, then we ours: no half-open socket left inside.
-            s.recv(1)
-        except OSError as e:
-            raise AgentError(f"sandbox agent: quiesce failed: {e}") from None
-        finally:
-            s.close()
-
-    def open_gate(self) -> None:
-        """Let calls through again (after a thaw or restore; a restore brings a new PID 1)."""
-        with self._cv:
-            self._peer = None
-            self._dead = ""
-            self._open = True
-            self._cv.notify_all()
-
-    def cut(self, reason: str) -> None:
-        """For good: fail calls waiting at the gate and those in flight with `reason`."""
-        with self._cv:
-            self._dead = reason
-            self._open = False
-            _shutdown(self._live)
-            self._cv.notify_all()
 
     # --- processes ----------------------------------------------------------------------------
 
@@ -222,7 +70,7 @@ class Agent:
         deadline = None if timeout is None else time.monotonic() + timeout
         pid = 0
         try:
-            with self._call(timeout) as st:
+            with self._call(timeout, command=True) as st:
                 st.send(encode("start", fields))
                 for t, payload in st.frames():
                     if t == "I":
@@ -238,6 +86,7 @@ class Agent:
                         return out, Exit(int(f["exit"]), int(f.get("signal", 0)), out.dropped, int(f["end"]))
         except CommandTimeoutError:
             if not pid:
+                self._probe()  # no start within `timeout`: a stuck agent says so (AgentTimeoutError)
                 raise
             self._kill_quietly(pid)
             raise CommandTimeoutError(f"command ran past {timeout} s and was killed",
@@ -287,7 +136,7 @@ class Agent:
         """`pid`'s output from byte offset `pos` as ("stdout" | "stderr", bytes) pieces, a Gap where
         the ring dropped bytes, then its Exit once ended. Without `follow`: what is there now (no
         Exit while it runs). Pieces and gaps advance the offset by their length."""
-        with self._call(timeout, stream=follow) as st:
+        with self._call(timeout, stream=follow, command=True) as st:
             st.send(encode("connect", [("pid", pid), ("from", pos), ("follow", follow)]))
             for t, payload in st.frames():
                 if t in "OE":
@@ -310,7 +159,7 @@ class Agent:
         self._request("signal", [("pid", pid), ("sig", sig), ("group", group)])
 
     def write_stdin(self, pid: int, data: bytes) -> None:
-        with self._call(self.timeout) as st:
+        with self._call(self.deadlines.answer) as st:
             st.send(encode("stdin", [("pid", pid)]))
             st.data(data)
             st.end()
@@ -327,7 +176,7 @@ class Agent:
         self._request("release", [("pid", pid)])
 
     def processes(self) -> list[dict[str, str]]:
-        with self._call(self.timeout) as st:
+        with self._call(self.deadlines.answer) as st:
             st.send(encode("ps", ()))
             return [parse_fields(p) for t, p in st.frames() if t == "I"]
 
@@ -340,13 +189,13 @@ class Agent:
         if not isinstance(path, str) or not path.startswith("/"):
             raise InvalidArgumentError(f"path: expected an absolute path in the sandbox, got {path!r}")
         return [("path", path), ("user", self.user if user is None else user),
-                ("timeout", int((timeout or self.timeout) * 1000))]
+                ("timeout", int((timeout or self.deadlines.answer) * 1000))]
 
     def read_chunks(self, path: str, *, user: str | None = None, offset: int = 0, max_bytes: int | None = None,
                     timeout: float | None = None) -> Iterator[bytes]:
         """The file's bytes from `offset` as the agent sends them (a regular file: up to the size it
         had when opened; anything else until its end or `max_bytes`)."""
-        with self._call((timeout or self.timeout) + 5) as st:
+        with self._call((timeout or self.deadlines.answer) + 5) as st:
             st.send(encode("read", [*self._file_fields(path, user, timeout), ("offset", offset),
                                      ("max", max_bytes)]))
             for t, payload in st.frames():
@@ -362,7 +211,7 @@ class Agent:
         with `parents` creating missing directories first, `xattrs` (user.*) set on the new file before
         it replaces the old one; returns the bytes written."""
         fields = [*self._file_fields(path, user, timeout), ("mode", mode), ("parents", parents), *xattr_fields(xattrs)]
-        with self._call((timeout or self.timeout) + 5) as st:
+        with self._call((timeout or self.deadlines.answer) + 5) as st:
             st.send(encode("write", fields))
             for chunk in [data] if isinstance(data, bytes | bytearray | memoryview) else data:
                 st.data(bytes(chunk))
@@ -378,7 +227,7 @@ class Agent:
         return self._request("stat", [*self._file_fields(path, user, None), ("follow", follow), ("xattrs", xattrs)])
 
     def list(self, path: str, *, depth: int = 1, user: str | None = None, xattrs: bool = False) -> list[dict[str, str]]:
-        with self._call(self.timeout + 5) as st:
+        with self._call(self.deadlines.answer + 5) as st:
             st.send(encode("list", [*self._file_fields(path, user, None), ("depth", depth), ("xattrs", xattrs)]))
             return [parse_fields(p) for t, p in st.frames() if t == "I"]
 
@@ -390,11 +239,5 @@ class Agent:
         self._request("move", [*self._file_fields(src, user, None), ("to", dst)])
 
     def remove(self, path: str, *, user: str | None = None, timeout: float | None = None) -> None:
-        self._request("remove", self._file_fields(path, user, timeout), timeout=(timeout or self.timeout) + 5)
+        self._request("remove", self._file_fields(path, user, timeout), timeout=(timeout or self.deadlines.answer) + 5)
 
-
-def _shutdown(socks: set[socket.socket]) -> None:
-    """Cut calls: their threads see the end of the stream and leave (`_call` closes the sockets)."""
-    for s in socks:
-        with contextlib.suppress(OSError):
-            s.shutdown(socket.SHUT_RDWR)

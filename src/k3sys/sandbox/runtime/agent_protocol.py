@@ -12,8 +12,10 @@ import socket
 import struct
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from functools import partial
+from typing import TypeVar
 
 from k3sys.sandbox.errors import (
     AgentError,
@@ -27,6 +29,7 @@ from k3sys.sandbox.errors import (
     WrongFileTypeError,
 )
 
+T = TypeVar("T")
 FRAME_MAX = 1 << 20
 CHUNK = 1 << 16
 _HEAD = struct.Struct(">I")
@@ -152,15 +155,35 @@ def _error(f: dict[str, str]) -> SandboxError:
 
 
 class Stream:
-    """One request's connection: send frames, read them back."""
+    """One request's connection: send frames, read them back. `deadline` (time.monotonic()): when the
+    whole request must be done (past it: TimeoutError); with `probe`, a wait with nothing sent or
+    received for `silence` seconds calls `probe()`, which raises if the agent is stuck, and goes on."""
 
-    def __init__(self, sock: socket.socket, deadline: float | None) -> None:
+    def __init__(self, sock: socket.socket, deadline: float | None, silence: float = 0.0,
+                 probe: Callable[[], None] | None = None) -> None:
         self.sock = sock
-        self.deadline = deadline  # time.monotonic() by which the whole request must be done
+        self.deadline = deadline
+        self.silence = silence
+        self.probe = probe
         self.refused = False
 
+    def _io(self, op: Callable[[], T]) -> T:
+        """`op()`, one send or receive on the socket, within the deadline and probing on silence."""
+        while True:
+            left = None if self.deadline is None else max(0.001, self.deadline - time.monotonic())
+            probing = self.probe is not None and (left is None or left > self.silence)
+            self.sock.settimeout(self.silence if probing else left)
+            try:
+                return op()
+            except TimeoutError:
+                if not probing:
+                    raise
+                self.probe()  # type: ignore[misc]
+
     def send(self, data: bytes) -> None:
-        self.sock.sendall(data)
+        view = memoryview(data)
+        while view:  # not sendall: a send cut by a probe must not lose what went out
+            view = view[self._io(partial(self.sock.send, view)):]
 
     def data(self, chunk: bytes) -> None:
         for i in range(0, len(chunk), CHUNK):
@@ -175,16 +198,14 @@ class Stream:
         # reading the data: stop sending, and let the reply, read next, say why.
         if not self.refused:
             try:
-                self.sock.sendall(frame)
+                self.send(frame)
             except (BrokenPipeError, ConnectionResetError):
                 self.refused = True
 
     def _exact(self, n: int) -> bytes:
-        if self.deadline is not None:
-            self.sock.settimeout(max(0.001, self.deadline - time.monotonic()))
-        b = self.sock.recv(n, socket.MSG_WAITALL)
-        while len(b) < n:  # MSG_WAITALL returns short only at the end or on a signal
-            more = self.sock.recv(n - len(b), socket.MSG_WAITALL)
+        b = b""
+        while len(b) < n:  # MSG_WAITALL returns short at the end, on a signal or a timeout
+            more = self._io(partial(self.sock.recv, n - len(b), socket.MSG_WAITALL))
             if not more:
                 raise EOFError
             b += more

@@ -87,6 +87,7 @@ class Recovery(Table):
                 self.driver.destroy(rec.id, self._dirs(rec.id))
             why = ("the runtime died while creating it" if s is State.CREATING
                    else f"its processes were gone when the runtime restarted (it was {s.value})")
+            _log.warning("sandbox %s lost: %s", rec.id, why)
             self._set(rec, State.LOST, reason=why, prev=None, pending=None, then_hibernate=False)
 
     def _has_checkpoint(self, ck: str) -> bool:
@@ -117,6 +118,7 @@ class Recovery(Table):
             if rec.deadline is None or rec.deadline > time.time():
                 return  # renewed or handled while we waited for the lock
             if (rec.spec.on_timeout or self.on_timeout) == "kill":
+                _log.info("sandbox %s: timeout_s=%g ran out: killed", sid, rec.spec.timeout_s)
                 self._discard(rec)
                 return
             if rec.state not in LIVE:  # hibernated or lost already: nothing runs to stop
@@ -124,8 +126,12 @@ class Recovery(Table):
                 return
             try:
                 self.hibernate(sid)
-            except Exception:  # noqa: BLE001 - e.g. a full disk under the store
-                self._discard(rec)  # its time is up either way: never hold resources past it
+            except Exception as e:  # noqa: BLE001 - e.g. a full disk under the store, a stuck agent
+                # Its time is up either way: never hold resources past it; but never silently.
+                _log.warning("sandbox %s: timeout_s=%g ran out and its hibernation failed (%s: %s): killed",
+                             sid, rec.spec.timeout_s, type(e).__name__, e)
+                self._discard(rec)
                 return
             why = f"hibernated when its timeout_s={rec.spec.timeout_s:g} ran out"
+            _log.info("sandbox %s: %s", sid, why)
             self._set(rec, rec.state, deadline=None, reason=why)

@@ -38,6 +38,7 @@ from pathlib import Path
 
 from k3sys.sandbox.errors import (
     AgentError,
+    AgentTimeoutError,
     DriverError,
     InvalidArgumentError,
     NotFoundError,
@@ -162,6 +163,12 @@ class Runtime(Recovery, Checkpoints, Files, Commands, Table):
         """Stop the sandbox and release its processes, memory, mounts, cgroups and files (a
         background hibernation in flight stops after its current phase first)."""
         self._hibernator.cancel(sid)
+        with self._mu:
+            known = sid in self._records
+        if known:
+            # Calls on its agent end now, and fail from here on, those of an operation holding the
+            # lock included (a dump's quiesce of a stuck agent): the kill waits for none of their deadlines.
+            self.driver.agent(sid, self._dirs(sid)).cut("the sandbox is being killed")
         with self._locked(sid) as rec:
             self._discard(rec)
 
@@ -236,6 +243,8 @@ class Runtime(Recovery, Checkpoints, Files, Commands, Table):
                 self._hibernate_locked(rec, job)
                 return
             except (DriverError, AgentError) as e:
+                if isinstance(e, AgentTimeoutError):
+                    raise  # a stuck agent: it did not answer for seconds, a try a moment later will not help
                 if job is not None and job.cancelled:
                     raise Cancelled(f"hibernation of {rec.id} cancelled after a failed dump") from e
                 if attempt == DUMP_TRIES:

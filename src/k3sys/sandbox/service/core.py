@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import os
+import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -30,6 +31,7 @@ from k3sys.sandbox.spec import ON_TIMEOUT, SandboxSpec, check_number
 from k3sys.sandbox.types import CheckpointInfo, SandboxInfo
 
 T = TypeVar("T")
+_log = logging.getLogger(__name__)
 ON_SHUTDOWN = ("hibernate", "keep", "kill")
 _HOLDING = ("running", "paused")  # states whose sandboxes hold memory at shutdown
 
@@ -47,7 +49,9 @@ class ServiceConfig:
     past its `timeout_s` unless its spec says; `on_shutdown` what stopping the service does to the
     sandboxes that hold memory ("hibernate": released now, resumed on demand; "keep": left running
     for the next start to adopt; "kill"). `pause_delay_s`: how long after E2B's pause (a freeze,
-    answered at once) its background hibernation starts (`Runtime(hibernate_delay_s=)`).
+    answered at once) its background hibernation starts (`Runtime(hibernate_delay_s=)`). `shutdown_s`:
+    the most a stop spends on `on_shutdown` and closing the runtime (a SIGTERM exits within it plus
+    the 10 s given to open connections; `Service.stop`).
     `connections`: how many, and how long a request header may take (guard.py).
     """
 
@@ -60,6 +64,7 @@ class ServiceConfig:
     on_timeout: str = "hibernate"
     on_shutdown: str = "hibernate"
     pause_delay_s: float = HIBERNATE_DELAY_S
+    shutdown_s: float = 120.0
     op_threads: int = 32
     io_threads: int = 256
     connections: ConnectionLimits = dataclasses.field(default_factory=ConnectionLimits)
@@ -76,6 +81,7 @@ class ServiceConfig:
         if self.on_shutdown not in ON_SHUTDOWN:
             raise InvalidArgumentError(f"on_shutdown: expected one of {ON_SHUTDOWN}, got {self.on_shutdown!r}")
         check_number("pause_delay_s", self.pause_delay_s, 0, 3600, "s")
+        check_number("shutdown_s", self.shutdown_s, 0, 3600, "s")
 
     def open_runtime(self) -> Runtime:
         """The runtime of `data_dir`, as this configuration asks."""
@@ -119,20 +125,53 @@ class Service:
         return Scope(self.rt, self.tenants, who)
 
     def stop(self) -> None:
-        """Apply `on_shutdown` to the sandboxes holding memory, then let go of the runtime directory."""
+        """Apply `on_shutdown` to the sandboxes holding memory, then let go of the runtime directory;
+        within `config.shutdown_s`. What is not done by then is left as a crash leaves it (each step
+        of a life cycle survives that): the sandboxes still running, or mid-hibernation, are the next
+        start's to adopt; the runtime directory is released with the process."""
         self.draining = True
         rt = self.runtime
         if rt is None:
             return
-        held = [i.id for i in rt.list() if i.state in _HOLDING]
         act = {"hibernate": rt.hibernate, "kill": rt.kill, "keep": None}[self.config.on_shutdown]
-        if act is not None and held:
-            # A few at a time: each hibernation is a CRIU dump plus a store commit.
-            with ThreadPoolExecutor(max_workers=4) as pool:
-                for f in [pool.submit(act, sid) for sid in held]:
-                    with contextlib.suppress(SandboxError):
-                        f.result()  # a failed hibernation leaves the sandbox running, adopted next start
-        rt.close()
+        left = {i.id for i in rt.list() if i.state in _HOLDING} if act is not None else set()
+        mu = threading.Lock()
+
+        def work(todo: list[str]) -> None:
+            while True:
+                with mu:
+                    if not todo:
+                        return
+                    sid = todo.pop()
+                try:
+                    act(sid)  # type: ignore[misc]
+                except SandboxError as e:  # left running: adopted at the next start
+                    _log.warning("shutdown: %s of sandbox %s failed: %s: %s", self.config.on_shutdown, sid,
+                                 type(e).__name__, e)
+                with mu:
+                    left.discard(sid)
+
+        def finish() -> None:
+            if left:
+                todo = sorted(left)
+                # A few at a time (each hibernation is a CRIU dump plus a store commit); daemon threads,
+                # so one stuck past the deadline never holds the process.
+                workers = [threading.Thread(target=work, args=(todo,), daemon=True) for _ in range(min(4, len(todo)))]
+                for w in workers:
+                    w.start()
+                for w in workers:
+                    w.join()
+            rt.close()
+
+        stopper = threading.Thread(target=finish, name="k3sys-service-stop", daemon=True)
+        stopper.start()
+        stopper.join(self.config.shutdown_s)
+        if stopper.is_alive():
+            with mu:
+                pending = sorted(left)
+            _log.error("shutdown: on_shutdown=%s not done within shutdown_s=%g s; exiting without it (sandboxes "
+                       "still at it: %s; the next start adopts them)", self.config.on_shutdown,
+                       self.config.shutdown_s, ", ".join(pending) or "none, the runtime was closing")
         if self.tenants is not None:
             self.tenants.close()
 

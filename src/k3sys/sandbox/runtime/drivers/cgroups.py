@@ -138,12 +138,15 @@ class Cgroups:
         return [base / f"k3sys-{sid}"] if (base / f"k3sys-{sid}").is_dir() else []
 
     def kill(self, sid: str) -> None:
-        """SIGKILL every task of the sandbox (thawing it, or frozen tasks never die) and wait until
-        the cgroup is empty."""
+        """SIGKILL every task of the sandbox whatever its state (thawing it, or frozen tasks never die;
+        a stopped or traced one dies of it) and wait until the cgroup is empty."""
         dirs = self.dirs(sid)
         if not dirs:
             return
         procs = dirs[0] / "cgroup.procs"
+        if not self.v1:  # v2 (kernel >= 5.14): every task at once, forks racing the kill included
+            with contextlib.suppress(OSError):
+                (dirs[0] / "cgroup.kill").write_text("1")
         deadline = time.monotonic() + 10
         while True:
             try:

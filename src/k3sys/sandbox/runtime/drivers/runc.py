@@ -25,7 +25,7 @@ from pathlib import Path
 
 from k3sys.sandbox.errors import DriverError
 from k3sys.sandbox.runtime import layers
-from k3sys.sandbox.runtime.agent import Agent
+from k3sys.sandbox.runtime.agent import Agent, Deadlines
 from k3sys.sandbox.runtime.drivers import confine, criulog, disk, idmap, inotify
 from k3sys.sandbox.runtime.drivers.base import SandboxDirs
 from k3sys.sandbox.runtime.drivers.cgroups import Cgroups
@@ -63,7 +63,9 @@ class RuncDriver(CriuOps):
 
     name = "runc"
 
-    def __init__(self, state_dir: Path, system: SystemPaths | None = None, hardened: bool = True) -> None:
+    def __init__(self, state_dir: Path, system: SystemPaths | None = None, hardened: bool = True,
+                 deadlines: Deadlines | None = None) -> None:
+        """`deadlines`: how long calls wait on a sandbox's agent (agent_link.py; default `Deadlines.default()`)."""
         self.system = system or system_paths()
         reason = self.system.missing()
         if reason:
@@ -89,6 +91,7 @@ class RuncDriver(CriuOps):
         self.network = Network()  # network=True: own namespace, veth, NAT, egress policy (network.py)
         self.disks = DiskPool(self.state_dir / "disks")  # hardened sandboxes' disks, made ahead (diskpool.py)
         self._agents: dict[str, Agent] = {}
+        self.deadlines = deadlines or Deadlines.default()
         self._agents_mu = threading.Lock()
         criulog.ensure_kdat_dir()
         if (short := inotify.host_shortfall()) is not None:  # sandboxes can starve the host's root of inotify
@@ -267,7 +270,8 @@ class RuncDriver(CriuOps):
         with self._agents_mu:
             a = self._agents.get(sid)
             if a is None:
-                a = self._agents[sid] = Agent(dirs.rootfs, pid=lambda: self.init_pid(sid))
+                a = self._agents[sid] = Agent(dirs.rootfs, pid=lambda: self.init_pid(sid), sandbox=sid,
+                                              deadlines=self.deadlines, frozen=lambda: self.cgroups.frozen(sid))
             return a
 
     def drop_agent(self, sid: str) -> None:
