@@ -211,6 +211,16 @@ void child_reset(const int *keep, int n)
 	for (int s = 1; s < NSIG; s++)
 		sigaction(s, &dfl, NULL);
 	sigprocmask(SIG_UNBLOCK, &handled, NULL);
+	int moved[4];
+	for (int i = 0; i < n; i++)
+		moved[i] = fcntl(keep[i], F_DUPFD_CLOEXEC, 16 + i);
+	for (int i = 0; i < n; i++)
+		dup2(moved[i], 3 + i);
+	close_range(3 + (unsigned)n, ~0U, 0);
+	/* Dumpable again (the exec would make it so anyway), now that it holds none of the agent's
+	 * descriptors: a non-dumpable process's /proc/self files belong to the root of its mm's user
+	 * namespace, which for an agent CRIU restored is the host's, so the write below would fail. */
+	prctl(PR_SET_DUMPABLE, 1);
 	/* What the agent forks is the OOM killer's first choice (1000: the largest such process goes
 	 * first, whatever PID 1 holds), so the sandbox's memory limit kills a user's process, never
 	 * PID 1. Raising one's own value needs no privilege, inside a user namespace too; the host
@@ -220,12 +230,6 @@ void child_reset(const int *keep, int n)
 		(void)!write(oom, "1000", 4);
 		close(oom);
 	}
-	int moved[4];
-	for (int i = 0; i < n; i++)
-		moved[i] = fcntl(keep[i], F_DUPFD_CLOEXEC, 16 + i);
-	for (int i = 0; i < n; i++)
-		dup2(moved[i], 3 + i);
-	close_range(3 + (unsigned)n, ~0U, 0);
 }
 
 static void exec_child(const struct fields *f, int report)

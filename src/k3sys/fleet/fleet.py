@@ -136,6 +136,11 @@ class Fleet(Commands, Moves):
                     continue  # resumable from another node's copy
                 self._last[sid] = dataclasses.replace(last, state="lost", reason=f"node {name} lost: {why}")
 
+    def _placed(self, node: str, info: SandboxInfo) -> SandboxInfo:
+        """`_note` a sandbox a placement put on `node`, its create done (`Members.settle`)."""
+        self.members.settle(node, placed_mb=info.spec.memory_mb)
+        return self._note(node, info)
+
     def _note(self, node: str, info: SandboxInfo) -> SandboxInfo:
         with self._mu:
             self._where[info.id] = node
@@ -246,7 +251,7 @@ class Fleet(Commands, Moves):
         with self._claim(id):
             name = self.place(spec.memory_mb, node)
             try:
-                return self._note(name, self.members.call(name, "create", spec, id))
+                return self._placed(name, self.members.call(name, "create", spec, id))
             except BaseException:
                 self.members.charge(name, -spec.memory_mb)
                 raise
@@ -306,11 +311,13 @@ class Fleet(Commands, Moves):
     def kill(self, sid: str) -> None:
         """Kill the sandbox; one on a lost node is only forgotten (its machine took it)."""
         with self._mu:
-            known, node = sid in self._where, self._where.get(sid)
+            known, node, last = sid in self._where, self._where.get(sid), self._last.get(sid)
         if not known:
             raise NotFoundError(f"no sandbox {sid!r}")
         if node is not None:
             self.members.call(node, "kill", sid)
+            if last is not None and last.state not in ("hibernated", "lost"):  # its memory is free at once
+                self.members.settle(node, freed_mb=last.spec.memory_mb)
         self._forget(sid)
 
     def pause(self, sid: str, hibernate: bool = False) -> None:

@@ -25,21 +25,23 @@ from k3sys.sandbox.errors import NotFoundError, SandboxError, UnavailableError
 @dataclasses.dataclass(eq=False)
 class Member:
     """A live node as the gateway sees it: its actor, its latest stats, when it last answered
-    (monotonic s), and the MiB the gateway placed on it since those stats (`charged`)."""
+    (monotonic s), the MiB placed on it by creates still in flight (`placing`), and the MiB its
+    finished creates (+) and kills (-) changed since the stats were asked for (`charged`)."""
 
     name: str
     handle: Any
     stats: NodeStats
     seen: float
     charged: int = 0
+    placing: int = 0
 
     @property
     def view(self) -> NodeStats:
-        """The stats with what the gateway placed since they were taken counted in: as reserved (what
-        placement ranks by) and as no longer available (what it checks), so a burst of creates spreads."""
-        s = self.stats
-        return dataclasses.replace(s, reserved_mb=s.reserved_mb + self.charged,
-                                   available_mb=s.available_mb - self.charged)
+        """The stats with what the gateway placed and killed since they were taken counted in: as
+        reserved (what placement ranks by) and as available (what it checks), so a burst of creates
+        spreads without waiting for a heartbeat."""
+        s, mb = self.stats, self.charged + self.placing
+        return dataclasses.replace(s, reserved_mb=max(0, s.reserved_mb + mb), available_mb=s.available_mb - mb)
 
 
 class NodeDiedError(UnavailableError):
@@ -89,12 +91,20 @@ class Members:
         return m
 
     def charge(self, name: str, mb: int) -> None:
-        """Count `mb` MiB placed on node `name` until its next stats (negative: give back). Never
-        below 0: stats that arrived in between already absorbed the charge, and giving it back then
-        would make the node look emptier than its stats say."""
+        """Count `mb` MiB placed on node `name` by a create in flight (negative: a failed one gives
+        them back); `settle` once it is done. No stats hold it yet, so none absorbs it."""
         with self._mu:
             if name in self._live:
-                self._live[name].charged = max(0, self._live[name].charged + mb)
+                self._live[name].placing = max(0, self._live[name].placing + mb)
+
+    def settle(self, name: str, placed_mb: int = 0, freed_mb: int = 0) -> None:
+        """A create of `placed_mb` MiB on node `name` is done (its charge moves from in flight to
+        done), or a kill freed `freed_mb`: counted until stats asked for after it arrive (`tick`),
+        never dropped by stats asked for before it, which may have missed it."""
+        with self._mu:
+            if (m := self._live.get(name)) is not None:
+                m.placing = max(0, m.placing - placed_mb)
+                m.charged += placed_mb - freed_mb
 
     def call(self, name: str, method: str, *args: Any) -> Any:
         """`Runtime.<method>(*args)` on node `name`; a dead node is marked lost at once."""
@@ -134,7 +144,7 @@ class Members:
             answered.add(m.name)
             with self._mu:
                 m.stats, m.seen = stats, now
-                m.charged = max(0, m.charged - sent[m.name])
+                m.charged -= sent[m.name]  # what was done before the request is in its answer
         for m in live:
             if m.name not in answered and now - m.seen > self.lost_after_s:
                 self.lose(m.name, f"no answer for {now - m.seen:.1f} s")

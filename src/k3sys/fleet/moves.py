@@ -47,7 +47,7 @@ class Transfer:
 
 class Moves:
     """See the module docstring; mixed into `Fleet`, whose tables, members and routing (`node_of`,
-    `holder`, `place`, `info`, `_note`, ...) it uses."""
+    `holder`, `place`, `info`, `_note`, `_placed`, ...) it uses."""
 
     config: FleetConfig
     members: Members
@@ -147,7 +147,7 @@ class Moves:
         except BaseException:
             self.members.charge(target, -spec.memory_mb)
             raise
-        return self._note(target, new)
+        return self._placed(target, new)
 
     def restore(self, ck: str, id: str | None = None, timeout_s: float | None = None,
                 node: str | None = None) -> SandboxInfo:
@@ -158,7 +158,7 @@ class Moves:
             target = self.place(memory_mb, node)
             try:
                 self.copy_checkpoint(ck, target)
-                return self._note(target, self.members.call(target, "restore", ck, id, timeout_s))
+                return self._placed(target, self.members.call(target, "restore", ck, id, timeout_s))
             except BaseException:
                 self.members.charge(target, -memory_mb)
                 raise
@@ -177,7 +177,7 @@ class Moves:
         try:
             here = placed.count(src)
             if here:
-                kids += [self._note(src, k) for k in self.members.call(src, "fork", sid, here)]
+                kids += [self._placed(src, k) for k in self.members.call(src, "fork", sid, here)]
             away = [x for x in placed if x != src]
             if away:
                 ck = self.checkpoint(sid).id
@@ -188,7 +188,7 @@ class Moves:
                     errors = []
                     for x, f in futures:
                         try:
-                            kids.append(self._note(x, f.result()))
+                            kids.append(self._placed(x, f.result()))
                         except SandboxError as e:
                             errors.append(e)
                 if errors:
