@@ -3,9 +3,9 @@ where the token-by-token recurrence takes over 1 s; it runs >= 3x FlashKDA's C++
 T; the two-phase form (all intra-chunk work in one batched pass, then the chunk loop) beats a single loop
 that does each chunk's intra-chunk work inside the loop (the CPU version of FlashKDA's two-kernel claim);
 computing the activations inside the op (fla's `*_in_kernel` options) costs <= 5%; the chunked forward
-runs at >= 45% of this CPU's fp32 matmul peak (a 1024^2 matmul timed in the same rounds, so under the same
-load), in GFLOP/s of the flop model `chunk_flops`; and the decode state stays the same size while a
-full-attention KV cache of the same heads grows with the context.
+runs at >= 45% of this CPU's fp32 matmul peak (a 1024^2 matmul timed in the same rounds, so under the
+same load; its best round), in GFLOP/s of the flop model `chunk_flops`; and the decode state stays the
+same size while a full-attention KV cache of the same heads grows with the context.
 
 Sweep: T in {1024, 4096, 16384}; forward and forward+backward; ours (token loop, chunk C=16/32/64,
 chunk C=16 from raw inputs with in-op activations, single-loop C=16) and the baselines, when present:
@@ -151,8 +151,8 @@ def call(fn: Callable[[Inputs], torch.Tensor], x: Inputs, backward: bool) -> Cal
     return lambda: (fn(leaves) * w).sum().backward()
 
 
-def round_robin_ms(thunks: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
-    """Median ms of each thunk over `repeats` rounds that call every thunk once in turn (after one warm-up
+def round_robin_ms(thunks: dict[str, Callable[[], object]], repeats: int) -> dict[str, list[float]]:
+    """The ms of each thunk in each of `repeats` rounds that call every thunk once in turn (after one warm-up
     call each): on a shared machine whose load drifts, every method is timed under the same conditions,
     so their ratios hold even when the absolute times do not."""
     for thunk in thunks.values():
@@ -163,7 +163,7 @@ def round_robin_ms(thunks: dict[str, Callable[[], object]], repeats: int) -> dic
             t0 = time.perf_counter()
             thunk()
             times[name].append(time.perf_counter() - t0)
-    return {name: 1e3 * statistics.median(ts) for name, ts in times.items()}
+    return {name: [1e3 * t for t in ts] for name, ts in times.items()}
 
 
 def main() -> None:
@@ -195,10 +195,10 @@ def main() -> None:
                 a = torch.randn(PEAK_N, PEAK_N)
                 fast["matmul"] = lambda a=a: a @ a
             for name, ms in round_robin_ms(fast, args.repeats).items():
-                if name == "matmul":
-                    peaks[T] = 2 * PEAK_N**3 / ms / 1e6
+                if name == "matmul":  # its best round: a peak, so the fractions err on the low side
+                    peaks[T] = 2 * PEAK_N**3 / min(ms) / 1e6
                 else:
-                    timings[name][key] = ms
+                    timings[name][key] = statistics.median(ms)
             # the token loops cost seconds per call at long T: timed apart, with fewer repeats
             for name in sorted(slow):
                 if backward and (name in FORWARD_ONLY or T > NAIVE_BACKWARD_MAX_T):

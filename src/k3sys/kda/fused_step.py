@@ -23,6 +23,7 @@ import hashlib
 import os
 import shutil
 import subprocess
+import threading
 import warnings
 from pathlib import Path
 
@@ -62,7 +63,8 @@ def _library() -> ctypes.CDLL | None:
         return None
     key = hashlib.sha256("\0".join((SOURCE.read_text(), compiler, *FLAGS, _cpu_flags())).encode()).hexdigest()[:16]
     path = cache_dir() / f"kda_fused_step-{key}.so"
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # concurrent builders each rename a whole file
+    # concurrent builders (processes, threads) each write their own file and rename it whole
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
         if not path.exists():
             path.parent.mkdir(parents=True, exist_ok=True)

@@ -23,7 +23,8 @@ def delta_update(
     return torch.einsum("...k,...kv->...v", q, S), S
 
 
-def _check_step_inputs(q, k, v, g, beta, state, state_v_first: bool) -> None:
+def _check_step_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                       state: torch.Tensor, state_v_first: bool) -> None:
     """`validate.check_inputs`' rules for one token per sequence, worded in `[N, ...]` terms, without
     the unsqueezed views a call to it would cost (a third of a small step's time)."""
     for name, x, rank, what in (("q", q, 3, "[N, H, K]"), ("k", k, 3, "[N, H, K]"), ("v", v, 3, "[N, HV, V]"),
@@ -96,7 +97,8 @@ def step_unchecked(
     return _step(q, k, v, g, beta, state, scale, kda_options(**options), inplace, checked=False)
 
 
-def _step(q, k, v, g, beta, state, scale: float | None, opts: KDAOptions, inplace: bool, checked: bool
+def _step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+          state: torch.Tensor, scale: float | None, opts: KDAOptions, inplace: bool, checked: bool
           ) -> tuple[torch.Tensor, torch.Tensor]:
     """Activate, then the fused kernel where it applies, else the torch formula; shapes as in `kda_step`."""
     dt = compute_dtype(q, k, v, g, beta, state)
