@@ -2,8 +2,10 @@
 where the token-by-token recurrence takes over 1 s; it runs >= 3x FlashKDA's C++ CPU extension at every
 T; the two-phase form (all intra-chunk work in one batched pass, then the chunk loop) beats a single loop
 that does each chunk's intra-chunk work inside the loop (the CPU version of FlashKDA's two-kernel claim);
-computing the activations inside the op (fla's `*_in_kernel` options) costs <= 5%; and the decode state
-stays the same size while a full-attention KV cache of the same heads grows with the context.
+computing the activations inside the op (fla's `*_in_kernel` options) costs <= 5%; the chunked forward
+runs at >= 45% of this CPU's fp32 matmul peak (a 1024^2 matmul timed in the same rounds, so under the
+same load; its best round), in GFLOP/s of the flop model `chunk_flops`; and the decode state stays the
+same size while a full-attention KV cache of the same heads grows with the context.
 
 Sweep: T in {1024, 4096, 16384}; forward and forward+backward; ours (token loop, chunk C=16/32/64,
 chunk C=16 from raw inputs with in-op activations, single-loop C=16) and the baselines, when present:
@@ -40,6 +42,8 @@ from k3sys.kda.chunk import chunk_layout, from_slots, inter_chunk_step, intra_ch
 RESULTS = Path(__file__).parent / "results"
 B, H, K, V = 1, 4, 128, 128
 TARGET_MS = 100.0
+PEAK_FRACTION_TARGET = 0.45
+PEAK_N = 1024  # the matmul whose rate is "this CPU's peak" (the issue's 75 GFLOP/s on one thread)
 CONTEXTS = {"4K": 4096, "128K": 131072, "1M": 1048576}
 # The token loops' autograd graphs keep about 0.75 MB of state copies per token at this size (12 GB at
 # T = 16384), so their backward is only measured up to here; the slowest loops stop there altogether.
@@ -70,7 +74,16 @@ def kda_chunk_single_loop(q, k, v, g, beta, chunk_size: int = 16) -> torch.Tenso
     return from_slots(torch.cat(outs).view(layout.num_slots, Hq, chunk_size, -1), layout, Bq, T)
 
 
+def chunk_flops(T: int, C: int) -> float:
+    """Flops of the chunked forward (docs/kda.md, "Context parallel"): per token and head, phase 1's
+    8CK + 4CV (decayed products, W and Qs; U and Ou) and phase 2's 6KV (W S, Qs S, Kd^T V')."""
+    return float(B * T * H * (8 * C * K + 4 * C * V + 6 * K * V))
+
+
 Inputs = dict[str, object]  # "xs": activated [q, k, v, g, beta]; "raw": the same before activation; "opts"
+
+
+CHUNK_SIZES = {"chunk16": 16, "chunk16_act": 16, "chunk32": 32, "chunk64": 64, "single16": 16}  # rated in GFLOP/s
 
 
 def our_methods() -> dict[str, Callable[[Inputs], torch.Tensor]]:
@@ -138,19 +151,21 @@ def call(fn: Callable[[Inputs], torch.Tensor], x: Inputs, backward: bool) -> Cal
     return lambda: (fn(leaves) * w).sum().backward()
 
 
-def round_robin_ms(thunks: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
-    """Median ms of each thunk over `repeats` rounds that call every thunk once in turn (after one warm-up
+def round_robin_ms(thunks: dict[str, Callable[[], object]], repeats: int,
+                   clock: Callable[[], float] = time.perf_counter) -> dict[str, list[float]]:
+    """The ms of each thunk in each of `repeats` rounds that call every thunk once in turn (after one warm-up
     call each): on a shared machine whose load drifts, every method is timed under the same conditions,
-    so their ratios hold even when the absolute times do not."""
+    so their ratios hold even when the absolute times do not. `clock`: wall time, or `time.process_time`
+    (CPU time of every thread of the process: waiting for a core does not count)."""
     for thunk in thunks.values():
         thunk()
     times: dict[str, list[float]] = {name: [] for name in thunks}
     for _ in range(repeats):
         for name, thunk in thunks.items():
-            t0 = time.perf_counter()
+            t0 = clock()
             thunk()
-            times[name].append(time.perf_counter() - t0)
-    return {name: 1e3 * statistics.median(ts) for name, ts in times.items()}
+            times[name].append(clock() - t0)
+    return {name: [1e3 * t for t in ts] for name, ts in times.items()}
 
 
 def main() -> None:
@@ -159,6 +174,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--lengths", type=int, nargs="+", default=None, help="the T to sweep (a smoke run)")
+    parser.add_argument("--output", default="kda.json", help="results file under bench/results/")
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="time CPU time of the process instead of wall time (a loaded machine)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -167,8 +185,9 @@ def main() -> None:
     baselines, notes = baseline_methods(console)
     methods = {**our_methods(), **baselines}
     load_start = os.getloadavg()
+    clock = time.process_time if args.cpu_time else time.perf_counter
 
-    rows = []
+    rows, peaks = [], {}
     for T in lengths:
         x = make_inputs(T)
         ref = kda_naive(*(t.double() for t in x["xs"]))[0]
@@ -177,28 +196,38 @@ def main() -> None:
         timings: dict[str, dict[str, float | None]] = {name: {"fwd_ms": None, "fwd_bwd_ms": None} for name in run}
         for key, backward in (("fwd_ms", False), ("fwd_bwd_ms", True)):
             fast = {n: call(fn, x, backward) for n, fn in run.items() if n not in slow}
-            for name, ms in round_robin_ms(fast, args.repeats).items():
-                timings[name][key] = ms
+            if not backward:  # the peak, timed in the same rounds as the methods it is compared with
+                a = torch.randn(PEAK_N, PEAK_N)
+                fast["matmul"] = lambda a=a: a @ a
+            for name, ms in round_robin_ms(fast, args.repeats, clock).items():
+                if name == "matmul":  # its best round: a peak, so the fractions err on the low side
+                    peaks[T] = 2 * PEAK_N**3 / min(ms) / 1e6
+                else:
+                    timings[name][key] = statistics.median(ms)
             # the token loops cost seconds per call at long T: timed apart, with fewer repeats
             for name in sorted(slow):
                 if backward and (name in FORWARD_ONLY or T > NAIVE_BACKWARD_MAX_T):
                     continue
                 reps = 1 if backward or T >= 4096 else max(1, args.repeats // 3)
-                timings[name][key] = median_ms(call(run[name], x, backward), reps)
+                timings[name][key] = median_ms(call(run[name], x, backward), reps, clock=clock)
         for name, fn in run.items():
             with torch.no_grad():
                 err = ((fn(x).double() - ref).norm() / ref.norm()).item()
-            rows.append({"T": T, "method": name, **timings[name], "rel_err_vs_fp64": err})
+            C = CHUNK_SIZES.get(name)
+            gflops = None if C is None else chunk_flops(T, C) / timings[name]["fwd_ms"] / 1e6
+            rows.append({"T": T, "method": name, **timings[name], "rel_err_vs_fp64": err, "fwd_gflops": gflops,
+                         "fwd_fraction_of_peak": None if gflops is None else gflops / peaks[T]})
             bwd = timings[name]["fwd_bwd_ms"]
             console.log(f"T={T} {name}: fwd {timings[name]['fwd_ms']:.1f} ms, "
                         f"fwd+bwd {'n/a' if bwd is None else f'{bwd:.1f} ms'}, rel err {err:.1e}")
 
     by = {(r["T"], r["method"]): r for r in rows}
     base = "flashkda_cpp" if "flashkda_cpp" in methods else "naive"
-    table = Table(title=f"KDA on CPU, fp32, B={B} H={H} K=V={K}: median ms ({torch.get_num_threads()} threads, "
+    table = Table(title=f"KDA on CPU, fp32, B={B} H={H} K=V={K}: median {'CPU' if args.cpu_time else 'wall'} ms "
+                        f"({torch.get_num_threads()} threads, "
                         f"load {load_start[0]:.1f} at start)")
-    for col in ("T", "method", "fwd ms", f"{base}/this", "naive/this", "single/this", "fwd+bwd ms", f"{base}/this",
-                "naive/this", "single/this", "rel err"):
+    for col in ("T", "method", "fwd ms", "GFLOP/s", "of peak", f"{base}/this", "naive/this", "single/this",
+                "fwd+bwd ms", f"{base}/this", "naive/this", "single/this", "rel err"):
         table.add_column(col, justify="right")
 
     def ratio(num: dict | None, den: dict, key: str) -> str:
@@ -208,10 +237,14 @@ def main() -> None:
     for r in rows:
         ref_rows = [by.get((r["T"], m)) for m in (base, "naive", "single16")]
         bwd = r["fwd_bwd_ms"]
-        table.add_row(str(r["T"]), r["method"], f"{r['fwd_ms']:.1f}", *(ratio(m, r, "fwd_ms") for m in ref_rows),
+        rate = ("n/a", "n/a") if r["fwd_gflops"] is None else (f"{r['fwd_gflops']:.1f}",
+                                                              f"{r['fwd_fraction_of_peak']:.0%}")
+        table.add_row(str(r["T"]), r["method"], f"{r['fwd_ms']:.1f}", *rate, *(ratio(m, r, "fwd_ms") for m in ref_rows),
                       "n/a" if bwd is None else f"{bwd:.1f}", *(ratio(m, r, "fwd_bwd_ms") for m in ref_rows),
                       f"{r['rel_err_vs_fp64']:.1e}")
     console.print(table)
+    peak_text = ", ".join(f"T={T}: {p:.1f}" for T, p in peaks.items())
+    console.print(f"fp32 matmul peak ({PEAK_N}^2, timed in the same rounds): {peak_text} GFLOP/s")
 
     memory = []
     state = kda_state_bytes(H, K, batch=1)
@@ -234,6 +267,10 @@ def main() -> None:
         "naive_fwd_T4096_ms": by[(4096, "naive")]["fwd_ms"],
         "two_phase_beats_single_loop": all(by[(T, "chunk16")][p] < by[(T, "single16")][p]
                                            for T in lengths for p in ("fwd_ms", "fwd_bwd_ms")),
+        "matmul_peak_gflops": peaks,
+        "chunk16_fwd_fraction_of_peak": {T: by[(T, "chunk16")]["fwd_fraction_of_peak"] for T in lengths},
+        "chunk16_fwd_at_least_45pct_of_peak_from_4K": all(
+            by[(T, "chunk16")]["fwd_fraction_of_peak"] >= PEAK_FRACTION_TARGET for T in lengths if T >= 4096),
         "in_op_activations_overhead": {T: {p: by[(T, "chunk16_act")][p] / by[(T, "chunk16")][p] - 1
                                            for p in ("fwd_ms", "fwd_bwd_ms")} for T in lengths},
     }
@@ -248,11 +285,12 @@ def main() -> None:
     out = {"config": {"B": B, "H": H, "K": K, "V": V, "dtype": "float32", "gate": "safe, lower_bound -5",
                       "target_ms": TARGET_MS, "repeats": args.repeats},
            "machine": {"platform": platform.platform(), "torch": torch.__version__, "cpus": os.cpu_count(),
-                       "threads": torch.get_num_threads(), "load_avg_at_start": load_start,
+                       "threads": torch.get_num_threads(), "clock": "cpu" if args.cpu_time else "wall",
+                       "load_avg_at_start": load_start,
                        "load_avg_at_end": os.getloadavg(), "shared": "other jobs ran on the same cores"},
            "baselines": notes, "timings": rows, "memory": memory, "claims": claims}
-    (RESULTS / "kda.json").write_text(json.dumps(out, indent=2) + "\n")
-    console.log(f"wrote {RESULTS / 'kda.json'}")
+    (RESULTS / args.output).write_text(json.dumps(out, indent=2) + "\n")
+    console.log(f"wrote {RESULTS / args.output}")
 
 
 if __name__ == "__main__":

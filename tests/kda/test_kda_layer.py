@@ -70,6 +70,29 @@ def test_state_is_fixed_size_and_copies_into_preallocated_buffers():
         cache.copy_(KDAState(conv=long.conv, recurrent=long.recurrent[:1]))
 
 
+@pytest.mark.parametrize("state_layout", ["kv", "vk"])
+def test_inplace_forward_writes_the_cache_buffers(state_layout):
+    """A cache's decode path: prefill then decode with inplace=True gives the same y and state as without,
+    in the cache's own storage (the decode step updates S in place)."""
+    layer = make_layer(dtype=torch.float32, num_v_heads=4, head_v_dim=136, state_layout=state_layout)
+    x = torch.randn(2, 12, 32)
+    cache = layer.init_state(2)
+    storage = (cache.conv.data_ptr(), cache.recurrent.data_ptr())
+    state, ys, ys_ref = None, [], []
+    with torch.no_grad():  # as a decode loop runs (with autograd the step takes the torch formula)
+        for t0, t1 in ((0, 9), (9, 10), (10, 11), (11, 12)):  # a prefill, then three decoded tokens
+            y, same = layer(x[:, t0:t1], cache, inplace=True)
+            y_ref, state = layer(x[:, t0:t1], state)
+            assert same is cache and (cache.conv.data_ptr(), cache.recurrent.data_ptr()) == storage
+            ys.append(y)
+            ys_ref.append(y_ref)
+    assert torch.allclose(torch.cat(ys, 1), torch.cat(ys_ref, 1), rtol=0, atol=1e-6)
+    assert torch.allclose(cache.recurrent, state.recurrent, rtol=0, atol=1e-6)
+    assert torch.equal(cache.conv, state.conv)
+    with pytest.raises(ValueError, match=r"inplace=True writes into the given state"):
+        layer(x[:, :1], inplace=True)
+
+
 def test_bf16_layer_keeps_an_fp32_recurrent_state():
     layer = make_layer(dtype=torch.bfloat16)
     x = torch.randn(2, 20, 32, dtype=torch.bfloat16)

@@ -192,7 +192,7 @@ class KimiDeltaAttention(nn.Module):
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, b: torch.Tensor,
                 S0: torch.Tensor, cu_seqlens: torch.Tensor | None, cu_host: torch.Tensor | None,
-                cp_group: dist.ProcessGroup | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                cp_group: dist.ProcessGroup | None = None, inplace: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """The KDA op on pre-activation inputs, the one place the layer calls it.
 
         q, k `[B, T, H, K]` and v `[B, T, HV, V]` after conv + SiLU; f `[B, T, HV, K]` the gate projection;
@@ -209,14 +209,15 @@ class KimiDeltaAttention(nn.Module):
             return kda_chunk_cp(q, k, v, f, b, cp_group, initial_state=S0, output_final_state=True, **options)
         if cu_seqlens is None and q.shape[1] == 1:
             # Shapes are the layer's own and its gate is in range by construction: no per-token check (sync).
-            o, S = step_unchecked(q[:, 0], k[:, 0], v[:, 0], f[:, 0], b[:, 0], S0, **options)
+            # inplace: the step updates the cache's buffer itself (no state-sized allocation or copy).
+            o, S = step_unchecked(q[:, 0], k[:, 0], v[:, 0], f[:, 0], b[:, 0], S0, inplace=inplace, **options)
             return o[:, None], S
         return kda_chunk(q, k, v, f, b, initial_state=S0, output_final_state=True, cu_seqlens=cu_seqlens,
                          cu_seqlens_cpu=cu_host, **options)
 
     def forward(self, x: torch.Tensor, state: KDAState | None = None, attention_mask: torch.Tensor | None = None,
-                cu_seqlens: torch.Tensor | None = None, cp_group: dist.ProcessGroup | None = None
-                ) -> tuple[torch.Tensor, KDAState]:
+                cu_seqlens: torch.Tensor | None = None, cp_group: dist.ProcessGroup | None = None, *,
+                inplace: bool = False) -> tuple[torch.Tensor, KDAState]:
         """x `[B, T, D]` -> (y `[B, T, D]`, the state after the last token of each sequence).
 
         `state` None means fresh sequences. T > 1 runs the chunked op, T = 1 the decode step; one call
@@ -228,13 +229,17 @@ class KimiDeltaAttention(nn.Module):
         With `cp_group`, x is this rank's slice (T >= conv_size - 1) of B sequences split over the group in
         rank order (`kda.cp`; no mask, no cu_seqlens); `state` is the sequences' start (read on rank 0), the
         state returned their state after this slice.
+        `inplace`: write the new state into `state`'s tensors (a decode cache's buffers, which must then be
+        contiguous, S in the compute dtype) and return that `state`; the decode step updates S in place.
         """
+        if inplace and state is None:
+            raise ValueError("inplace=True writes into the given state: pass one (e.g. layer.init_state(B))")
         if cp_group is not None and (attention_mask is not None or cu_seqlens is not None):
             raise ValueError("a context-parallel forward takes whole rows: no attention_mask or cu_seqlens")
         if attention_mask is not None:
             if cu_seqlens is not None:
                 raise ValueError("pass attention_mask or cu_seqlens, not both")
-            return self._forward_masked(x, state, attention_mask)
+            return self._forward_masked(x, state, attention_mask, inplace)
         # the one read of the offsets (a sync on a GPU, which the op would make anyway: it gets this copy)
         cu_host = None if cu_seqlens is None else cu_seqlens.cpu()
         N = self._check(x, state, cu_host)
@@ -260,7 +265,7 @@ class KimiDeltaAttention(nn.Module):
         try:
             o, S = self._attend(q.view(B, T, H, K), k.view(B, T, H, K), v.view(B, T, HV, V),
                                 self.f_proj(x).view(B, T, HV, K), self.b_proj(x), state.recurrent, cu_seqlens, cu_host,
-                                cp_group)
+                                cp_group, inplace)
         except NaNError as e:  # the op sees only its gate: name where the NaN came from
             raise NaNError(self._nan_source(x)) from e
         gate = self.g_proj(x).view(B, T, HV, V)
@@ -268,7 +273,8 @@ class KimiDeltaAttention(nn.Module):
         o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.norm_eps) * self.o_norm_weight
         o = o * torch.sigmoid(gate.to(S.dtype))
         y = self.o_proj(o.to(x.dtype).reshape(B, T, HV * V))
-        return y, KDAState(conv=conv, recurrent=S)
+        new = KDAState(conv=conv, recurrent=S)
+        return y, state.copy_(new) if inplace else new
 
     def _nan_source(self, x: torch.Tensor) -> str:
         """Why the gate is NaN: the input, a parameter (by name), or neither (an overflow inside)."""
@@ -279,8 +285,8 @@ class KimiDeltaAttention(nn.Module):
                 return f"parameter {name} contains NaN at {int(torch.isnan(p).sum())} of {p.numel()} elements"
         return "the gate is NaN although x and every parameter are NaN-free (an overflow to inf in f_proj?)"
 
-    def _forward_masked(self, x: torch.Tensor, state: KDAState | None, attention_mask: torch.Tensor
-                        ) -> tuple[torch.Tensor, KDAState]:
+    def _forward_masked(self, x: torch.Tensor, state: KDAState | None, attention_mask: torch.Tensor,
+                        inplace: bool) -> tuple[torch.Tensor, KDAState]:
         """Padding removed (packed as B sequences), the packed forward, y scattered back (0 at padding)."""
         B, T, D = x.shape
         if attention_mask.dim() != 2 or attention_mask.shape[0] != B or attention_mask.shape[1] < T:
@@ -288,7 +294,7 @@ class KimiDeltaAttention(nn.Module):
         keep = attention_mask[:, attention_mask.shape[1] - T:].bool()
         rows = keep.flatten().nonzero().squeeze(1)
         cu_seqlens = F.pad(keep.sum(1).cumsum(0), (1, 0))
-        y_packed, state = self.forward(x.reshape(B * T, D)[rows][None], state, cu_seqlens=cu_seqlens)
+        y_packed, state = self.forward(x.reshape(B * T, D)[rows][None], state, cu_seqlens=cu_seqlens, inplace=inplace)
         y = x.new_zeros(B * T, D).index_copy(0, rows, y_packed[0])
         return y.view(B, T, D), state
 

@@ -60,7 +60,8 @@ class KDAState:
             dst_t, src_t = getattr(self, name), getattr(src, name)
             if dst_t.shape != src_t.shape:
                 raise ValueError(f"state.{name} shape mismatch: buffer {list(dst_t.shape)}, new {list(src_t.shape)}")
-            dst_t.copy_(src_t)
+            if dst_t is not src_t:  # a step that updated this buffer in place has nothing to copy
+                dst_t.copy_(src_t)
         return self
 
 

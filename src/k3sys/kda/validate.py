@@ -59,15 +59,10 @@ def check_inputs(
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     _shape("k", k, (B, T, H, K), "[B, T, H, K]")
-    if min(H, K, V, HV) == 0:
-        raise ValueError(f"q/v must have heads and head dims, got q {list(q.shape)} and v {list(v.shape)}")
-    if HV % H:
-        raise ValueError(f"v's heads HV={HV} must be a multiple of q/k's heads H={H} (grouped value attention)")
+    check_heads(H, K, HV, V, max_head_dim)
     _shape("v", v, (B, T, HV, V), "[B, T, HV, V]")
     _shape("g", g, (B, T, HV, K), "[B, T, HV, K]")
     _shape("beta", beta, (B, T, HV), "[B, T, HV]")
-    if max(K, V) > max_head_dim:
-        raise ValueError(f"expected K, V <= {max_head_dim}, got K={K}, V={V}")
     N = B
     if cu_seqlens is not None:
         if B != 1:
@@ -79,6 +74,16 @@ def check_inputs(
         else:
             _shape("initial_state", initial_state, (N, HV, K, V), "[N, HV, K, V]")
     return KDADims(B, T, H, K, V, N, HV)
+
+
+def check_heads(H: int, K: int, HV: int, V: int, max_head_dim: int = MAX_HEAD_DIM) -> None:
+    """The head counts and dims every op accepts (q/k: H heads of K; v: HV heads of V)."""
+    if min(H, K, V, HV) == 0:
+        raise ValueError(f"q/v must have heads and head dims, got H={H}, K={K}, HV={HV}, V={V}")
+    if HV % H:
+        raise ValueError(f"v's heads HV={HV} must be a multiple of q/k's heads H={H} (grouped value attention)")
+    if max(K, V) > max_head_dim:
+        raise ValueError(f"expected K, V <= {max_head_dim}, got K={K}, V={V}")
 
 
 def check_cu_seqlens(cu_seqlens: torch.Tensor, T: int) -> int:

@@ -45,10 +45,10 @@ class Block(nn.Module):
                 cp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
         h = self.attn_norm(x)
         if self.kind == "kda":
-            h, state = self.attn(h, state=cache.layers[self.index] if cache is not None else None, cp_group=cp_group)
-            if cache is not None:
-                # Into the preallocated buffers, so the cache's storage stays where it was allocated.
-                cache.layers[self.index].copy_(state)
+            # With a cache, the layer writes into its preallocated buffers (the decode step updates S in
+            # place), so the cache's storage stays where it was allocated and no state is copied.
+            state = cache.layers[self.index] if cache is not None else None
+            h, _ = self.attn(h, state=state, cp_group=cp_group, inplace=cache is not None)
         else:
             h = self.attn(h, cache.layers[self.index] if cache is not None else None, cp_group=cp_group)
         x = x + h
