@@ -22,9 +22,10 @@ log() { echo "[install-agent] $*"; }
 source "$ROOT/scripts/lib/apt.sh"
 
 # Its build needs gcc and the static libc; `make system` runs this script before install-sandbox.sh
-# (which needs gcc too), so on a fresh Debian host it installs them itself.
+# (which needs gcc too), so on a fresh Debian host it installs them itself. g++ as well: KDA's fused
+# decode step (src/k3sys/kda/fused_step.cpp) is compiled with it on first use.
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-    apt_ensure gcc libc6-dev
+    apt_ensure gcc g++ libc6-dev
 fi
 if ! command -v gcc >/dev/null || [ ! -e "$(gcc -print-file-name=libc.a)" ]; then
     log "no gcc with a static libc (Debian: gcc libc6-dev): skipping (sandboxes need the agent)"
