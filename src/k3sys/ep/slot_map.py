@@ -80,7 +80,8 @@ def slot_map(
     offset = torch.cat([src_start_e, src_start_e.new_zeros(1)]) - first
     pos = offset[key] + torch.arange(n, device=flat.device)
     run = torch.searchsorted(run_end, pos, right=True).clamp(max=run_end.numel() - 1)
-    out = torch.where((key < E).unsqueeze(1), torch.stack([run % R, pos - row_shift[run]], 1), -1)
+    # run = e * R + rank inside the pair's own expert e = key: a subtraction, not an int64 modulo.
+    out = torch.where((key < E).unsqueeze(1), torch.stack([run - key * R, pos - row_shift[run]], 1), -1)
     # One scatter of (rank, row) back to pair order.
     out = torch.empty_like(out).scatter_(0, order.unsqueeze(1).expand(n, 2), out)
     return out[:, 0].view_as(topk_ids), out[:, 1].view_as(topk_ids)
