@@ -54,21 +54,23 @@ def _equal_first(surplus: torch.Tensor, room: torch.Tensor) -> tuple[torch.Tenso
     sides in the same order, so each such pair meets in one piece; the rest by amount descending."""
     R = surplus.numel()
 
-    def keys(x: torch.Tensor) -> torch.Tensor:
+    def keys(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(key `[R]`, the keys ascending `[R]`): (amount, occurrence among equal amounts), -1 for
+        nothing to match. The keys rise along x's ascending order, so that order sorts them too."""
         order = torch.sort(x, stable=True).indices
         xs = x[order]
         occurrence = torch.arange(R, device=x.device) - torch.searchsorted(xs, xs)  # among equal amounts
-        key = torch.empty_like(x).index_put_((order,), xs * (R + 1) + occurrence)
-        return torch.where(x > 0, key, -1)  # (amount, occurrence), -1 for nothing to match
+        ascending = torch.where(xs > 0, xs * (R + 1) + occurrence, -1)
+        return torch.empty_like(x).index_put_((order,), ascending), ascending
 
-    ks, kr = keys(surplus), keys(room)
-    ks_sorted, kr_sorted = torch.sort(ks).values, torch.sort(kr).values
-    found_s = kr_sorted[torch.searchsorted(kr_sorted, ks).clamp(max=R - 1)] == ks
-    found_r = ks_sorted[torch.searchsorted(ks_sorted, kr).clamp(max=R - 1)] == kr
+    (ks, ks_sorted), (kr, kr_sorted) = keys(surplus), keys(room)
+    found_s = (kr_sorted[torch.searchsorted(kr_sorted, ks).clamp(max=R - 1)] == ks) & (ks >= 0)
+    found_r = (ks_sorted[torch.searchsorted(ks_sorted, kr).clamp(max=R - 1)] == kr) & (kr >= 0)
 
     def order(x: torch.Tensor, key: torch.Tensor, found: torch.Tensor) -> torch.Tensor:
-        by_value = torch.sort(torch.where(found & (key >= 0), key, -1 - x), stable=True).indices
-        return by_value[torch.sort((~(found & (key >= 0)))[by_value].long(), stable=True).indices]
+        # One stable sort: the matched ones by key (< 2^62 - x for any real amount), then the rest by
+        # amount descending, ties in index order.
+        return torch.sort(torch.where(found, key, (1 << 62) - x), stable=True).indices
 
     return order(surplus, ks, found_s), order(room, kr, found_r)
 
