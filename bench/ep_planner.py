@@ -58,9 +58,10 @@ PLANNER_POINTS = [(R, mv) for R in (64, 128, 256) for mv in (1.0, 5.0, 20.0)]
 
 class _Passes(TorchDispatchMode):
     """Counts the aten ops, views excluded, that read or write a tensor with `table` (lo, hi) entries
-    (an `[R, E]`-sized table: [R, E], [E, R], [E + 1, R], [E * R]) and those with `pairs` (lo, hi)."""
+    (an `[R, E]`-sized table: [R, E], [E, R], [E + 1, R], [E * R]) and those with `pairs` entries (the
+    s*K pairs: [n], [n, 2])."""
 
-    def __init__(self, table: tuple[int, int], pairs: tuple[int, int]) -> None:
+    def __init__(self, table: tuple[int, int], pairs: tuple[int, ...]) -> None:
         super().__init__()
         self.table, self.pairs, self.counts = table, pairs, {"table": 0, "pairs": 0}
 
@@ -68,8 +69,8 @@ class _Passes(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if not func.is_view:
             sizes = [t.numel() for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
-            for name, (lo, hi) in (("table", self.table), ("pairs", self.pairs)):
-                self.counts[name] += any(lo <= n <= hi for n in sizes)
+            self.counts["table"] += any(self.table[0] <= n <= self.table[1] for n in sizes)
+            self.counts["pairs"] += any(n in self.pairs for n in sizes)
         return out
 
 
@@ -102,14 +103,25 @@ def _graphed(step: Callable, *args: object) -> Callable[[], object]:
     return graph.replay
 
 
-def _timed(fn: Callable[[], object], repeats: int, cuda: bool) -> float:
-    if not cuda:
-        return median_ms(fn, repeats, threads=1)
-
-    def synced() -> None:
-        fn()
-        torch.cuda.synchronize()
-    return median_ms(synced, repeats)
+def _timed(fns: dict[str, Callable[[], object]], repeats: int, cuda: bool) -> dict[str, float]:
+    """Median ms of each of `fns` over `repeats` calls after one warm-up each, on one intra-op thread
+    (CPU), the calls interleaved round-robin: a burst of load on the shared machine then hits every
+    method alike instead of whichever was being timed."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1 if not cuda else before)
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    try:
+        for i in range(repeats + 1):
+            for name, fn in fns.items():
+                t0 = time.perf_counter()
+                fn()
+                if cuda:
+                    torch.cuda.synchronize()
+                if i:
+                    times[name].append(time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(before)
+    return {name: 1e3 * statistics.median(t) for name, t in times.items()}
 
 
 def planner_section(
@@ -143,8 +155,8 @@ def planner_section(
             fns[strategy] = lambda s=strategy, t=tpe, i=ids_sk: _host_step(s)(t, i)
         row = {"R": R, "maxvio_target": mv, "maxvio": maxvio(tpe.sum(0).cpu()), "compile_s": compile_s.get(R),
                "ms": {}, "syncs": {}, "passes": {}, "moved": {}, "copies": {}}
+        row["ms"] = _timed(fns, repeats, cuda)
         for name, fn in fns.items():
-            row["ms"][name] = _timed(fn, repeats, cuda)
             if name in ("device", "match", "greedy"):
                 with count_syncs() as syncs:
                     fn()
