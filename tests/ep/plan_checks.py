@@ -126,3 +126,70 @@ def routing_uniform(R: int, s: int, E: int, K: int) -> torch.Tensor:
     """Token t picks experts t*K .. t*K+K-1 (mod E): every expert gets the same count when E | s*K."""
     t = torch.arange(s).view(1, s, 1) * K + torch.arange(K).view(1, 1, K)
     return (t % E).expand(R, s, K).contiguous()
+
+
+def fan_in_bound(tpe: torch.Tensor, limit: torch.Tensor) -> int:
+    """A lower bound on moved pairs that counts replica slots (docs/ep.md, "Designed inputs"): a rank
+    takes pieces from at most epn other groups, so at most m * (epn + ... + epn^k) groups lie within k
+    hops of the m ranks with room, and a surplus k hops away crosses k ranks. The largest surpluses
+    nearest: sum_i surplus_(i) * hops(i). Equals sum_r max(0, home load_r - limit_r) when the senders
+    fit next to the receivers (n <= m * epn)."""
+    R, E = tpe.shape
+    epn = Homes(E, R).epn
+    group = Homes(E, R).group_sum(tpe.sum(0))
+    surplus = (group - limit).clamp(min=0).sort(descending=True).values
+    m = int((group < limit).sum())
+    bound, hops, reach = 0, 0, 0
+    for i, x in enumerate(surplus.tolist()):
+        while x and i >= reach:  # i (0-based) needs more hops than the ones so far reach
+            hops += 1
+            reach += m * epn**hops
+        bound += x * hops
+    return bound
+
+
+def tpe_from_loads(load_e: torch.Tensor, R: int, s: int, K: int) -> torch.Tensor:
+    """`[R, E]` counts with expert loads `load_e` `[E]` (summing to R*s*K): the expert line dealt out
+    pair by pair to ranks in turn, so every row sums to s*K and no entry exceeds s."""
+    E = load_e.numel()
+    end = load_e.cumsum(0).view(1, E)
+    r = torch.arange(R).view(R, 1)
+    dealt = lambda x: torch.div(x - r - 1, R, rounding_mode="floor") + 1  # line positions p < x with p % R == r
+    return dealt(end) - dealt(end - load_e.view(1, E))
+
+
+def routing_from_tpe(tpe: torch.Tensor, s: int, K: int) -> torch.Tensor:
+    """`[R, s, K]` ids with counts `tpe`: each rank's pairs laid out expert by expert, pair p to token
+    p % s (an expert has at most s pairs, so no token picks it twice)."""
+    R, E = tpe.shape
+    ids = torch.repeat_interleave(torch.arange(E).repeat(R), tpe.reshape(-1)).view(R, K, s)
+    return ids.transpose(1, 2).contiguous()
+
+
+def _even(total: int, n: int) -> torch.Tensor:
+    return torch.full((n,), total // n) + (torch.arange(n) < total % n).long()
+
+
+def group_loads(group: list[int], E: int, R: int, s: int, K: int) -> torch.Tensor:
+    """tpe `[R, E]` whose home groups carry `group` `[R]` pairs, each spread evenly over its experts."""
+    homes = Homes(E, R)
+    load = torch.cat([_even(g, homes.count(r)) for r, g in enumerate(group)])
+    return tpe_from_loads(load, R, s, K)
+
+
+def cold_ranks(R: int, E: int, s: int, K: int, cold: int = 1) -> torch.Tensor:
+    """tpe `[R, E]`: the home groups of ranks 0 .. cold-1 get nothing, the others share every pair evenly
+    (issue 29's `cold_rank` with cold=1)."""
+    return group_loads([0] * cold + _even(R * s * K, R - cold).tolist(), E, R, s, K)
+
+
+def tiny_surplus(R: int, E: int, s: int, K: int) -> torch.Tensor:
+    """tpe `[R, E]`: home groups 0 .. R-2 one pair over their cap, rank R-1 short by R-1 pairs."""
+    return group_loads([s * K + 1] * (R - 1) + [s * K - (R - 1)], E, R, s, K)
+
+
+def all_to_one_rank(R: int, E: int, s: int, K: int) -> torch.Tensor:
+    """tpe `[R, E]`: every token picks all of rank 0's home experts, its other picks spread evenly."""
+    n0 = Homes(E, R).count(0)
+    load = torch.cat([torch.full((n0,), R * s), _even(R * s * (K - n0), E - n0)])
+    return tpe_from_loads(load, R, s, K)

@@ -54,7 +54,7 @@ def test_device_plan_meets_the_oracles_invariants(case):
     dst, row = check_slots(device, topk)
     assert all(torch.equal(a, b) for a, b in zip((dst, row), reference_slots(device, topk), strict=True))
     assert device.moved_tokens >= device.moved_lower_bound
-    if device.moved_tokens == device.moved_lower_bound:  # the line match (else the chain, exact caps)
+    if device.moved_tokens == device.moved_lower_bound:  # the line match (else mended, anchored or chained)
         assert device.num_copies <= _line_bound(tpe, device.limit)
 
 
