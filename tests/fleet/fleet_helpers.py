@@ -38,3 +38,16 @@ def counting_sandbox(fleet, node: str, payload_mb: int = 0) -> str:
         fleet.write_file(sid, "/payload.bin", os.urandom(payload_mb << 20))
     count(fleet, sid)
     return sid
+
+
+def settled_reserved(fleet, timeout: float = 30.0) -> dict[str, int]:
+    """Each node's reserved MiB once the nodes' views stop moving: what earlier tests killed or
+    hibernated reaches the views a heartbeat later, and placement ranks by the views."""
+    last: dict[str, int] | None = None
+    deadline = time.monotonic() + timeout
+    while True:
+        now = {m.name: m.view.reserved_mb for m in fleet.members.live() if m.name in ("n0", "n1", "n2")}
+        if now == last or time.monotonic() > deadline:
+            return now
+        last = now
+        time.sleep(3 * fleet.config.heartbeat_s)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import pytest
+from fleet_helpers import settled_reserved
 
 from k3sys.sandbox import Sandbox
 from k3sys.sandbox.errors import InvalidArgumentError, NotFoundError
@@ -22,10 +23,16 @@ def test_nodes_report_resources(fleet):
 
 
 def test_spread_places_evenly_and_every_call_routes(fleet, gateway):
+    base = settled_reserved(fleet)  # what earlier tests left on the nodes (placement fills around it)
     boxes = [Sandbox.create(memory_mb=128, api_url=gateway) for _ in range(N_SANDBOXES)]
     try:
         where = [fleet.node_of(b.id) for b in boxes]
-        assert sorted(where) == sorted(["n0", "n1", "n2"] * (N_SANDBOXES // 3)), where
+        after = {n: mb + 128 * where.count(n) for n, mb in base.items()}
+        # each create went where the least was reserved, counting the creates just before it
+        assert max(after.values()) - min(after.values()) <= max(128, max(base.values()) - min(base.values())), \
+            (where, base)
+        if len(set(base.values())) == 1:
+            assert sorted(where) == sorted(["n0", "n1", "n2"] * (N_SANDBOXES // 3)), (where, base)
         for b in boxes[:3]:
             assert b.commands.run(f"echo hi {b.id}").stdout == f"hi {b.id}\n"
         b = boxes[0]

@@ -5,25 +5,13 @@ from __future__ import annotations
 import time
 
 import pytest
+from fleet_helpers import settled_reserved
 
 from k3sys.rollout import RolloutEngine, Task, default_factory
 from k3sys.rollout.tasks import start_service
 
 pytestmark = pytest.mark.timeout(300)
 EPISODES, TURNS = 6, 2  # the issue's 24 episodes do not fit this 2-core CI box's budget; 2 per node
-
-
-def settled_reserved(fleet, timeout: float = 30.0) -> dict[str, int]:
-    """Each node's reserved MiB once the nodes' views stop moving: what earlier tests killed or
-    hibernated reaches the views a heartbeat later, and placement ranks by the views."""
-    last: dict[str, int] | None = None
-    deadline = time.monotonic() + timeout
-    while True:
-        now = {m.name: m.view.reserved_mb for m in fleet.members.live() if m.name in ("n0", "n1", "n2")}
-        if now == last or time.monotonic() > deadline:
-            return now
-        last = now
-        time.sleep(3 * fleet.config.heartbeat_s)
 
 
 def test_rollout_over_three_nodes(fleet):

@@ -138,7 +138,7 @@ class Fleet(Commands, Moves):
 
     def _placed(self, node: str, info: SandboxInfo) -> SandboxInfo:
         """`_note` a sandbox a placement put on `node`, its create done (`Members.settle`)."""
-        self.members.settle(node, placed_mb=info.spec.memory_mb)
+        self.members.settle(node, info.id, info.spec.memory_mb)
         return self._note(node, info)
 
     def _note(self, node: str, info: SandboxInfo) -> SandboxInfo:
@@ -193,7 +193,7 @@ class Fleet(Commands, Moves):
         return {**{m.name: m.view for m in self.members.live()}, **self.members.lost}
 
     def place(self, memory_mb: int, node: str | None = None, exclude: tuple[str, ...] = ()) -> str:
-        """The node a new sandbox goes to (`node` if named), charged `memory_mb` MiB until its next stats."""
+        """The node a new sandbox goes to (`node` if named), counted in its view until its stats list the sandbox."""
         with self._placing:  # choose and charge as one step: concurrent creates see each other
             name = node if node is not None else choose([m.view for m in self.members.live()], memory_mb,
                                                         self.config.policy, exclude)
@@ -317,7 +317,7 @@ class Fleet(Commands, Moves):
         if node is not None:
             self.members.call(node, "kill", sid)
             if last is not None and last.state not in ("hibernated", "lost"):  # its memory is free at once
-                self.members.settle(node, freed_mb=last.spec.memory_mb)
+                self.members.release(node, sid, last.spec.memory_mb)
         self._forget(sid)
 
     def pause(self, sid: str, hibernate: bool = False) -> None:

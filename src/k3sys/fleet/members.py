@@ -25,23 +25,32 @@ from k3sys.sandbox.errors import NotFoundError, SandboxError, UnavailableError
 @dataclasses.dataclass(eq=False)
 class Member:
     """A live node as the gateway sees it: its actor, its latest stats, when it last answered
-    (monotonic s), the MiB placed on it by creates still in flight (`placing`), and the MiB its
-    finished creates (+) and kills (-) changed since the stats were asked for (`charged`)."""
+    (monotonic s), the MiB of creates placed on it still in flight (`placing`), and the sandboxes
+    whose create (`placed`) or kill (`freed`) the stats do not count yet, with their MiB."""
 
     name: str
     handle: Any
     stats: NodeStats
     seen: float
-    charged: int = 0
     placing: int = 0
+    placed: dict[str, int] = dataclasses.field(default_factory=dict)
+    freed: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def view(self) -> NodeStats:
-        """The stats with what the gateway placed and killed since they were taken counted in: as
+        """The stats with the gateway's own creates and kills they do not count yet counted in: as
         reserved (what placement ranks by) and as available (what it checks), so a burst of creates
-        spreads without waiting for a heartbeat."""
-        s, mb = self.stats, self.charged + self.placing
+        spreads without waiting for a heartbeat, and never counts one twice."""
+        s = self.stats
+        mb = self.placing + sum(self.placed.values()) - sum(self.freed.values())
         return dataclasses.replace(s, reserved_mb=max(0, s.reserved_mb + mb), available_mb=s.available_mb - mb)
+
+    def absorb(self, stats: NodeStats) -> None:
+        """New stats: the creates and kills they count are theirs now (a create they list, a kill
+        they no longer list as holding memory)."""
+        self.stats = stats
+        self.placed = {sid: mb for sid, mb in self.placed.items() if sid not in stats.ids}
+        self.freed = {sid: mb for sid, mb in self.freed.items() if sid in stats.holding}
 
 
 class NodeDiedError(UnavailableError):
@@ -92,19 +101,25 @@ class Members:
 
     def charge(self, name: str, mb: int) -> None:
         """Count `mb` MiB placed on node `name` by a create in flight (negative: a failed one gives
-        them back); `settle` once it is done. No stats hold it yet, so none absorbs it."""
+        them back); `settle` once it is done."""
         with self._mu:
             if name in self._live:
                 self._live[name].placing = max(0, self._live[name].placing + mb)
 
-    def settle(self, name: str, placed_mb: int = 0, freed_mb: int = 0) -> None:
-        """A create of `placed_mb` MiB on node `name` is done (its charge moves from in flight to
-        done), or a kill freed `freed_mb`: counted until stats asked for after it arrive (`tick`),
-        never dropped by stats asked for before it, which may have missed it."""
+    def settle(self, name: str, sid: str, mb: int) -> None:
+        """The create of sandbox `sid` (`mb` MiB) on node `name` is done: counted until stats list it."""
         with self._mu:
             if (m := self._live.get(name)) is not None:
-                m.placing = max(0, m.placing - placed_mb)
-                m.charged += placed_mb - freed_mb
+                m.placing = max(0, m.placing - mb)
+                if sid not in m.stats.ids:  # stats that arrived while its answer was on its way count it
+                    m.placed[sid] = mb
+
+    def release(self, name: str, sid: str, mb: int) -> None:
+        """Sandbox `sid` on node `name` was killed while holding `mb` MiB: free until stats drop it."""
+        with self._mu:
+            if (m := self._live.get(name)) is not None and m.placed.pop(sid, None) is None \
+                    and sid in m.stats.holding:
+                m.freed[sid] = mb
 
     def call(self, name: str, method: str, *args: Any) -> Any:
         """`Runtime.<method>(*args)` on node `name`; a dead node is marked lost at once."""
@@ -127,8 +142,6 @@ class Members:
             self._join(name)
         now = time.monotonic()
         live = self.live()
-        with self._mu:  # charges made before the request are in its answer; later ones stay
-            sent = {m.name: m.charged for m in live}
         refs = {m.handle.stats.remote(): m for m in live}
         ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=self.heartbeat_s) if refs else ([], [])
         answered = set()
@@ -143,8 +156,8 @@ class Members:
                 continue  # not an answer: lost once silent for `lost_after_s`
             answered.add(m.name)
             with self._mu:
-                m.stats, m.seen = stats, now
-                m.charged -= sent[m.name]  # what was done before the request is in its answer
+                m.absorb(stats)
+                m.seen = now
         for m in live:
             if m.name not in answered and now - m.seen > self.lost_after_s:
                 self.lose(m.name, f"no answer for {now - m.seen:.1f} s")

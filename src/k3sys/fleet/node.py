@@ -55,7 +55,9 @@ MAX_OPEN = 256  # files being streamed out and directories being watched at once
 @dataclasses.dataclass(frozen=True)
 class NodeStats:
     """What a node reports: sizes in MiB, `cpus` cores, `reserved_cpus` the sum of its holding
-    sandboxes' CPU limits, `sandboxes` counts by state, `load1` the host's 1-minute load average."""
+    sandboxes' CPU limits, `sandboxes` counts by state, `load1` the host's 1-minute load average;
+    `ids` every sandbox it has and `holding` those holding memory (so the gateway can tell which of
+    its own creates and kills these stats already count)."""
 
     name: str
     host: str
@@ -68,6 +70,8 @@ class NodeStats:
     available_mb: int
     disk_free_mb: int
     sandboxes: dict[str, int]
+    ids: frozenset[str] = frozenset()
+    holding: frozenset[str] = frozenset()
 
     @property
     def free_mb(self) -> int:
@@ -120,7 +124,8 @@ class SandboxNode:
         return NodeStats(self.name, socket.gethostname(), os.getpid(), os.cpu_count() or 1,
                          sum(i.spec.cpu for i in holding), os.getloadavg()[0], self.capacity_mb,
                          sum(i.spec.memory_mb for i in holding), _meminfo_mb("MemAvailable"),
-                         shutil.disk_usage(self.runtime.root).free >> 20, counts)
+                         shutil.disk_usage(self.runtime.root).free >> 20, counts,
+                         frozenset(i.id for i in infos), frozenset(i.id for i in holding))
 
     def checkpoint_ids(self) -> list[str]:
         return [m.id for m in self.runtime.store.list()]
