@@ -70,6 +70,25 @@ def loops_backed_by(roots: list[Path], wait: float = 5.0) -> list[str]:
 SEEN: set[str] = set()  # every sandbox id the session's runtime held at the end of some test
 
 
+@contextlib.contextmanager
+def scratch_runtime(prefix: str, parent_mode: int = 0o700):
+    """A `Runtime` on `<a new temporary directory of parent_mode>/rt`; at the end its sandboxes are
+    killed, it is closed, nothing of them may be left, and the directory goes."""
+    from k3sys.sandbox import Runtime
+
+    parent = Path(tempfile.mkdtemp(prefix=prefix))
+    parent.chmod(parent_mode)
+    rt = Runtime(parent / "rt")
+    try:
+        yield rt
+        ids = {i.id for i in rt.list()}
+        rt.kill_all()
+        rt.close()
+        assert leftovers(rt.root, ids) == []
+    finally:
+        shutil.rmtree(parent, ignore_errors=True)
+
+
 @pytest.fixture
 def leak_check():
     """`leftovers(root, ids)`: what a runtime directory still holds on the host (see above)."""

@@ -13,12 +13,11 @@ import contextlib
 import hashlib
 import os
 import subprocess
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from sandbox_fixtures import MISSING, leftovers, loops_backed_by
+from sandbox_fixtures import MISSING, leftovers, loops_backed_by, scratch_runtime
 
 from k3sys.sandbox.errors import NotFoundError
 
@@ -53,16 +52,8 @@ class Host:
 def sec_rt() -> Iterator:
     if MISSING:
         pytest.skip(f"sandbox runtime unavailable: {MISSING}")
-    from k3sys.sandbox import Runtime
-
-    root = Path(tempfile.mkdtemp(prefix="k3sys-sec-"))  # mode 0700
-    runtime = Runtime(root / "rt")
-    yield runtime
-    ids = {i.id for i in runtime.list()}
-    runtime.kill_all()
-    runtime.close()
-    assert leftovers(runtime.root, ids) == []
-    subprocess.run(["rm", "-rf", str(root)], check=False)
+    with scratch_runtime("k3sys-sec-") as runtime:  # under a private 0700 directory
+        yield runtime
 
 
 @pytest.fixture(scope="session")

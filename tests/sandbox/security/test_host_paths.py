@@ -16,12 +16,11 @@ import os
 import shutil
 import stat
 import subprocess
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from sandbox_fixtures import MISSING, leftovers
+from sandbox_fixtures import MISSING, scratch_runtime
 
 from k3sys.sandbox.runtime.drivers import idmap
 
@@ -36,17 +35,8 @@ def open_rt() -> Iterator:
     """A runtime whose parent directory any host user may search."""
     if MISSING:
         pytest.skip(f"sandbox runtime unavailable: {MISSING}")
-    from k3sys.sandbox import Runtime
-
-    parent = Path(tempfile.mkdtemp(prefix="k3sys-paths-"))
-    parent.chmod(0o755)
-    rt = Runtime(parent / "rt")
-    yield rt
-    ids = {i.id for i in rt.list()}
-    rt.kill_all()
-    rt.close()
-    assert leftovers(rt.root, ids) == []
-    shutil.rmtree(parent, ignore_errors=True)
+    with scratch_runtime("k3sys-paths-", parent_mode=0o755) as rt:
+        yield rt
 
 
 def _as_nobody(*argv: str) -> subprocess.CompletedProcess:
