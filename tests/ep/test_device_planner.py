@@ -144,11 +144,12 @@ def test_compiled_step_equals_eager_without_graph_breaks():
     assert comp[0].alloc.tolist() == [[4, 0, 4], [2, 6, 0], [0, 0, 2]]  # moved 6 > the lower bound 4
 
 
-@pytest.mark.parametrize("seed, R, E", [(6, 16, 40), (10, 32, 72), (21, 16, 40)])
+# Inputs still crowded once the exact components go first (6-16-40 and 10-32-72 were, before).
+@pytest.mark.parametrize("seed, R, E", [(12, 16, 40), (21, 16, 40), (24, 16, 40)])
 def test_crowded_receivers_are_mended(seed, R, E):
     """Routings where the line match would give a rank more than epn (2 or 3) replicas: the kept plan
     still meets every invariant and moves more than the lower bound but less than the greedy."""
-    topk = make_routing(R, 64, E, 4, 5.0 if R == 32 else 3.0, seed=seed)
+    topk = make_routing(R, 64, E, 4, 3.0, seed=seed)
     tpe = tokens_per_expert(topk, E)
     p, greedy = plan(tpe, 4, token_padding=2), plan(tpe, 4, strategy="greedy")
     check_plan(p, tpe, 4, 64, 2)

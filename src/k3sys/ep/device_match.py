@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import torch
 
+from k3sys.ep.components import components_first
 from k3sys.ep.homes import Homes
 
 __all__ = ["device_alloc"]
@@ -187,11 +188,17 @@ def _replicas(rank: torch.Tensor, n: torch.Tensor, num_ranks: int) -> torch.Tens
 
 
 def _line(
-    g_rp: torch.Tensor, ids_rp: torch.Tensor, surplus: torch.Tensor, room: torch.Tensor, ranks_per_node: int | None
+    g_rp: torch.Tensor, ids_rp: torch.Tensor, surplus: torch.Tensor, room: torch.Tensor, ranks_per_node: int | None,
+    components: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """The line match of `surplus` `[R]` to `room` `[R]`: (sender order, receiver order, receiver line
-    ends, pieces (expert, rank, pairs) `[R * epn + R]`)."""
-    senders, receivers = (_node_major(o, ranks_per_node) for o in _equal_first(surplus, room))
+    ends, pieces (expert, rank, pairs) `[R * epn + R]`). `components`: lay the exact components
+    (components.py) out first, which saves a piece each (not with `ranks_per_node`, whose node order
+    would split them)."""
+    orders = _equal_first(surplus, room)
+    if components and ranks_per_node is None:
+        orders = components_first(surplus, room, *orders)
+    senders, receivers = (_node_major(o, ranks_per_node) for o in orders)
     recv_end = room[receivers].cumsum(0)
     seg_n, seg_expert = _sender_line(g_rp, ids_rp, surplus, senders, recv_end)
     return senders, receivers, recv_end, _overlap(seg_n, seg_expert, room[receivers], receivers)
@@ -285,7 +292,7 @@ def device_alloc(
     for k in range(rounds + 1):
         # Candidate k: the anchors of k rounds, then the line match of what is left, mended where
         # it would overfill a rank's free slots (the plain line match where nothing is crowded).
-        senders, receivers, recv_end, line = _line(g_left, ids_rp, surplus, room, ranks_per_node)
+        senders, receivers, recv_end, line = _line(g_left, ids_rp, surplus, room, ranks_per_node, components=k == 0)
         crowded = _replicas(line[1], line[2], R) > slots
         u = surplus[senders].cumsum(0)
         inside = torch.searchsorted(recv_end, u, right=True).clamp(max=R - 1)  # the receiver holding u_j
