@@ -72,8 +72,8 @@ class FakeMembers:
     """What the parts use of `Members`: live nodes (real `Member` views), charges, and calls, which
     run on the `FakeNode`s and are logged in `calls` as (node, method)."""
 
-    def __init__(self, names: list[str]) -> None:
-        self.nodes = {n: FakeNode(n) for n in names}
+    def __init__(self, names: list[str], nodes: dict[str, Any] | None = None) -> None:
+        self.nodes = nodes or {n: FakeNode(n) for n in names}
         self._live = {n: Member(n, self.nodes[n], NodeStats(n, "h", 1, 4, 0.0, 0.0, 8192, 0, 8192, 1 << 20, {}), 0.0)
                       for n in names}
         self.lost: dict[str, str] = {}
@@ -187,8 +187,8 @@ class FakeCommandNode:
 
 
 def test_commands_keep_pid_and_exit_from_calls_that_returned_them():
-    members = FakeMembers(["n0"])
-    node = members._live["n0"].handle = FakeCommandNode()
+    node = FakeCommandNode()
+    members = FakeMembers(["n0"], {"n0": node})
     records = Records()
     records.note("n0", SandboxInfo("s1", "running", SandboxSpec(memory_mb=MB), 1.0, None))
     commands = Commands(members, records.node_of)
