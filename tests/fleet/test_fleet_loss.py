@@ -37,7 +37,7 @@ def test_node_loss(cluster, fleet, gateway):
     hib = counting_sandbox(fleet, "n3")
     at_hibernate = count(fleet, hib)
     fleet.hibernate(hib)
-    assert fleet._holders[fleet.info(hib).head] - {"n3"}, "the hibernation was not replicated"
+    assert set(fleet.records.holders(fleet.info(hib).head)) - {"n3"}, "the hibernation was not replicated"
     src = counting_sandbox(fleet, "n3")
     at_checkpoint = count(fleet, src)
     ck = fleet.checkpoint(src)

@@ -33,7 +33,7 @@ def test_cross_node_fork_and_restore_move_only_missing_chunks(fleet):
         assert fleet.node_of(restored.id) == "n2"
         assert fleet.read_file(restored.id, "/payload.bin") == fleet.read_file(src, "/payload.bin")
         runs_on(fleet, restored.id, at_fork)
-        assert "n2" in fleet._holders[ck.id] and "n0" in fleet._holders[ck.id]
+        assert "n2" in fleet.records.holders(ck.id) and "n0" in fleet.records.holders(ck.id)
     finally:
         for sid in made:
             fleet.kill(sid)
@@ -61,7 +61,7 @@ def test_migration_of_a_hibernated_sandbox_keeps_id_and_process(fleet):
         info = fleet.info(sid)
         assert info.state == "hibernated"
         # Every hibernation is replicated: a second node holds its checkpoint.
-        assert len(fleet._holders[info.head]) >= 2
+        assert len(fleet.records.holders(info.head)) >= 2
         moved = fleet.migrate(sid, node="n2")
         assert moved.id == sid and moved.state == "running" and fleet.node_of(sid) == "n2"
         assert pids <= {p.pid for p in fleet.processes(sid) if p.running}

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 from k3sys.fleet.members import Members
@@ -37,9 +38,9 @@ class PolledFollower:
 
     sock = None
 
-    def __init__(self, fleet: Commands, cid: str) -> None:
-        self._fleet, self._cid = fleet, cid
-        self.pid = fleet.command_pid(cid)
+    def __init__(self, commands: Commands, cid: str) -> None:
+        self._commands, self._cid = commands, cid
+        self.pid = commands.command_pid(cid)
         self.pos = self.dropped = 0
         self._since, self._wait = (0, 0), LOOK_WAIT_S
         self.exit: Exit | None = None
@@ -48,12 +49,12 @@ class PolledFollower:
         """What the next look finds: `("stdout" | "stderr", bytes)` pieces, and last the Exit."""
         if self.exit is not None:
             return []
-        out, err, done = self._fleet.read_command_output(self._cid, self._since, self._wait)
+        out, err, done = self._commands.read_command_output(self._cid, self._since, self._wait)
         self._since = (self._since[0] + len(out), self._since[1] + len(err))
         self.pos += len(out) + len(err)
         self._wait = LOOK_WAIT_S if out or err else min(self._wait * 2, LOOK_MAX_S)
         pieces: list[tuple[str, bytes] | Exit] = [(n, d) for n, d in (("stdout", out), ("stderr", err)) if d]
-        if done and (end := self._fleet.command_exit(self._cid)) is not None:
+        if done and (end := self._commands.command_exit(self._cid)) is not None:
             self.exit, self.dropped = end, end.dropped
             pieces.append(end)
         return pieces
@@ -63,59 +64,59 @@ class PolledFollower:
 
 
 class Commands:
-    """Mixed into `Fleet` (uses its `members` and `node_of`)."""
+    """Commands on `members`' nodes, a sandbox's node found by `node_of` (see the module docstring)."""
 
-    members: Members
-
-    def _commands_init(self) -> None:
-        self._cmd_mu = threading.Lock()
+    def __init__(self, members: Members, node_of: Callable[[str], str]) -> None:
+        self.members, self._node_of = members, node_of
+        self._mu = threading.Lock()  # guards the two records
         self._pids: _Bounded = _Bounded()
         self._exits: _Bounded = _Bounded()
 
-    def _split(self, cid: str) -> tuple[str, str]:
+    def split(self, cid: str) -> tuple[str, str]:
         """(the node's command id, the node) of a gateway command id; NotFoundError if it names no node."""
         own, sep, node = cid.rpartition(SEP)
         if not sep or not own or not (node in self.members.lost or any(m.name == node for m in self.members.live())):
             raise NotFoundError(f"no command {cid!r}")
         return own, node
 
-    def _new_command(self, method: str, sid: str, *args: Any) -> str:
-        node = self.node_of(sid)  # type: ignore[attr-defined]
+    def new_command(self, method: str, sid: str, *args: Any) -> str:
+        """`Runtime.<method>` of `NEW_COMMAND` on sandbox `sid`'s node: the gateway's command id."""
+        node = self._node_of(sid)
         own, pid = self.members.invoke(node, "new_command", method, sid, *args)
         cid = f"{own}{SEP}{node}"
-        with self._cmd_mu:
+        with self._mu:
             self._pids.put(cid, pid)
         return cid
 
     def command_pid(self, cid: str) -> int:
-        with self._cmd_mu:
+        with self._mu:
             pid = self._pids.get(cid)
         if pid is not None:
             return pid
-        own, node = self._split(cid)
+        own, node = self.split(cid)
         return self.members.call(node, "command_pid", own)
 
     def read_command_output(self, cid: str, since: tuple[int, int] = (0, 0),
                             wait_s: float = LOOK_WAIT_S) -> tuple[bytes, bytes, bool]:
-        own, node = self._split(cid)
+        own, node = self.split(cid)
         out, err, done, end = self.members.invoke(node, "look", own, since, wait_s)
         if done:
-            with self._cmd_mu:
+            with self._mu:
                 self._exits.put(cid, end)
         return out, err, done
 
     def command_exit(self, cid: str) -> Any:
-        with self._cmd_mu:
+        with self._mu:
             if cid in self._exits:
                 return self._exits[cid]
-        own, node = self._split(cid)
+        own, node = self.split(cid)
         return self.members.call(node, "command_exit", own)
 
     def _drop(self, method: str, cid: str) -> None:
         """`release_command` / `forget_command`: on its node, and out of the records here."""
-        own, node = self._split(cid)
+        own, node = self.split(cid)
         self.members.call(node, method, own)
-        with self._cmd_mu:
+        with self._mu:
             self._pids.pop(cid, None)
             self._exits.pop(cid, None)
 
@@ -130,7 +131,7 @@ class Commands:
                        stdin: bool | bytes | None = None, pty: tuple[int, int] | None = None
                        ) -> tuple[str, PolledFollower]:
         """`Runtime.start_followed` across nodes: the command started on its node, its output looked at."""
-        cid = self._new_command("start_process", sid, cmd, cwd, env, user, stdin, pty)
+        cid = self.new_command("start_process", sid, cmd, cwd, env, user, stdin, pty)
         return cid, PolledFollower(self, cid)
 
     def follow_command(self, cid: str, pos: int = 0) -> PolledFollower:

@@ -9,8 +9,18 @@ Placement (placement.py) picks a node for each new sandbox unless the caller nam
 call is routed by sandbox id (the gateway's table, filled from the nodes as they join) or by command
 id (the gateway's command ids carry their node: `<node's id>~<node>`). Calls are Ray actor calls
 (~1.3 ms here, see docs/fleet.md for why not a second HTTP hop); command output streams as a Ray
-streaming generator, a file read or a directory watch as a handle the node keeps open. Moves between nodes (checkpoints,
-migration, forks over nodes, resume after a node loss) are in moves.py.
+streaming generator, a file read or a directory watch as a handle the node keeps open.
+
+`Fleet` routes and delegates; the work is done by parts built with what they use, each owning its
+state:
+
+    Fleet ─┬─> Moves      moves.py      copies of checkpoints, hibernate, resume, migrate, restore, fork
+           ├─> Commands   commands.py   gateway command ids, pids and exits kept, followed output
+           ├─> Sandboxes  sandboxes.py  create, info, list, kill, pause, checkpoint(s)
+           └─> Members    members.py    live nodes, their stats, calls to them (a monitor thread)
+    Moves ──> Sandboxes ──> Placer (placement.py) ──> Members
+                   └──────> Records (records.py): where each sandbox is, who holds each checkpoint
+    Commands ──> Members, Records.node_of;  Members ──(a node joins / is lost)──> Records
 
 A node that dies takes its running sandboxes with it: they stay listed, state "lost" with the
 reason, until killed. Its hibernated sandboxes whose checkpoint another node holds (every
@@ -20,35 +30,26 @@ and resume elsewhere, same id.
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import threading
-import time
 from collections import deque
 from collections.abc import Iterator
 from typing import Any, BinaryIO
 
 import ray
 
-from k3sys.fleet.commands import Commands
+from k3sys.fleet.commands import LOOK_WAIT_S, Commands, PolledFollower
 from k3sys.fleet.config import FleetConfig
-from k3sys.fleet.members import Member, Members, NodeDiedError, unwrap
+from k3sys.fleet.members import Member, Members, unwrap
 from k3sys.fleet.moves import Moves, Transfer
 from k3sys.fleet.node import BY_COMMAND, BY_SANDBOX, NAMESPACE, NEW_COMMAND
-from k3sys.fleet.placement import choose
-from k3sys.sandbox.errors import (
-    CheckpointNotFoundError,
-    InvalidArgumentError,
-    InvalidStateError,
-    NotFoundError,
-    SandboxError,
-)
+from k3sys.fleet.placement import Placer
+from k3sys.fleet.records import Records
+from k3sys.fleet.sandboxes import Sandboxes
 from k3sys.sandbox.runtime.store import Manifest
 from k3sys.sandbox.spec import CommandResult, SandboxSpec
 from k3sys.sandbox.types import CheckpointInfo, SandboxInfo
 
 
-class _Remote:
+class RemoteHandle:
     """Something a node holds open for the gateway, by handle: a file being read (`Runtime.open_file`'s
     `size`, `read`, `close`) or a directory watch (`WatchHandle`'s `path`, `get_new_events`, `stop`)."""
 
@@ -67,32 +68,31 @@ class _Remote:
 
     stop = close
 
-    def __enter__(self) -> _Remote:
+    def __enter__(self) -> RemoteHandle:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
 
-class _FleetStore:
+class FleetStore:
     """What the service reads of `Runtime.store`: a checkpoint's manifest, the sizes summed over nodes."""
 
-    def __init__(self, fleet: Fleet) -> None:
-        self._fleet = fleet
+    def __init__(self, sandboxes: Sandboxes) -> None:
+        self._sandboxes = sandboxes
 
     def get(self, ck: str) -> Manifest:
-        m = self._fleet.members.get(self._fleet.holder(ck))
-        return unwrap(lambda: ray.get(m.handle.manifest.remote(ck)), m.name)
+        return self._sandboxes.manifest(ck)
 
     def stats(self) -> dict[str, int]:
         out: dict[str, int] = {}
-        for s in ray.get([m.handle.store_stats.remote() for m in self._fleet.members.live()]):
+        for s in ray.get([m.handle.store_stats.remote() for m in self._sandboxes.members.live()]):
             for k, v in s.items():
                 out[k] = out.get(k, 0) + v
         return out
 
 
-class Fleet(Commands, Moves):
+class Fleet:
     """Sandboxes of every node of a Ray cluster; see the module docstring."""
 
     def __init__(self, address: str | None = None, config: FleetConfig | None = None) -> None:
@@ -100,106 +100,35 @@ class Fleet(Commands, Moves):
         if not ray.is_initialized():
             ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
         self.config = config or FleetConfig()
-        self._mu = threading.RLock()
-        self._where: dict[str, str | None] = {}  # sandbox id -> node (None: on a lost node)
-        self._last: dict[str, SandboxInfo] = {}  # sandbox id -> latest info seen
-        self._fresh: dict[str, float] = {}  # sandbox id -> when (monotonic s) its info was last seen
-        self._claimed: set[str] = set()  # ids of creates in flight
-        self._placing = threading.Lock()
-        self._holders: dict[str, set[str]] = {}  # checkpoint id -> live nodes whose store has it
-        self.transfers: deque[Transfer] = deque(maxlen=1000)
-        self.store = _FleetStore(self)
-        self._commands_init()
-        self.members = Members(self.config.heartbeat_s, self.config.lost_after_s, self._joined, self._lost)
-
-    # --- tables ------------------------------------------------------------------------------------
+        self.records = Records()
+        self.members = Members(self.config.heartbeat_s, self.config.lost_after_s, self._joined, self.records.lost)
+        self.placer = Placer(self.members, self.config.policy)
+        self.sandboxes = Sandboxes(self.config, self.members, self.records, self.placer)
+        self.commands = Commands(self.members, self.records.node_of)
+        self.moves = Moves(self.config, self.members, self.sandboxes)
+        self.transfers: deque[Transfer] = self.moves.transfers
+        self.store = FleetStore(self.sandboxes)
 
     def _joined(self, m: Member) -> None:
         infos = unwrap(lambda: ray.get(m.handle.call.remote("list")), m.name)
         cks = unwrap(lambda: ray.get(m.handle.checkpoint_ids.remote()), m.name)
-        with self._mu:
-            for i in infos:
-                self._note(m.name, i)
-            for ck in cks:
-                self._holders.setdefault(ck, set()).add(m.name)
-
-    def _lost(self, name: str, why: str) -> None:
-        with self._mu:
-            for holders in self._holders.values():
-                holders.discard(name)
-            for sid, node in list(self._where.items()):
-                if node != name:
-                    continue
-                self._where[sid] = None
-                last = self._last[sid]
-                if last.state == "hibernated" and self._holders.get(last.head or ""):
-                    continue  # resumable from another node's copy
-                self._last[sid] = dataclasses.replace(last, state="lost", reason=f"node {name} lost: {why}")
-
-    def _placed(self, node: str, info: SandboxInfo) -> SandboxInfo:
-        """`_note` a sandbox a placement put on `node`, its create done (`Members.settle`)."""
-        self.members.settle(node, info.id, info.spec.memory_mb)
-        return self._note(node, info)
-
-    def _note(self, node: str, info: SandboxInfo) -> SandboxInfo:
-        with self._mu:
-            self._where[info.id] = node
-            self._last[info.id] = info
-            self._fresh[info.id] = time.monotonic()
-        return info
-
-    def _seen(self, sid: str, **changes: Any) -> None:
-        """Record a change the fleet made to sandbox `sid` (its state, head) without asking its node."""
-        with self._mu:
-            if sid in self._last:
-                self._last[sid] = dataclasses.replace(self._last[sid], **changes)
-                self._fresh[sid] = time.monotonic()
-
-    def _forget(self, sid: str) -> None:
-        with self._mu:
-            self._where.pop(sid, None)
-            self._last.pop(sid, None)
-            self._fresh.pop(sid, None)
+        self.records.joined(m.name, infos, cks)
 
     def node_of(self, sid: str) -> str:
         """The node sandbox `sid` lives on; InvalidStateError if that node is lost."""
-        with self._mu:
-            if sid in self._where:
-                node = self._where[sid]
-                if node is not None:
-                    return node
-                last = self._last[sid]
-                raise InvalidStateError(f"sandbox {sid} is {last.state} ({last.reason or 'its node is lost'})")
-        raise NotFoundError(f"no sandbox {sid!r}")
+        return self.records.node_of(sid)
 
     def holder(self, ck: str, prefer: str | None = None) -> str:
         """A live node whose store holds checkpoint `ck` (`prefer` if it does)."""
-        with self._mu:
-            holders = sorted(self._holders.get(ck, ()))
-        if not holders:
-            self.checkpoints()  # a checkpoint made behind the gateway's back
-            with self._mu:
-                holders = sorted(self._holders.get(ck, ()))
-        if not holders:
-            raise CheckpointNotFoundError(f"no checkpoint {ck!r} on any live node")
-        return prefer if prefer in holders else holders[0]
-
-    def _held(self, ck: str, node: str) -> None:
-        with self._mu:
-            self._holders.setdefault(ck, set()).add(node)
+        return self.sandboxes.holder(ck, prefer)
 
     def nodes(self) -> dict[str, Any]:
         """Each live node's latest `NodeStats`, and each lost node's reason."""
         return {**{m.name: m.view for m in self.members.live()}, **self.members.lost}
 
     def place(self, memory_mb: int, node: str | None = None, exclude: tuple[str, ...] = ()) -> str:
-        """The node a new sandbox goes to (`node` if named), counted in its view until its stats list the sandbox."""
-        with self._placing:  # choose and charge as one step: concurrent creates see each other
-            name = node if node is not None else choose([m.view for m in self.members.live()], memory_mb,
-                                                        self.config.policy, exclude)
-            self.members.get(name)
-            self.members.charge(name, memory_mb)
-        return name
+        """The node a new sandbox goes to (`node` if named), counted in its view until its stats list it."""
+        return self.placer.place(memory_mb, node, exclude)
 
     # --- routing ------------------------------------------------------------------------------------
 
@@ -208,10 +137,10 @@ class Fleet(Commands, Moves):
         if method in BY_SANDBOX:
             return lambda sid, *args: self.members.call(self.node_of(sid), method, sid, *args)
         if method in NEW_COMMAND:
-            return lambda sid, *args: self._new_command(method, sid, *args)
+            return lambda sid, *args: self.commands.new_command(method, sid, *args)
         if method in BY_COMMAND:
             def by_command(cid: str, *args: Any) -> Any:
-                own, node = self._split(cid)
+                own, node = self.commands.split(cid)
                 return self.members.call(node, method, own, *args)
             return by_command
         raise AttributeError(method)
@@ -221,16 +150,16 @@ class Fleet(Commands, Moves):
         return self.members.call(self.node_of(sid), "run", sid, cmd, timeout, cwd, env, stdin)
 
     def stream_command(self, cid: str) -> Iterator[tuple[str, str]]:
-        own, node = self._split(cid)
+        own, node = self.commands.split(cid)
         m = self.members.get(node)
         for ref in m.handle.stream_command.options(num_returns="streaming").remote(own):
             yield unwrap(lambda ref=ref: ray.get(ref), node)
 
-    def open_file(self, sid: str, path: str, user: str | None = None) -> _Remote:
+    def open_file(self, sid: str, path: str, user: str | None = None) -> RemoteHandle:
         node = self.node_of(sid)
         m = self.members.get(node)
         h, size = unwrap(lambda: ray.get(m.handle.open_file.remote(sid, path, user)), node)
-        return _Remote(m.handle, node, h, size=size)
+        return RemoteHandle(m.handle, node, h, size=size)
 
     def write_file(self, sid: str, path: str, data: bytes | str | BinaryIO, user: str | None = None,
                    xattrs: dict[str, bytes] | None = None) -> int:
@@ -238,127 +167,109 @@ class Fleet(Commands, Moves):
         body = data.read() if hasattr(data, "read") else data
         return self.members.call(self.node_of(sid), "write_file", sid, path, body, user, xattrs)
 
-    def watch_dir(self, sid: str, path: str, recursive: bool = False, *more: Any) -> _Remote:
+    def watch_dir(self, sid: str, path: str, recursive: bool = False, *more: Any) -> RemoteHandle:
         node = self.node_of(sid)
         m = self.members.get(node)
         h = unwrap(lambda: ray.get(m.handle.watch_dir.remote(sid, path, recursive, *more)), node)
-        return _Remote(m.handle, node, h, path=path, recursive=recursive)
+        return RemoteHandle(m.handle, node, h, path=path, recursive=recursive)
 
-    # --- sandboxes ----------------------------------------------------------------------------------
+    # --- commands (commands.py) ---------------------------------------------------------------------
+
+    def command_pid(self, cid: str) -> int:
+        return self.commands.command_pid(cid)
+
+    def read_command_output(self, cid: str, since: tuple[int, int] = (0, 0),
+                            wait_s: float = LOOK_WAIT_S) -> tuple[bytes, bytes, bool]:
+        return self.commands.read_command_output(cid, since, wait_s)
+
+    def command_exit(self, cid: str) -> Any:
+        return self.commands.command_exit(cid)
+
+    def release_command(self, cid: str) -> None:
+        self.commands.release_command(cid)
+
+    def forget_command(self, cid: str) -> None:
+        self.commands.forget_command(cid)
+
+    def start_followed(self, sid: str, cmd: str | list[str], cwd: str | None = None,
+                       env: dict[str, str] | None = None, user: str | None = None,
+                       stdin: bool | bytes | None = None, pty: tuple[int, int] | None = None
+                       ) -> tuple[str, PolledFollower]:
+        """`Runtime.start_followed` across nodes: the command started on its node, its output looked at."""
+        return self.commands.start_followed(sid, cmd, cwd, env, user, stdin, pty)
+
+    def follow_command(self, cid: str, pos: int = 0) -> PolledFollower:
+        """`Runtime.follow_command` across nodes, from the command's first byte."""
+        return self.commands.follow_command(cid, pos)
+
+    # --- sandboxes (sandboxes.py) -------------------------------------------------------------------
 
     def create(self, spec: SandboxSpec, id: str | None = None, node: str | None = None) -> SandboxInfo:
         """A new sandbox on the node placement picks (or `node`)."""
-        with self._claim(id):
-            name = self.place(spec.memory_mb, node)
-            try:
-                return self._placed(name, self.members.call(name, "create", spec, id))
-            except BaseException:
-                self.members.charge(name, -spec.memory_mb)
-                raise
-
-    @contextlib.contextmanager
-    def _claim(self, sid: str | None) -> Iterator[None]:
-        """Hold id `sid` for a create in flight: ids are unique over the whole fleet."""
-        if sid is not None:
-            with self._mu:
-                if sid in self._where or sid in self._claimed:
-                    raise InvalidArgumentError(f"id: sandbox {sid!r} already exists")
-                self._claimed.add(sid)
-        try:
-            yield
-        finally:
-            with self._mu:
-                self._claimed.discard(sid or "")
+        return self.sandboxes.create(spec, id, node)
 
     def info(self, sid: str) -> SandboxInfo:
-        with self._mu:
-            node, last, seen = self._where.get(sid, ""), self._last.get(sid), self._fresh.get(sid, -1e18)
-        if node is None and last is not None:
-            return last  # on a lost node: what we knew, marked lost (or hibernated, resumable elsewhere)
-        if last is not None and time.monotonic() - seen < self.config.info_ttl_s:
-            return last
-        if not node:
-            raise NotFoundError(f"no sandbox {sid!r}")
-        try:
-            return self._note(node, self.members.call(node, "info", sid))
-        except NodeDiedError:
-            return self._last[sid]  # marked lost (or resumable elsewhere) by now
-        except NotFoundError:
-            self._forget(sid)  # killed on its node behind our back (its timeout)
-            raise
-
-    def _gather(self, method: str) -> dict[str, Any]:
-        """`Runtime.<method>()`'s answer from every live node that gives one, by node name."""
-        refs = {m.name: m.handle.call.remote(method) for m in self.members.live()}
-        out = {}
-        for name, ref in refs.items():
-            with contextlib.suppress(SandboxError):  # a node failing now: the monitor decides whether it is lost
-                out[name] = unwrap(lambda ref=ref: ray.get(ref), name)
-        return out
+        return self.sandboxes.info(sid)
 
     def list(self) -> list[SandboxInfo]:
         """Every sandbox of every live node, and those of lost nodes (state "lost" or "hibernated")."""
-        seen: dict[str, SandboxInfo] = {}
-        for name, infos in self._gather("list").items():
-            for i in infos:
-                seen[i.id] = self._note(name, i)
-        with self._mu:
-            # Not forgotten when missing from their node's answer: a create may have finished after
-            # the node answered. A sandbox gone behind our back is forgotten by `info`.
-            seen |= {sid: self._last[sid] for sid, node in self._where.items() if node is None}
-        return sorted(seen.values(), key=lambda i: (i.created, i.id))
+        return self.sandboxes.list()
 
     def kill(self, sid: str) -> None:
         """Kill the sandbox; one on a lost node is only forgotten (its machine took it)."""
-        with self._mu:
-            known, node, last = sid in self._where, self._where.get(sid), self._last.get(sid)
-        if not known:
-            raise NotFoundError(f"no sandbox {sid!r}")
-        if node is not None:
-            self.members.call(node, "kill", sid)
-            if last is not None and last.state not in ("hibernated", "lost"):  # its memory is free at once
-                self.members.release(node, sid, last.spec.memory_mb)
-        self._forget(sid)
+        self.sandboxes.kill(sid)
 
     def pause(self, sid: str, hibernate: bool = False) -> None:
         """Freeze the sandbox; `hibernate` (E2B's pause): hibernate it, synchronously here: the fleet
         must know the checkpoint to record where it is held and to replicate it."""
         if hibernate:
-            self.hibernate(sid)
-            return
-        self.members.call(self.node_of(sid), "pause", sid)
-        self._seen(sid, state="paused")
+            self.moves.hibernate(sid)
+        else:
+            self.sandboxes.pause(sid)
 
     def checkpoint(self, sid: str) -> CheckpointInfo:
-        node = self.node_of(sid)
-        ck = self.members.call(node, "checkpoint", sid)
-        self._held(ck.id, node)
-        return ck
-
-    # --- checkpoints --------------------------------------------------------------------------------
+        return self.sandboxes.checkpoint(sid)
 
     def checkpoints(self) -> list[CheckpointInfo]:
         """Every checkpoint of every live node (one entry per id, wherever it is held)."""
-        out: dict[str, CheckpointInfo] = {}
-        for name, infos in self._gather("checkpoints").items():
-            for c in infos:
-                out.setdefault(c.id, c)
-                self._held(c.id, name)
-        return sorted(out.values(), key=lambda c: (c.created, c.id))
+        return self.sandboxes.checkpoints()
 
     def get_checkpoint(self, ck: str) -> CheckpointInfo:
-        return self.members.call(self.holder(ck), "get_checkpoint", ck)
+        return self.sandboxes.get_checkpoint(ck)
 
     def delete_checkpoint(self, ck: str) -> None:
-        """Delete `ck` from every live node holding it (refused, as on one node, while a hibernated
-        sandbox needs it)."""
-        self.holder(ck)  # NotFoundError unless a live node holds it
-        with self._mu:
-            nodes = sorted(self._holders.get(ck, ()))
-        for node in nodes:
-            self.members.call(node, "delete_checkpoint", ck)
-            with self._mu:
-                self._holders.get(ck, set()).discard(node)
+        """Delete `ck` from every live node holding it (refused while a hibernated sandbox needs it)."""
+        self.sandboxes.delete_checkpoint(ck)
+
+    # --- moves between nodes (moves.py) -------------------------------------------------------------
+
+    def copy_checkpoint(self, ck: str, node: str) -> Transfer:
+        """Make node `node`'s store hold checkpoint `ck`, pulling only the chunks it lacks from a holder."""
+        return self.moves.copy_checkpoint(ck, node)
+
+    def replicate(self, ck: str, node: str | None = None) -> Transfer:
+        """Copy checkpoint `ck` to `node`, or to a node not holding it yet (placement picks)."""
+        return self.moves.replicate(ck, node)
+
+    def hibernate(self, sid: str) -> CheckpointInfo:
+        return self.moves.hibernate(sid)
+
+    def resume(self, sid: str) -> None:
+        """Thaw or restore the sandbox, on another node (same id) when its own has no room or is lost."""
+        self.moves.resume(sid)
+
+    def migrate(self, sid: str, node: str | None = None) -> SandboxInfo:
+        """Move the sandbox to `node` (placement picks one other than its own if None)."""
+        return self.moves.migrate(sid, node)
+
+    def restore(self, ck: str, id: str | None = None, timeout_s: float | None = None,
+                node: str | None = None) -> SandboxInfo:
+        """A new sandbox from checkpoint `ck` on `node` or the node placement picks (which pulls `ck`)."""
+        return self.moves.restore(ck, id, timeout_s, node)
+
+    def fork(self, sid: str, n: int = 1, nodes: list[str] | None = None) -> list[SandboxInfo]:
+        """`n` copies of the sandbox now; `nodes` names each child's node (moves.py)."""
+        return self.moves.fork(sid, n, nodes)
 
     def close(self) -> None:
         """Stop watching the nodes; they and their sandboxes carry on."""

@@ -14,22 +14,29 @@ node that needs a checkpoint pulls the manifest and only the chunks it lacks fro
 
 Every move leaves the source as it was when it fails: a failed copy changes nothing on the source, and
 a failed restore puts a migrating sandbox back on its source, hibernated (see `_move`).
+
+`Moves` is built on the fleet's `Sandboxes` (placement, records, checkpoints) and its `Members`; it
+keeps the record of recent transfers.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import threading
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
-import ray
-
 from k3sys.fleet.config import FleetConfig
-from k3sys.fleet.members import Members, unwrap
-from k3sys.fleet.placement import choose
-from k3sys.sandbox.errors import CapacityError, InvalidArgumentError, InvalidStateError, SandboxError, UnavailableError
+from k3sys.fleet.members import Members
+from k3sys.fleet.sandboxes import Sandboxes
+from k3sys.sandbox.errors import (
+    CapacityError,
+    InvalidArgumentError,
+    InvalidStateError,
+    NotFoundError,
+    SandboxError,
+    UnavailableError,
+)
 from k3sys.sandbox.spec import MAX_FORK, SandboxSpec, check_number
 from k3sys.sandbox.types import CheckpointInfo, SandboxInfo
 
@@ -46,42 +53,35 @@ class Transfer:
 
 
 class Moves:
-    """See the module docstring; mixed into `Fleet`, whose tables, members and routing (`node_of`,
-    `holder`, `place`, `info`, `_note`, `_placed`, ...) it uses."""
+    """See the module docstring."""
 
-    config: FleetConfig
-    members: Members
-    transfers: deque[Transfer]
-    _mu: threading.RLock
-    _where: dict[str, str | None]
-    _last: dict[str, SandboxInfo]
-    _holders: dict[str, set[str]]
+    def __init__(self, config: FleetConfig, members: Members, sandboxes: Sandboxes) -> None:
+        self.config, self.members, self.sandboxes = config, members, sandboxes
+        self.records, self.placer = sandboxes.records, sandboxes.placer
+        self.transfers: deque[Transfer] = deque(maxlen=1000)  # the latest copies, oldest first
 
     def copy_checkpoint(self, ck: str, node: str) -> Transfer:
         """Make node `node`'s store hold checkpoint `ck`, pulling only the chunks it lacks from a holder."""
-        src = self.holder(ck, prefer=node)
+        src = self.sandboxes.holder(ck, prefer=node)
         if src == node:
             return Transfer(ck, node, node, 0, 0.0)
-        target, source = self.members.get(node), self.members.get(src)
-        moved, seconds = unwrap(lambda: ray.get(target.handle.pull.remote(ck, source.handle)), node)
-        self._held(ck, node)
+        moved, seconds = self.members.invoke(node, "pull", ck, self.members.get(src).handle)
+        self.records.held(ck, node)
         t = Transfer(ck, src, node, moved, seconds)
         self.transfers.append(t)
         return t
 
     def replicate(self, ck: str, node: str | None = None) -> Transfer:
         """Copy checkpoint `ck` to `node`, or to a node not holding it yet (placement picks)."""
-        with self._mu:
-            holders = tuple(self._holders.get(ck, ()))
         if node is None:
-            node = choose([m.view for m in self.members.live()], 0, self.config.policy, exclude=holders)
+            node = self.placer.free(exclude=tuple(self.records.holders(ck)))
         return self.copy_checkpoint(ck, node)
 
     def hibernate(self, sid: str) -> CheckpointInfo:
-        node = self.node_of(sid)
+        node = self.records.node_of(sid)
         ck = self.members.call(node, "hibernate", sid)
-        self._held(ck.id, node)
-        self._seen(sid, state="hibernated", head=ck.id)
+        self.records.held(ck.id, node)
+        self.records.seen(sid, state="hibernated", head=ck.id)
         if self.config.replicate_hibernated:
             # Best effort: with no second node (or no room there) the sandbox is hibernated all the same.
             with contextlib.suppress(CapacityError, UnavailableError):
@@ -91,33 +91,35 @@ class Moves:
     def resume(self, sid: str) -> None:
         """Thaw or restore the sandbox; a hibernated one comes back on another node (same id) when its
         own has no room or is lost."""
-        with self._mu:
-            node = self._where.get(sid, "")
+        rec = self.records.get(sid)
+        if rec is None:
+            raise NotFoundError(f"no sandbox {sid!r}")
+        node = rec.node
         if node is None:  # its node is lost: `info` says whether a copy of its checkpoint lives on
-            last = self.info(sid)
+            last = self.sandboxes.info(sid)
             if last.state != "hibernated":
                 raise InvalidStateError(f"sandbox {sid} is {last.state} ({last.reason})")
             self._move(sid, last.spec, last.head or "", None, None)
             return
         # The state as last seen (every change through the fleet updates it) saves a call: a paused
         # sandbox just thaws. If it was hibernated behind our back (its timeout), its node resumes it.
-        last = self._last[sid]
+        last = rec.last
         if last.state == "hibernated" and not self.members.get(node).view.fits(last.spec.memory_mb):
             self._move(sid, last.spec, last.head or "", node, None)
             return
         self.members.call(node, "resume", sid)
-        self._seen(sid, state="running")
+        self.records.seen(sid, state="running")
 
     def migrate(self, sid: str, node: str | None = None) -> SandboxInfo:
         """Move the sandbox to `node` (placement picks one other than its own if None): hibernated on its
         node if live, restored on the target with the same id and processes, then forgotten at the source."""
-        src = self.node_of(sid)
+        src = self.records.node_of(sid)
         if node == src:
             raise InvalidArgumentError(f"node: sandbox {sid} is on {src} already")
         info = self.members.call(src, "info", sid)  # its node's word: the move needs its latest head
         if info.state in ("running", "paused"):
             ck = self.members.call(src, "hibernate", sid)
-            self._held(ck.id, src)
+            self.records.held(ck.id, src)
             info = dataclasses.replace(info, state="hibernated", head=ck.id)
         elif info.state != "hibernated":
             raise InvalidStateError(f"cannot migrate sandbox {sid}: it is {info.state}")
@@ -131,7 +133,7 @@ class Moves:
         (cgroups `k3sys-<id>`), so on a machine running two nodes (tests, a big host split in two)
         dropping it afterwards would take the new sandbox's cgroup. A failed restore puts the
         sandbox back on the source, hibernated, from the same checkpoint."""
-        target = self.place(spec.memory_mb, node, exclude=(src,) if src else ())
+        target = self.placer.place(spec.memory_mb, node, exclude=(src,) if src else ())
         try:
             self.copy_checkpoint(ck, target)
             if src is not None:
@@ -147,18 +149,18 @@ class Moves:
         except BaseException:
             self.members.charge(target, -spec.memory_mb)
             raise
-        return self._placed(target, new)
+        return self.sandboxes.placed(target, new)
 
     def restore(self, ck: str, id: str | None = None, timeout_s: float | None = None,
                 node: str | None = None) -> SandboxInfo:
         """A new sandbox from checkpoint `ck` on `node` or the node placement picks (which pulls `ck`)."""
-        with self._claim(id):
+        with self.records.claim(id):
             # NotFoundError before any placement if no live node holds it
-            memory_mb = int(self.store.get(ck).meta.get("spec", {}).get("memory_mb", 512))
-            target = self.place(memory_mb, node)
+            memory_mb = int(self.sandboxes.manifest(ck).meta.get("spec", {}).get("memory_mb", 512))
+            target = self.placer.place(memory_mb, node)
             try:
                 self.copy_checkpoint(ck, target)
-                return self._placed(target, self.members.call(target, "restore", ck, id, timeout_s))
+                return self.sandboxes.placed(target, self.members.call(target, "restore", ck, id, timeout_s))
             except BaseException:
                 self.members.charge(target, -memory_mb)
                 raise
@@ -166,21 +168,22 @@ class Moves:
     def fork(self, sid: str, n: int = 1, nodes: list[str] | None = None) -> list[SandboxInfo]:
         """`n` copies of the sandbox now; `nodes` names each child's node (see the module docstring)."""
         check_number("n", n, 1, MAX_FORK, "children", integer=True)
-        src = self.node_of(sid)
-        mb = self.info(sid).spec.memory_mb
+        src = self.records.node_of(sid)
+        mb = self.sandboxes.info(sid).spec.memory_mb
         if nodes is None and self.members.get(src).view.fits(n * mb):
             nodes = [src] * n
         if nodes is not None and len(nodes) != n:
             raise InvalidArgumentError(f"nodes: expected {n} node names, got {len(nodes)}")
-        placed = [self.place(mb, x) for x in nodes] if nodes is not None else [self.place(mb) for _ in range(n)]
+        place = self.placer.place
+        placed = [place(mb, x) for x in nodes] if nodes is not None else [place(mb) for _ in range(n)]
         kids: list[SandboxInfo] = []
         try:
             here = placed.count(src)
             if here:
-                kids += [self._placed(src, k) for k in self.members.call(src, "fork", sid, here)]
+                kids += [self.sandboxes.placed(src, k) for k in self.members.call(src, "fork", sid, here)]
             away = [x for x in placed if x != src]
             if away:
-                ck = self.checkpoint(sid).id
+                ck = self.sandboxes.checkpoint(sid).id
                 for target in sorted(set(away)):
                     self.copy_checkpoint(ck, target)
                 with ThreadPoolExecutor(max_workers=min(len(away), 8)) as pool:
@@ -188,7 +191,7 @@ class Moves:
                     errors = []
                     for x, f in futures:
                         try:
-                            kids.append(self._placed(x, f.result()))
+                            kids.append(self.sandboxes.placed(x, f.result()))
                         except SandboxError as e:
                             errors.append(e)
                 if errors:
@@ -196,7 +199,7 @@ class Moves:
         except BaseException:
             for k in kids:
                 with contextlib.suppress(SandboxError):
-                    self.kill(k.id)
+                    self.sandboxes.kill(k.id)
             for x in placed:
                 self.members.charge(x, -mb)
             raise

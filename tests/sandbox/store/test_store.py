@@ -558,13 +558,13 @@ def test_same_data_committed_at_once_is_stored_twice_then_reclaimed(store: Store
     """Two commits racing with the same new chunks both write them; gc() keeps the older copy only."""
     write(shm / "t/pages-1.img", rand(32 * PAGE, 5))
     barrier = threading.Barrier(2)
-    publish = Store._publish_pack
+    publish = store.catalog.publish_pack
 
-    def held(self: Store, writer, name: str) -> None:
+    def held(writer, name: str) -> None:
         barrier.wait(timeout=20)  # both commits have written their packs before either is indexed
-        publish(self, writer, name)
+        publish(writer, name)
 
-    monkeypatch.setattr(Store, "_publish_pack", held)
+    monkeypatch.setattr(store.catalog, "publish_pack", held)
     threads = [threading.Thread(target=store.commit, args=({"t": shm / "t"},), kwargs={"id": i}) for i in "xy"]
     for t in threads:
         t.start()

@@ -1,5 +1,5 @@
-"""`Follower`: packs CRIU's page images while CRIU still writes them (see the class), and `_Packing`,
-what one commit writes into. `Store.follow` makes one; `Store.commit` takes its pack."""
+"""`Follower`: packs CRIU's page images while CRIU still writes them (see the class), and `Packing`,
+what one commit writes into. `Store.follow` makes one; `Commits.commit` takes its pack."""
 
 from __future__ import annotations
 
@@ -15,14 +15,14 @@ from k3sys.sandbox.errors import StoreInputError
 from k3sys.sandbox.runtime.store import chunker
 from k3sys.sandbox.runtime.store.pack import PAGE, PackWriter
 
-# What a follower needs of its store (`Store._pack_window`): chunk, hash and pack one window of a
+# What a follower needs of its store (`Commits._pack_window`): chunk, hash and pack one window of a
 # file into the commit's pack, returning the chunks' digests. Passed in, so this module does not
-# import store.py (which imports it).
-PackWindow = Callable[["_Packing", np.ndarray, int], list[bytes]]
+# import commits.py (which imports it).
+PackWindow = Callable[["Packing", np.ndarray, int], list[bytes]]
 
 
 @dataclasses.dataclass(eq=False)
-class _Packing:
+class Packing:
     """What one commit writes into: its new pack, its read buffers, the digests it packed so far,
     and the files a `Follower` already chunked (path -> (bytes, digests))."""
 
@@ -53,7 +53,7 @@ class Follower:
     MIN_READ = 1 << 20
     NICE = 5
 
-    def __init__(self, lock: contextlib.AbstractContextManager, packing: _Packing, pack_window: PackWindow,
+    def __init__(self, lock: contextlib.AbstractContextManager, packing: Packing, pack_window: PackWindow,
                  directory: str) -> None:
         """`lock`: the store's lock, shared (entered here, left by `take` / `abort`); `packing`: the
         commit's pack; `pack_window`: see `PackWindow`."""
@@ -68,7 +68,7 @@ class Follower:
         self._thread = threading.Thread(target=self._run, name="k3sys-store-follow", daemon=True)
         self._thread.start()
 
-    def take(self) -> _Packing:
+    def take(self) -> Packing:
         """Wait until the files are read to their end (their writer must be done) and hand over the pack."""
         self._finish()
         if self._error is not None:

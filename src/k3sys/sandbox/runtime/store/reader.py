@@ -31,7 +31,7 @@ class FileReader:
         self._mu = threading.Lock()
         self._lock = os.open(store.root / "LOCK", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
-            fcntl.flock(self._lock, fcntl.LOCK_SH)  # as Store._flock(exclusive=False), held until `close`
+            fcntl.flock(self._lock, fcntl.LOCK_SH)  # as Catalog.flock(exclusive=False), held until `close`
         except BaseException:
             os.close(self._lock)
             raise
@@ -77,10 +77,10 @@ class FileReader:
             return []
         cs = e.chunk_size
         out = []
-        for r in self._store.runs(e, self._where, offset // cs, -(-(offset + n) // cs)):
+        for r in self._store.reads.runs(e, self._where, offset // cs, -(-(offset + n) // cs)):
             a, b = max(r.at, offset), min(r.at + r.size, offset + n)
             if not r.zero and a < b:
-                out.append((self._store._open_pack(r.pack, self._fds), r.offset + a - r.at, a, b))
+                out.append((self._store.reads.open_pack(r.pack, self._fds), r.offset + a - r.at, a, b))
         return out
 
     def __enter__(self) -> FileReader:

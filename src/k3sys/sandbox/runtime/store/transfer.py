@@ -16,7 +16,6 @@ cut at any point leaves the target's earlier checkpoints as they were and no hal
 from __future__ import annotations
 
 import os
-import secrets
 from collections.abc import Iterator
 
 import numpy as np
@@ -24,8 +23,9 @@ from blake3 import blake3
 
 from k3sys.sandbox.errors import CheckpointNotFoundError, CorruptStoreError, StoreInputError
 from k3sys.sandbox.runtime.store import chunker
+from k3sys.sandbox.runtime.store.catalog import check_name
 from k3sys.sandbox.runtime.store.manifest import Manifest, decode, encode
-from k3sys.sandbox.runtime.store.store import Store, _check_name
+from k3sys.sandbox.runtime.store.store import Store
 
 
 def export_manifest(store: Store, ck: str) -> bytes:
@@ -50,11 +50,12 @@ def read_chunks(store: Store, ck: str, digests: list[bytes]) -> bytes:
     if unknown:
         raise StoreInputError(f"checkpoint {ck!r} has no chunk {unknown[0].hex()}")
     out = bytearray(sum(lengths[d] for d in digests))
-    with store._flock(exclusive=False):
-        with store._mu:
-            store._refresh()
-            pack, off = store._index.locate(b"".join(digests))
-            paths = {int(p): store._index.packs[int(p)].path for p in set(pack.tolist()) if p >= 0}
+    cat = store.catalog
+    with cat.flock(exclusive=False):
+        with cat.mu:
+            cat.refresh()
+            pack, off = cat.index.locate(b"".join(digests))
+            paths = {int(p): cat.index.packs[int(p)].path for p in set(pack.tolist()) if p >= 0}
         if (pack < 0).any():
             raise CorruptStoreError(f"checkpoint {ck!r}: chunk {digests[int(np.argmax(pack < 0))].hex()} missing")
         fds = {p: os.open(path, os.O_RDONLY | os.O_CLOEXEC) for p, path in paths.items()}
@@ -92,13 +93,13 @@ class Importer:
         """`manifest`: `export_manifest`'s bytes, from the sender."""
         self.store = store
         self.manifest = decode(manifest, "transferred manifest")
-        _check_name("checkpoint id", self.manifest.id)
+        check_name("checkpoint id", self.manifest.id)
         self.lengths = chunk_lengths(self.manifest)
         self.exists = self._stored()
         # Sorted: the sender reads them in this order, and two transfers of one family ask alike.
-        self.needed: list[bytes] = [] if self.exists else sorted(store._index.missing(set(self.lengths)))
+        self.needed: list[bytes] = [] if self.exists else sorted(store.catalog.index.missing(set(self.lengths)))
         self.received = 0  # bytes of chunk data taken in
-        self._name, self._writer = store._new_pack()
+        self._name, self._writer = store.catalog.new_pack()
 
     def _stored(self) -> bool:
         try:
@@ -136,20 +137,20 @@ class Importer:
     def finish(self) -> Manifest:
         """Make the new chunks durable, then publish the manifest; returns it (the stored one if it
         was there already)."""
-        store, m = self.store, self.manifest
+        cat, m = self.store.catalog, self.manifest
         if self.exists:
             self._writer.abort()
-            return store.get(m.id)
-        tmp = os.path.join(store._tdir, f"{m.id}.{secrets.token_hex(4)}.mf")
+            return cat.get(m.id)
+        tmp = cat.temp_manifest(m.id)
         try:
-            with store._flock(exclusive=False):
+            with cat.flock(exclusive=False):
                 if self._writer.rows:
-                    store._publish_pack(self._writer, self._name)
-                lacking = store._index.missing(set(self.lengths))
+                    cat.publish_pack(self._writer, self._name)
+                lacking = cat.index.missing(set(self.lengths))
                 if lacking:
                     raise StoreInputError(f"checkpoint {m.id!r}: {len(lacking)} chunks never arrived "
                                           f"(e.g. {next(iter(lacking)).hex()[:16]})")
-                store._publish_manifest(m, tmp)
+                cat.publish_manifest(m, tmp)
         finally:
             self._writer.abort()
             if os.path.exists(tmp):

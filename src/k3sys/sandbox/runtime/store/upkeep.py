@@ -1,6 +1,7 @@
 """The store's upkeep: `gc` (crash leftovers), `verify` (every chunk against its digest), `compact`
 (rewrite packs mostly dead), `stats` (sizes, read without the lock). The first three take the
-store's lock exclusive; see store.py for the rules they keep."""
+store's lock exclusive; see store.py for the rules they keep. Built on a `Catalog`, whose state they
+judge and prune."""
 
 from __future__ import annotations
 
@@ -10,40 +11,46 @@ import os
 from blake3 import blake3
 
 from k3sys.sandbox.runtime.store import chunker
+from k3sys.sandbox.runtime.store.catalog import Catalog
 from k3sys.sandbox.runtime.store.index import Row
 from k3sys.sandbox.runtime.store.pack import PAGE, fsync_dir
 
 
 class Upkeep:
-    """`Store`'s maintenance operations (see the module docstring); they work on `Store`'s state."""
+    """The store's maintenance operations on `catalog` (see the module docstring); no state of their own."""
+
+    def __init__(self, catalog: Catalog) -> None:
+        self.catalog = catalog
 
     def gc(self) -> dict[str, int]:
         """Remove what interrupted commits and deletes left: temp files and unreferenced packs."""
-        with self._flock(exclusive=True), self._mu:
-            self._refresh()
-            temps = os.listdir(self._tdir)
+        cat = self.catalog
+        with cat.flock(exclusive=True), cat.mu:
+            cat.refresh()
+            temps = os.listdir(cat.tdir)
             for name in temps:
-                os.unlink(os.path.join(self._tdir, name))
-            self._settle()
-            before = len(self._index.packs)
-            freed = self._collect(set(self._index.packs))
-            return {"temp_files": len(temps), "packs": before - len(self._index.packs), "bytes": freed}
+                os.unlink(os.path.join(cat.tdir, name))
+            cat.settle()
+            before = len(cat.index.packs)
+            freed = cat.collect(set(cat.index.packs))
+            return {"temp_files": len(temps), "packs": before - len(cat.index.packs), "bytes": freed}
 
     def verify(self) -> list[str]:
         """Re-hash every stored chunk and check every manifest; return the problems ([] if healthy).
 
         Holds the store's lock exclusively, so commits and checkouts wait until it is done.
         """
-        with self._flock(exclusive=True):
-            with self._mu:
-                self._refresh()
-                self._settle()
+        cat = self.catalog
+        with cat.flock(exclusive=True):
+            with cat.mu:
+                cat.refresh()
+                cat.settle()
             # From here on the exclusive lock keeps every commit, delete and gc (any process) out.
-            index, refs = self._index, self._refs
-            problems = [f"{name}: {why}" for name, why in sorted(self._broken.items())]
+            index, refs = cat.index, cat.refs
+            problems = [f"{name}: {why}" for name, why in sorted(cat.broken.items())]
             problems += [f"leftover temp file tmp/{n} (an interrupted commit; gc() removes it)"
-                         for n in sorted(os.listdir(self._tdir))]
-            for m in sorted(self._manifests.values(), key=lambda m: m.id):
+                         for n in sorted(os.listdir(cat.tdir))]
+            for m in sorted(cat.manifests.values(), key=lambda m: m.id):
                 for name, entries in m.trees.items():
                     for e in entries:
                         missing = [d for d in chunker.split(e.chunks) if d not in index]
@@ -72,20 +79,21 @@ class Upkeep:
         Deleting old checkpoints of a long chain leaves packs mostly dead but kept alive by a few
         pages; this bounds that waste. Holds the lock exclusively. Returns counts and bytes freed.
         """
-        with self._flock(exclusive=True), self._mu:
-            self._refresh()
-            self._settle()
+        cat = self.catalog
+        with cat.flock(exclusive=True), cat.mu:
+            cat.refresh()
+            cat.settle()
             victims: dict[int, list[Row]] = {}
-            for no, p in self._index.packs.items():
-                live = [r for r in self._index.indexed_rows(no) if r[0] in self._refs]
+            for no, p in cat.index.packs.items():
+                live = [r for r in cat.index.indexed_rows(no) if r[0] in cat.refs]
                 if live and sum(n for _, _, n in live) < min_live * p.data_end:
                     victims[no] = live
             if not victims:
                 return {"packs": 0, "bytes": 0}
-            name, writer = self._new_pack()
+            name, writer = cat.new_pack()
             try:
                 for no, live in victims.items():
-                    with open(self._index.packs[no].path, "rb") as f, \
+                    with open(cat.index.packs[no].path, "rb") as f, \
                             mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mm:
                         for d, off, n in live:
                             writer.add([d], mm[off : off + n], PAGE if n == PAGE else n)
@@ -93,41 +101,27 @@ class Upkeep:
                 writer.finish()
             finally:
                 writer.abort()
-            self._index.add(name, writer.rows, writer.offset, os.path.getsize(writer.final_path))
+            cat.index.add(name, writer.rows, writer.offset, os.path.getsize(writer.final_path))
             # The old copies sort first and stay indexed until their packs go; then the new ones take over.
-            before = sum(self._index.packs[no].size for no in victims)
+            before = sum(cat.index.packs[no].size for no in victims)
             for no in victims:
-                os.unlink(self._index.remove(no).path)
-            fsync_dir(self._pdir)
+                os.unlink(cat.index.remove(no).path)
+            fsync_dir(cat.pdir)
             return {"packs": len(victims), "bytes": before - os.path.getsize(writer.final_path)}
 
     def stats(self) -> dict[str, int]:
         """Sizes in bytes and counts: on disk (packs + manifests), logical, unique chunk data."""
-        with self._mu:
-            self._refresh()
-            self._settle()
-            manifest_bytes = sum(os.path.getsize(os.path.join(self._mdir, f"{i}.mf")) for i in self._manifests)
-            packs = self._index.packs
+        cat = self.catalog
+        with cat.mu:
+            cat.refresh()
+            cat.settle()
+            manifest_bytes = sum(os.path.getsize(os.path.join(cat.mdir, f"{i}.mf")) for i in cat.manifests)
+            packs = cat.index.packs
             return {
                 "bytes_on_disk": sum(p.size for p in packs.values()) + manifest_bytes,
-                "bytes_logical": sum(m.bytes_total for m in self._manifests.values()),
-                "bytes_unique": sum(n for no in packs for d, _, n in self._index.indexed_rows(no) if d in self._refs),
-                "chunks": len(self._refs),
+                "bytes_logical": sum(m.bytes_total for m in cat.manifests.values()),
+                "bytes_unique": sum(n for no in packs for d, _, n in cat.index.indexed_rows(no) if d in cat.refs),
+                "chunks": len(cat.refs),
                 "packs": len(packs),
-                "manifests": len(self._manifests),
+                "manifests": len(cat.manifests),
             }
-
-    # ---------------------------------------------------------------- commit and checkout internals
-
-    def _collect(self, candidates: set[int]) -> int:
-        """Delete those of the packs numbered `candidates` that hold the indexed copy of no referenced
-        chunk; return the bytes freed."""
-        dead = [no for no in candidates if not any(d in self._refs for d, _, _ in self._index.indexed_rows(no))]
-        freed = 0
-        for no in dead:
-            p = self._index.remove(no)
-            os.unlink(p.path)
-            freed += p.size
-        if dead:
-            fsync_dir(self._pdir)
-        return freed
