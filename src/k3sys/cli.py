@@ -14,10 +14,10 @@ import click
 import typer
 from typer.core import TyperGroup
 
-from k3sys.demo import PARTS
+from k3sys.demo import PARTS, run_demo  # rich only: the parts are imported as they run
 
 # name -> ("module:attribute", the one-line help `k3sys --help` lists without importing the module).
-# The attribute is a Typer app (a group) or a command function; tests/test_package.py checks that each
+# The attribute is a Typer app (a group) or a command function; tests/test_cli.py checks that each
 # line matches the help of the command it stands for.
 LAZY: dict[str, tuple[str, str]] = {
     "ep": ("k3sys.ep.cli:app", "Expert parallelism: plan redundant experts."),
@@ -77,8 +77,6 @@ def main() -> None:
 def demo(part: Annotated[list[str] | None, typer.Option(
         "--part", help=f"Run only these parts: {', '.join(name for name, _ in PARTS)}.")] = None) -> None:
     """Run the end-to-end tour on small embedded defaults and print the headline figures."""
-    from k3sys.demo import run_demo
-
     names = {name.lower() for name, _ in PARTS}
     if unknown := [p for p in part or [] if p.lower() not in names]:
         typer.echo(f"error: no demo part {', '.join(map(repr, unknown))}; the parts are "
