@@ -1,6 +1,6 @@
 """The sandbox package's shape (issue 12): three rooms with no import cycle, modules a reader takes in
 one sitting, a remote client that loads none of the runtime, and a CLI and server that start without
-torch."""
+torch or ray."""
 
 import ast
 import subprocess
@@ -105,31 +105,54 @@ def test_remote_client_loads_neither_the_runtime_nor_torch_numpy_blake3():
     assert out == "[]"
 
 
-# Imports the module with torch unimportable (a meta-path finder refusing it), as on a `k3sys[sandbox]`
-# node, and prints which of the heavy ML packages got loaded.
+# Imports the modules with torch and ray unimportable (a meta-path finder refusing them), as on a
+# `k3sys[sandbox]` node, and prints which of the heavy packages got loaded; after a "--", runs the
+# `k3sys` command line with the remaining words instead.
 _BLOCKED = """
 import importlib, sys
-class NoTorch:
+class Refuse:
     def find_spec(self, name, path=None, target=None):
-        if name == "torch" or name.startswith("torch."):
-            raise ImportError("torch is blocked in this test")
-sys.meta_path.insert(0, NoTorch())
-for m in sys.argv[1:]:
+        if name.partition(".")[0] in ("torch", "ray"):
+            raise ImportError(name + " is blocked in this test")
+sys.meta_path.insert(0, Refuse())
+args = sys.argv[1:]
+if "--" in args:
+    from k3sys.cli import app
+    app(args[args.index("--") + 1:], prog_name="k3sys")
+for m in args:
     importlib.import_module(m)
-print(sorted(m for m in ("torch", "triton", "matplotlib", "safetensors") if m in sys.modules))
+print(sorted(m for m in ("torch", "ray", "triton", "matplotlib", "safetensors") if m in sys.modules))
 """
 
 
+def _blocked(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", _BLOCKED, *args], capture_output=True, text=True, timeout=120,
+                          env={"PYTHONPATH": str(SRC), "PATH": "/usr/bin:/bin", "COLUMNS": "200"})
+
+
 @pytest.mark.parametrize("module", ["k3sys.cli", "k3sys.sandbox.cli", "k3sys.sandbox.service.server",
-                                    "k3sys.sandbox.runtime.runtime"])
-def test_sandbox_cli_server_and_runtime_start_without_torch(module):
-    r = subprocess.run([sys.executable, "-c", _BLOCKED, module, "k3sys.sandbox"], capture_output=True, text=True,
-                       timeout=120, env={"PYTHONPATH": str(SRC), "PATH": "/usr/bin:/bin"})
+                                    "k3sys.sandbox.runtime.runtime", "k3sys.fleet.cli"])
+def test_sandbox_cli_server_and_runtime_start_without_torch_or_ray(module):
+    r = _blocked(module, "k3sys.sandbox")
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[]"
 
 
-def test_the_blocker_blocks():
-    r = subprocess.run([sys.executable, "-c", _BLOCKED, "k3sys.kda"], capture_output=True, text=True, timeout=120,
-                       env={"PYTHONPATH": str(SRC), "PATH": "/usr/bin:/bin"})
-    assert r.returncode != 0 and "torch is blocked" in r.stderr
+@pytest.mark.parametrize("args", [["--help"], ["sandbox", "--help"], ["sandbox", "keys", "--help"],
+                                  ["fleet", "--help"]])
+def test_the_command_line_starts_without_torch_or_ray(args):
+    r = _blocked("--", *args)
+    assert r.returncode == 0, r.stderr
+    assert "Usage: k3sys" in r.stdout and "Traceback" not in r.stdout + r.stderr
+
+
+def test_the_fleet_without_ray_is_one_line():
+    r = _blocked("--", "fleet", "nodes")
+    assert r.returncode == 1 and r.stdout == ""
+    assert r.stderr.strip() == "error: the fleet needs ray, which is not installed: pip install 'k3sys[fleet]'"
+
+
+@pytest.mark.parametrize("module", ["k3sys.kda", "ray"])
+def test_the_blocker_blocks(module):
+    r = _blocked(module)
+    assert r.returncode != 0 and "is blocked in this test" in r.stderr

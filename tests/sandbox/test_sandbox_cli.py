@@ -95,3 +95,19 @@ def test_exit_code_table():
     assert {exit_code(cls("m")) for cls in EXIT_CODES} == {2, 3, 4, 5, 6, 7}
     assert exit_code(errors.CapacityError("m")) == 6 and exit_code(errors.UnknownTemplateError("m")) == 2
     assert exit_code(errors.CheckpointNotFoundError("m")) == 3 and exit_code(errors.DriverError("m")) == 1
+
+
+def test_a_host_file_that_cannot_be_read_is_one_line(private_root, tmp_path):
+    """`cp /nonexistent sbx:/a` once printed a traceback: a bad host path is a bad argument."""
+    r = CliRunner().invoke(app, ["sandbox", "cp", "--data-dir", str(private_root), str(tmp_path / "nope"), "sbx:/a"])
+    assert r.exit_code == 2 and r.stdout == ""
+    assert r.stderr.strip() == f"error: No such file or directory: {tmp_path / 'nope'}"
+
+
+def test_exec_refuses_an_option_after_the_sid():
+    """`exec SID --timeout 1 sleep 5` once ran `--timeout 1 sleep 5` in the sandbox (`/bin/sh: -c requires an
+    argument`); options go before SID, as in `docker exec`, and one put after it is named."""
+    r = CliRunner().invoke(app, ["sandbox", "exec", "sbx-1", "--timeout", "1", "sleep", "5"])
+    assert r.exit_code == 2 and r.stdout == ""
+    assert r.stderr.strip() == "error: '--timeout' comes after SID: options go before it " \
+                               "(k3sys sandbox exec [OPTIONS] SID COMMAND...)"

@@ -9,25 +9,50 @@
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, NoReturn
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 app = typer.Typer(no_args_is_help=True, add_completion=False,
-                  help="Sandboxes over many machines on Ray (needs k3sys[fleet]).")
+                  help="Sandboxes over many machines on Ray (needs k3sys\\[fleet]).")
 err = Console(stderr=True)
 Address = Annotated[str, typer.Option(help="Ray cluster address (HOST:PORT, or auto: the local `ray start`).")]
 
 
-def _connect(address: str) -> None:
-    import ray
+# How long a HOST:PORT may take to accept a TCP connection before we call the cluster unreachable:
+# ray.init itself retries an unreachable address for minutes.
+CONNECT_TIMEOUT_S = 5.0
 
+
+def _fail(message: str) -> NoReturn:
+    err.print(f"[red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+    raise typer.Exit(1)
+
+
+def connect(address: str) -> None:
+    """Join the Ray cluster at `address` (HOST:PORT, ray://HOST:PORT or auto) as a driver; without ray, or
+    with no cluster answering there within CONNECT_TIMEOUT_S, print one line naming the problem and exit 1."""
+    try:
+        import ray
+    except ImportError:
+        _fail("the fleet needs ray, which is not installed: pip install 'k3sys[fleet]'")
     from k3sys.fleet.node import NAMESPACE
 
-    ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
+    if address != "auto":
+        host, _, port = address.rpartition("://")[2].rpartition(":")
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT_S).close()
+        except (OSError, ValueError) as e:
+            _fail(f"no Ray cluster at {address} (within {CONNECT_TIMEOUT_S:g} s: {e})")
+    try:
+        ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
+    except ConnectionError as e:
+        _fail(f"no Ray cluster at {address} ({str(e).splitlines()[0]}); start one with `ray start --head`")
 
 
 @app.command()
@@ -38,11 +63,11 @@ def node(name: Annotated[str, typer.Option(help="The node's name in the fleet.")
          capacity_mb: Annotated[int | None, typer.Option(help="Memory sandboxes may reserve here, MiB; "
                                                               "default: the host's RAM.")] = None) -> None:
     """Join this machine to the fleet: start its node actor (detached; it outlives this command)."""
+    connect(address)
     from k3sys.fleet.node import start_node
     from k3sys.sandbox.errors import SandboxError
     from k3sys.sandbox.runtime.runtime import default_root
 
-    _connect(address)
     try:
         handle = start_node(name, home or default_root(), capacity_mb=capacity_mb)
     except (SandboxError, ValueError) as e:
@@ -58,9 +83,9 @@ def node(name: Annotated[str, typer.Option(help="The node's name in the fleet.")
 @app.command("nodes")
 def nodes(address: Address = "auto") -> None:
     """The fleet's nodes and what each reports."""
+    connect(address)
     from k3sys.fleet import Fleet
 
-    _connect(address)
     fleet = Fleet()
     t = Table("node", "host", "cpus free", "MiB free", "disk MiB", "sandboxes")
     for name, s in sorted(fleet.nodes().items()):
@@ -84,6 +109,7 @@ def gateway(address: Address = "auto",
             no_auth: Annotated[bool, typer.Option("--no-auth", help="No API key (loopback only).")] = False,
             log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "warning") -> None:
     """Serve the sandbox API (E2B's protocol) over every node of the fleet until SIGINT/SIGTERM."""
+    connect(address)
     from k3sys.fleet.fleet import FleetConfig
     from k3sys.fleet.gateway import gateway_config, serve
     from k3sys.sandbox.errors import SandboxError

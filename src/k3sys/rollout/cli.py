@@ -33,7 +33,7 @@ def rollout(
     api_url: Annotated[str | None, typer.Option(help="Sandbox service to run on (key: K3SYS_API_KEY); default "
                                                      "K3SYS_API_URL, else embedded.")] = None,
     fleet: Annotated[str | None, typer.Option(help="Run on a sandbox fleet: its Ray cluster address (HOST:PORT "
-                                                   "or auto); needs k3sys[fleet].")] = None,
+                                                   "or auto); needs k3sys\\[fleet].")] = None,
     html: Annotated[Path, typer.Option(help="Where to write the HTML report.")] = Path("k3sys-rollout.html"),
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the report as JSON here.")] = None,
     seed: Annotated[int, typer.Option(help="Seed of tasks and think times.")] = 0,
@@ -71,6 +71,9 @@ def rollout(
         else:
             raise InvalidArgumentError(f"policy must be one of {POLICIES}, got {policy!r}")
         if fleet:
+            from k3sys.fleet.cli import connect
+
+            connect(fleet)  # fails fast, naming the address, where Fleet's ray.init would retry for minutes
             from k3sys.fleet import Fleet
 
             factory = default_factory(runtime=Fleet(fleet))

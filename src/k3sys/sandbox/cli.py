@@ -14,7 +14,7 @@ stderr. Exit codes:
 
     0  success                         4  wrong state for the operation (e.g. exec in a paused sandbox)
     1  any other sandbox error         5  API key refused
-    2  bad arguments                   6  the service is at a limit (sandboxes, memory): retry later
+    2  bad arguments (host files too)  6  the service is at a limit (sandboxes, memory): retry later
     3  no such sandbox/checkpoint/file 7  the service (or runtime directory) is unavailable or busy
     exec: the command's own exit code; 124 if it ran past --timeout; 125 if k3sys failed to run it.
 """
@@ -35,6 +35,7 @@ from typing import Annotated, Any
 import typer
 from rich import box
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from k3sys.sandbox.cli_keys import app as keys_app
@@ -170,6 +171,10 @@ def exec_(sid: Annotated[str, typer.Argument(help="Sandbox id.")],
           stream: Annotated[bool, typer.Option(help="Print output as it comes instead of at the end.")] = False,
           api_url: ApiUrl = None, api_key: ApiKey = None, data_dir: DataDir = None) -> None:
     """Run a shell command in a sandbox; exits with its exit code. Options go before SID."""
+    if cmd[0].startswith("-"):  # an option after SID would become the command (as in `docker exec`)
+        err.print(f"[red]error:[/] {escape(repr(cmd[0]))} comes after SID: options go before it "
+                  "(k3sys sandbox exec [OPTIONS] SID COMMAND...)", highlight=False)
+        raise typer.Exit(2)
     variables = _split_env(env)
     with _backend(api_url, api_key, data_dir, failure_code=EXEC_FAILED) as rt:
         s = Sandbox(rt, sid)
@@ -225,7 +230,7 @@ def cp(src: Annotated[str, typer.Argument(help="SID:/path or a host path ('-': s
     s_src, s_dst = _sandbox_path(src), _sandbox_path(dst)
     if (s_src is None) == (s_dst is None):
         raise typer.BadParameter("exactly one of SRC and DST must be SID:/path")
-    with _backend(api_url, api_key, data_dir) as rt:
+    with _host_errors(), _backend(api_url, api_key, data_dir) as rt:
         if s_dst is not None:
             with contextlib.nullcontext(sys.stdin.buffer) if src == "-" else open(src, "rb") as f:
                 n = Sandbox(rt, s_dst[0]).files.write(s_dst[1], f)
@@ -237,6 +242,16 @@ def cp(src: Annotated[str, typer.Argument(help="SID:/path or a host path ('-': s
             else:
                 Path(dst).write_bytes(data)
                 err.print(f"{len(data)} bytes -> {dst}")
+
+
+@contextlib.contextmanager
+def _host_errors() -> Iterator[None]:
+    """A host file that cannot be opened is a bad argument (exit 2): one line naming it, no traceback."""
+    try:
+        yield
+    except OSError as e:
+        err.print(f"[red]error:[/] {escape(f'{e.strerror or e}: {e.filename}')}", highlight=False)
+        raise typer.Exit(2) from None
 
 
 def _each(verb: str, sids: list[str], api_url: str | None, api_key: str | None, data_dir: Path | None) -> None:
