@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 
 import pytest
+from waiting import wait_until
 
 from k3sys.rollout import RolloutEngine, ScriptedPolicy, Task, default_factory
 from k3sys.rollout.tasks import start_service
@@ -71,11 +72,10 @@ def test_sandbox_sleeps_while_the_policy_thinks(rt, pause_policy):
 
     def probe(ctx):
         sbx = engine.sandbox(ctx.episode)
-        deadline = time.monotonic() + 10
-        while pause_policy == "hibernate" and sbx.state != "hibernated" and time.monotonic() < deadline:
-            time.sleep(0.02)
+        if pause_policy == "hibernate":
+            wait_until(lambda: sbx.state == "hibernated", 10, "the paused episode's hibernation", step=0.02)
         cpu0 = sbx.cpu_seconds()
-        time.sleep(0.4)
+        time.sleep(0.4)  # "no CPU while paused" needs a window (a running sandbox uses some within it)
         seen.append((sbx.state, sbx.cpu_seconds() - cpu0, sbx.memory_bytes()))
 
     engine = RolloutEngine(LogPolicy(probe), default_factory(rt, memory_mb=64), pause_policy)
