@@ -10,7 +10,6 @@ import contextlib
 import socket
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +19,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sandbox"))  # sandbox_fixtures
 
 from sandbox_fixtures import MISSING, leftovers  # noqa: E402
+from waiting import wait_until
 
 ray = pytest.importorskip("ray", reason="the fleet needs ray: pip install 'k3sys[fleet]'")
 
@@ -108,10 +108,7 @@ def gateway(fleet, tmp_path_factory) -> Iterator[str]:
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline, "the gateway did not start"
-        time.sleep(0.05)
+    wait_until(lambda: server.started, 30, "the gateway starting", step=0.05)
     yield f"http://127.0.0.1:{port}"
     server.should_exit = True
     thread.join(30)

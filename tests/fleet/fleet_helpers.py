@@ -5,29 +5,23 @@ from __future__ import annotations
 import os
 import time
 
+from waiting import wait_until
+
 from k3sys.sandbox.spec import SandboxSpec
 
 COUNTER = "i=0; while true; do i=$((i+1)); echo $i > /tmp/c; sleep 0.05; done"
 
 
 def count(fleet, sid: str) -> int:
-    deadline = time.monotonic() + 10
-    while True:
-        text = fleet.run(sid, "cat /tmp/c 2>/dev/null").stdout.strip()
-        if text:
-            return int(text)
-        assert time.monotonic() < deadline, f"no counter in {sid}"
-        time.sleep(0.05)
+    return int(wait_until(lambda: fleet.run(sid, "cat /tmp/c 2>/dev/null").stdout.strip(), 10, f"a counter in {sid}",
+                          step=0.05))
 
 
 def runs_on(fleet, sid: str, after: int) -> int:
     """The counter of `sid` now, checked to have gone on from `after` (no restart from 0)."""
     now = count(fleet, sid)
     assert now >= after, (sid, after, now)
-    deadline = time.monotonic() + 10
-    while count(fleet, sid) <= now:
-        assert time.monotonic() < deadline, f"counter of {sid} stopped at {now}"
-        time.sleep(0.05)
+    wait_until(lambda: count(fleet, sid) > now, 10, f"the counter of {sid} going past {now}", step=0.05)
     return now
 
 

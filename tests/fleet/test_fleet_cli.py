@@ -6,10 +6,10 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from waiting import wait_until
 
 pytestmark = pytest.mark.timeout(300)
 SRC = str(Path(__file__).resolve().parents[2] / "src")
@@ -30,10 +30,8 @@ def test_node_joins_by_affinity_and_nodes_lists_it(cluster, fleet, tmp_path):
     assert r.returncode == 0, r.stderr
     assert "node extra on" in r.stderr and "1024 MiB free" in r.stderr
     try:
-        deadline = time.monotonic() + 10
-        while not hasattr(fleet.nodes().get("extra"), "pid"):  # the running gateway's fleet finds it
-            assert time.monotonic() < deadline, "the new node never joined"
-            time.sleep(0.1)
+        # The running gateway's fleet finds it.
+        wait_until(lambda: hasattr(fleet.nodes().get("extra"), "pid"), 10, "the new node joining", step=0.1)
         r = k3sys("fleet", "nodes", "--address", address)
         assert r.returncode == 0, r.stderr
         for name in ("n0", "n1", "n2", "extra"):
@@ -44,10 +42,8 @@ def test_node_joins_by_affinity_and_nodes_lists_it(cluster, fleet, tmp_path):
         assert bad.returncode != 0 and "node name" in bad.stderr
     finally:
         stop_node("extra", kill_sandboxes=True)
-    deadline = time.monotonic() + 10
-    while not isinstance(fleet.nodes().get("extra"), str):  # lost: the other tests see only n0-n2
-        assert time.monotonic() < deadline, "the stopped node was not lost"
-        time.sleep(0.1)
+    # Lost: the other tests see only n0-n2.
+    wait_until(lambda: isinstance(fleet.nodes().get("extra"), str), 10, "the stopped node lost", step=0.1)
 
 
 def test_rollout_cli_runs_on_the_fleet(cluster, fleet, tmp_path):

@@ -11,12 +11,14 @@ import time
 
 import pytest
 from fleet_helpers import count, counting_sandbox, runs_on
+from waiting import wait_until
 
 from k3sys.sandbox import Sandbox
 from k3sys.sandbox.errors import InvalidStateError, NotFoundError, SandboxError, UnavailableError
 from k3sys.sandbox.spec import SandboxSpec
 
-LOST_WITHIN_S = 10.0
+# lost_after_s (4 s, conftest.py) and a heartbeat (0.5 s), with room for a loaded machine's late heartbeats and calls.
+LOST_WITHIN_S = 20.0
 
 
 def state(fleet, sid: str) -> str:
@@ -29,10 +31,7 @@ def state(fleet, sid: str) -> str:
 
 def test_node_loss(cluster, fleet, gateway):
     cluster.add("n3", cluster.homes["n0"].parent)
-    deadline = time.monotonic() + 10
-    while not hasattr(fleet.nodes().get("n3"), "pid"):
-        assert time.monotonic() < deadline, "n3 never joined"
-        time.sleep(0.1)
+    wait_until(lambda: hasattr(fleet.nodes().get("n3"), "pid"), 10, "n3 joining", step=0.1)
     running = [fleet.create(SandboxSpec(memory_mb=128), node="n3").id for _ in range(2)]
     hib = counting_sandbox(fleet, "n3")
     at_hibernate = count(fleet, hib)
@@ -48,9 +47,8 @@ def test_node_loss(cluster, fleet, gateway):
         os.kill(fleet.nodes()["n3"].pid, signal.SIGKILL)  # the node actor's process, then the Ray node's
         cluster.cluster.remove_node(cluster.raynodes["n3"], allow_graceful=False)
         t0 = time.monotonic()
-        while state(fleet, running[0]) != "lost":
-            assert time.monotonic() - t0 < LOST_WITHIN_S, "not reported lost in time"
-            time.sleep(0.1)
+        wait_until(lambda: state(fleet, running[0]) == "lost", LOST_WITHIN_S, "the node's sandbox reported lost",
+                   step=0.1)
         print(f"lost after {time.monotonic() - t0:.2f} s")
         for sid in (*running, src):
             info = fleet.info(sid)

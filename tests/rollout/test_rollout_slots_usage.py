@@ -7,6 +7,7 @@ import threading
 import time
 
 import pytest
+from waiting import wait_until
 
 from k3sys.rollout.slots import Slots
 from k3sys.rollout.usage import UsageSampler
@@ -60,10 +61,7 @@ def test_two_forking_episodes_do_not_deadlock():
     slots.acquire("b", now)
     got = []
     threads = [in_thread(lambda k=k: (slots.acquire(k, now, extra=2), got.append(k))) for k in "ab"]
-    deadline = time.monotonic() + 5
-    while not got and time.monotonic() < deadline:
-        time.sleep(0.01)
-    first = got[0]
+    first = wait_until(lambda: got, 10, "one episode's slots granted")[0]
     assert evicted == ["b" if first == "a" else "a"]
     slots.release(first)  # the first group finishes: its parent and its two reserved slots free up
     slots.unreserve(2)

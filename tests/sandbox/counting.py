@@ -5,10 +5,13 @@ module) so that any test imports it by name, whichever folders a run collects.""
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
+from waiting import wait_until
+
 from k3sys.sandbox import Sandbox
+
+wait_for = wait_until  # the older name, which tests still import from here
 
 # A counter held in the shell's memory, written through a descriptor opened once: the log must read
 # 1, 2, 3, ... with no gap and no restart after any operation, which only holds if memory (i), the
@@ -26,22 +29,13 @@ def log_lines(s: Sandbox) -> list[int]:
 
 def assert_counting(s: Sandbox, since: int = 0) -> list[int]:
     """The log is 1..n with nothing missing, and it is still growing past `since`."""
-    deadline = time.monotonic() + 10
-    while True:
+    def grown() -> list[int]:
         got = log_lines(s)
-        if got and got[-1] > since + 2:
-            break
-        assert time.monotonic() < deadline, f"counter stuck at {got[-1:]} (expected past {since})"
-        time.sleep(0.05)
+        return got if got and got[-1] > since + 2 else []
+
+    got = wait_until(grown, 10, f"the counter going past {since}")
     assert got == list(range(1, len(got) + 1)), f"log has gaps or restarts: {got[:5]}...{got[-5:]}"
     return got
-
-
-def wait_for(pred, timeout: float = 20.0, step: float = 0.001) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(step)
 
 
 def criu_running(root: Path) -> bool:

@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from waiting import wait_until
 
 from k3sys.sandbox.errors import (
     AgentError,
@@ -61,14 +62,15 @@ def _agent_in(agent_bin: Path, root: Path, *args: str):
     root.mkdir()
     proc = subprocess.Popen([str(agent_bin), "--socket", str(root / SOCKET), "--ring", str(1 << 20), *args])
     a = Agent(root, pid=lambda: proc.pid, deadlines=Deadlines(10, 10))
-    deadline = time.monotonic() + 10
-    while True:  # the socket file appears at bind(), before listen(): wait for an answer
+
+    def answers() -> bool:  # the socket file appears at bind(), before listen(): wait for an answer
         try:
-            a.ping()
-            break
+            return bool(a.ping())
         except AgentError:
-            assert time.monotonic() < deadline and proc.poll() is None, "the agent did not start"
-            time.sleep(0.005)
+            assert proc.poll() is None, "the agent exited"
+            return False
+
+    wait_until(answers, 10, "the agent answering", step=0.005)
     a.root_dir = root  # type: ignore[attr-defined]
     yield a
     proc.terminate()
@@ -112,12 +114,14 @@ def test_start_of_a_missing_program_is_a_typed_error(agent):
 
 def test_background_output_from_start_and_from_now(agent):
     pid = agent.start("i=0; while :; do echo $i; i=$((i+1)); sleep 0.02; done")
-    time.sleep(0.2)
-    first = b"".join(p[1] for p in agent.output(pid) if isinstance(p, tuple))
+
+    def text(since: int = 0) -> bytes:
+        return b"".join(p[1] for p in agent.output(pid, since) if isinstance(p, tuple))
+
+    first = wait_until(lambda: (t := text()).count(b"\n") >= 3 and t, 10, "three lines of output")
     assert first.startswith(b"0\n1\n2\n")
     pos = len(first)
-    time.sleep(0.1)
-    later = b"".join(p[1] for p in agent.output(pid, pos) if isinstance(p, tuple))
+    later = wait_until(lambda: text(pos), 10, "output past the first read")
     nums = [int(x) for x in (first + later).split()]
     assert nums == list(range(len(nums))), "no gap and no repeat between the two reads"
     assert any(p["pid"] == str(pid) and p["running"] == "1" for p in agent.processes())
@@ -128,21 +132,18 @@ def test_background_output_from_start_and_from_now(agent):
 
 def test_signal_reaches_the_whole_group_and_orphans_are_reaped(agent):
     pid = agent.start("sleep 100 & sleep 100 & wait")
-    time.sleep(0.2)
+    wait_until(lambda: len(_children(pid)) == 2, 10, "both sleeps started")
     agent.signal(pid, 9)
     agent.wait(pid, timeout=5)
-    deadline = time.monotonic() + 5
-    while _children(agent._pid()) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert _children(agent._pid()) == [], "the group's sleeps were killed and reaped, no zombies"
+    wait_until(lambda: _children(agent._pid()) == [], 10, "the group's sleeps killed and reaped (no zombies)")
 
 
 def test_wait_times_out_with_a_typed_error(agent):
-    pid = agent.start(["sleep", "5"])
+    pid = agent.start(["sleep", "60"])
     t0 = time.monotonic()
     with pytest.raises(CommandTimeoutError):
         agent.wait(pid, timeout=0.2)
-    assert time.monotonic() - t0 < 2
+    assert time.monotonic() - t0 < 10  # at its timeout, not the command's end: loose, a loaded machine is slow
     agent.signal(pid, 9)
     with pytest.raises(NotFoundError):
         agent.wait(999999, timeout=1)
@@ -152,12 +153,10 @@ def test_run_timeout_kills_and_keeps_partial_output(agent):
     t0 = time.monotonic()
     with pytest.raises(CommandTimeoutError) as e:
         agent.run("echo started; sleep 30", timeout=0.5)
-    assert time.monotonic() - t0 < 3
+    assert time.monotonic() - t0 < 10  # at its timeout, not the command's end: loose, a loaded machine is slow
     assert e.value.stdout == "started\n"
-    deadline = time.monotonic() + 5
-    while any("sleep 30" in p["cmd"] for p in agent.processes()):  # killed, reaped, released
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    wait_until(lambda: not any("sleep 30" in p["cmd"] for p in agent.processes()), 10,
+               "the timed-out command killed, reaped and released")
 
 
 def test_ring_is_bounded_and_counts_what_it_dropped(agent):
@@ -233,7 +232,9 @@ def test_stdin_write_and_close(agent):
 
 def test_pty_size_resize_and_input(agent):
     pid = agent.start(["sh", "-c", "stty size; read a; stty size; echo got $a"], pty=(30, 100), stdin=True)
-    time.sleep(0.2)
+    # The first `stty size` has answered before the resize (else it could read the new size).
+    wait_until(lambda: any(isinstance(p, tuple) and b"30 100" in p[1] for p in agent.output(pid)), 10,
+               "the first size")
     agent.resize(pid, 40, 120)
     agent.write_stdin(pid, b"hello\n")
     assert agent.wait(pid, timeout=5).exit == 0
@@ -254,13 +255,8 @@ def test_pty_output_is_whole_at_its_end_and_the_master_is_the_relays(agent):
     # A long-lived one: the master is open in its relay only, never in the agent (CRIU's rule).
     pid = agent.start(["cat"], pty=(24, 80), stdin=True)
     agent_pid = agent._pid()
-    deadline = time.monotonic() + 5
-    while True:  # the relay names itself once it runs, maybe after the start's answer
-        relay = [int(c) for c in Path(f"/proc/{agent_pid}/task/{agent_pid}/children").read_text().split()
-                 if Path(f"/proc/{c}/comm").read_text().strip() == "k3sys-pty"]
-        if relay or time.monotonic() > deadline:
-            break
-        time.sleep(0.01)
+    relay = wait_until(lambda: [c for c, _ in _children(agent_pid) if Path(f"/proc/{c}/comm").read_text().strip()
+                                == "k3sys-pty"], 10, "the relay naming itself (maybe after the start's answer)")
     assert len(relay) == 1
 
     def ptmx(p: int) -> int:
@@ -269,10 +265,7 @@ def test_pty_output_is_whole_at_its_end_and_the_master_is_the_relays(agent):
     assert (ptmx(agent_pid), ptmx(relay[0])) == (0, 1)
     agent.close_stdin(pid)  # ^D: cat ends, and so does the relay
     assert agent.wait(pid, timeout=10).exit == 0
-    deadline = time.monotonic() + 5
-    while Path(f"/proc/{relay[0]}").exists():  # ended and reaped by the agent
-        assert time.monotonic() < deadline, "the relay outlived its process"
-        time.sleep(0.01)
+    wait_until(lambda: not Path(f"/proc/{relay[0]}").exists(), 10, "the relay ending with its process (reaped)")
     with pytest.raises(InvalidArgumentError):
         agent.resize(pid, 1, 1)  # ended
 
@@ -454,11 +447,12 @@ def test_fifo_blocks_only_its_request_until_its_timeout(agent, tmp_path):
     t = threading.Thread(target=write)
     t0 = time.monotonic()
     t.start()
-    time.sleep(0.2)
+    time.sleep(0.2)  # the write reaches the agent first; were it late, the checks below are weaker, never wrong
     assert agent.ping()["version"] == "1"  # the agent answers others meanwhile
     assert agent.run(["true"])[1].exit == 0
     t.join(10)
-    assert isinstance(errors[0], CommandTimeoutError) and 0.9 < time.monotonic() - t0 < 5
+    # At its timeout (1 s), not later: the upper bound is loose, a loaded machine is slow.
+    assert isinstance(errors[0], CommandTimeoutError) and 0.9 < time.monotonic() - t0 < 10
     assert (tmp_path / "fifo").is_fifo(), "a FIFO is written, never replaced"
 
 
@@ -468,7 +462,7 @@ def test_gate_cuts_streams_and_they_resume_without_loss(agent):
     ended: list[Exit] = []
     t = threading.Thread(target=lambda: ended.append(agent.follow(pid, out, timeout=20)))
     t.start()
-    time.sleep(0.2)
+    wait_until(lambda: out.text("stdout"), 10, "the follower's first output")
     assert agent.close_gate(grace=0.05)  # the follower is cut
     agent.quiesce()  # and the agent drops its socket
     host_side = [c for c in _children(agent._pid()) if c[0] != pid]
@@ -507,7 +501,7 @@ def test_a_stopped_agent_fails_every_call_within_its_deadline(agent):
             t0 = time.monotonic()
             with pytest.raises(AgentTimeoutError, match="sandbox sbx-x's agent did not answer"):
                 call()
-            assert time.monotonic() - t0 < limit + 3
+            assert time.monotonic() - t0 < limit + 5  # no hang; loose, a loaded machine is slow
         # Its backlog full (connections it never accepted), a connect waits no longer than an answer.
         held = []
         with contextlib.ExitStack() as stack:
@@ -522,7 +516,7 @@ def test_a_stopped_agent_fails_every_call_within_its_deadline(agent):
             t0 = time.monotonic()
             with pytest.raises(AgentTimeoutError, match="backlog"):
                 quick.ping()
-            assert time.monotonic() - t0 < 1.0 + 3
+            assert time.monotonic() - t0 < 1.0 + 5
     assert quick.ping()["version"] == "1"  # going again once it runs
 
 
@@ -534,7 +528,7 @@ def test_silence_is_probed_not_failed_and_a_frozen_agent_counts_as_answering(age
     got: list = []
     t = threading.Thread(target=lambda: got.append(quick.run("sleep 0.3; echo thawed")))
     t.start()
-    time.sleep(0.1)
+    wait_until(lambda: any("sleep 0.3" in p["cmd"] for p in agent.processes()), 10, "the call under way")
     frozen.set()  # as the freezer would: the agent stops, by design
     with _stopped(agent._pid()):
         time.sleep(1.5)  # probes and answer deadlines pass: none fails the call

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from waiting import wait_until
 
 from k3sys.sandbox import Runtime, Sandbox
 
@@ -143,24 +144,16 @@ def test_a_foreground_job_in_a_tty_holding_shell_fails_the_checkpoint_cleanly(pr
         pid = agent.start(["sh", "-i"], pty=(24, 80), stdin=True)
         sh = Kind("pty", pid)
         agent.write_stdin(pid, b"X=42; head -n 1; echo fg-done\n")  # `head`: a foreground job
-        deadline = time.monotonic() + 10
-        while True:  # until the terminal's foreground group (tpgid, in the shell's stat) is the job's
-            stat = s.commands.run(f"cat /proc/{pid}/stat").stdout
-            if int(stat.rsplit(")", 1)[1].split()[5]) not in (pid, -1):
-                break
-            assert time.monotonic() < deadline, stat
-            time.sleep(0.05)
+        # Until the terminal's foreground group (tpgid, in the shell's stat) is the job's.
+        wait_until(lambda: int(s.commands.run(f"cat /proc/{pid}/stat").stdout.rsplit(")", 1)[1].split()[5])
+                   not in (pid, -1), 10, "the foreground job owning the terminal", step=0.05)
         with pytest.raises(SandboxError, match="ctty"):
             s.checkpoint()
         assert s.commands.run("echo alive").stdout == "alive\n"
         agent.write_stdin(pid, b"go\n")  # the job ends: the shell is in the foreground again
-        deadline = time.monotonic() + 10
-        while b"\nfg-done\n" not in sh.output(rt, s.id):  # its output, not the typed line's echo
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        # Its output, not the typed line's echo.
+        wait_until(lambda: b"\nfg-done\n" in sh.output(rt, s.id), 10, "the job's end", step=0.05)
         s.checkpoint()
         agent.write_stdin(pid, b"echo val=$X\n")
-        deadline = time.monotonic() + 10
-        while b"val=42" not in sh.output(rt, s.id):
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        wait_until(lambda: b"val=42" in sh.output(rt, s.id), 10, "the shell's variable after the checkpoint",
+                   step=0.05)

@@ -12,6 +12,7 @@ from pathlib import Path
 from unittest import mock
 
 import pytest
+from waiting import wait_until
 
 from k3sys.sandbox import Sandbox
 from k3sys.sandbox.errors import (
@@ -35,13 +36,11 @@ def numbers(rt, cid: str) -> list[int]:
 
 def assert_counting(rt, cid: str, since: int = 0) -> int:
     """The command's whole output reads 1..n, no gap or repeat, and it still grows past `since`."""
-    deadline = time.monotonic() + 15
-    while True:
+    def grown() -> list[int]:
         got = numbers(rt, cid)
-        if got and got[-1] > since + 2:
-            break
-        assert time.monotonic() < deadline, f"counter stuck at {got[-1:]} (expected past {since})"
-        time.sleep(0.05)
+        return got if got and got[-1] > since + 2 else []
+
+    got = wait_until(grown, 15, f"the counter going past {since}", step=0.05)
     assert got == list(range(1, len(got) + 1)), f"gaps or restarts: {got[:3]}...{got[-3:]}"
     return got[-1]
 
@@ -84,7 +83,7 @@ def test_output_stream_pauses_through_a_checkpoint(rt):
         got: list[str] = []
         t = threading.Thread(target=lambda: got.extend(text for _, text in h.stream()))
         t.start()
-        time.sleep(0.3)
+        wait_until(lambda: got, 10, "the stream's first output")  # the checkpoint cuts a stream under way
         s.checkpoint()
         t.join(30)
         assert [int(x) for x in "".join(got).split()] == list(range(1, 81))
@@ -137,12 +136,12 @@ def test_kill_is_quick_while_a_fifo_write_is_pending(rt):
 
     t = threading.Thread(target=write)
     t.start()
-    time.sleep(0.5)
+    time.sleep(0.5)  # the write reaches the agent first; were it late, the checks below are weaker, never wrong
     assert s.commands.run("echo ok").stdout == "ok\n", "the FIFO blocks only its own request"
     t0 = time.monotonic()
     s.kill()
-    assert time.monotonic() - t0 < 2
-    t.join(5)
+    assert time.monotonic() - t0 < 10  # not held by the pending write; loose, a loaded machine is slow
+    t.join(10)
     assert not t.is_alive() and isinstance(errors[0], AgentError | SandboxError)
     assert s not in Sandbox.list(runtime=rt)
 
@@ -155,7 +154,7 @@ def test_output_is_bounded_inside_the_sandbox(rt):
     with Sandbox.create(runtime=rt) as s:
         peak0 = _rss_mib()
         h = s.commands.run("cat /dev/zero", background=True)
-        time.sleep(5)
+        time.sleep(5)  # the behaviour: 5 s of `cat /dev/zero`, gigabytes a server that kept them would hold
         assert h.running
         assert _rss_mib() - peak0 < 64, "the server holds none of a background command's output"
         h.kill()
@@ -191,10 +190,7 @@ def test_pty_shell_keeps_its_variables_and_size_through_a_checkpoint(rt):
             return b"".join(p[1] for p in agent.output(pid) if isinstance(p, tuple)).replace(b"\r", b"")
 
         def until(text: bytes) -> None:
-            deadline = time.monotonic() + 10
-            while text not in screen():
-                assert time.monotonic() < deadline, screen()[-200:]
-                time.sleep(0.05)
+            wait_until(lambda: text in screen(), 10, f"{text!r} on the screen", step=0.05)
 
         agent.write_stdin(pid, b"X=42; stty size; echo val=$X\n")
         until(b"30 100\nval=42")

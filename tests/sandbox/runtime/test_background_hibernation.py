@@ -48,9 +48,10 @@ def test_pause_answers_frozen_and_hibernates_behind(private_root, leak_check):
         answered = time.perf_counter() - t0
         info = s.info
         assert (info.state, info.then_hibernate, info.head) == ("paused", True, None)  # nothing durable yet
-        assert answered < 0.5, f"pause took {answered:.3f} s"
+        # The dump is not waited for (the state above says so); the bound is loose, a loaded machine is slow.
+        assert answered < 3, f"pause took {answered:.3f} s"
         cpu = s.cpu_seconds()
-        time.sleep(0.3)
+        time.sleep(0.3)  # "no CPU" needs a window: a running counter uses some within it, a frozen one none
         assert s.cpu_seconds() == cpu  # frozen: no CPU at all
         with pytest.raises(InvalidStateError):
             s.pause(hibernate=True)  # a second pause while paused is refused
@@ -74,11 +75,15 @@ def test_resume_before_the_dump_is_a_thaw(private_root):
         t0 = time.perf_counter()
         s.resume()
         thaw = time.perf_counter() - t0
-        assert thaw < 0.5, f"a thaw took {thaw:.3f} s"
+        assert thaw < 3, f"a thaw took {thaw:.3f} s"  # no restore (the pid says so); loose under load
         assert rt.driver.init_pid(s.id) == init  # the same processes: nothing was restored
         assert (s.state, s.info.then_hibernate) == ("running", False)
-        time.sleep(2.5)  # past the delay: the dropped job never ran
-        assert s.state == "running" and rt.checkpoints() == []
+        # A later job, due after the dropped one, has run: had the dropped one stayed queued, it was due too.
+        marker = Sandbox.create(runtime=rt, memory_mb=128)
+        marker.pause(hibernate=True)
+        wait_state(marker, "hibernated")
+        assert s.state == "running" and [c.sandbox_id for c in rt.checkpoints()] == [marker.id]
+        marker.kill()
         assert_counting(s)  # 1, 2, 3, ... with no gap
         s.kill()
 
@@ -151,9 +156,9 @@ def test_filesystem_only_resume_finishes_the_hibernation_first(private_root):
         s.pause(hibernate=True)
         rt.resume(s.id, memory=False)  # hibernates now, then boots cold: files kept, processes not
         assert s.state == "running" and s.info.head is not None
-        n = int(s.files.read_text("/tmp/log").split()[-1])
-        time.sleep(0.3)
-        assert int(s.files.read_text("/tmp/log").split()[-1]) == n
+        assert s.files.read_text("/tmp/log")  # the files are kept
+        # The processes are not: asked of the process list (no wait proves that a file stays still).
+        assert "counter.pid" not in s.commands.run("ps -o args").stdout
         assert [p for p in s.commands.list() if p.running] == []
         s.kill()
 

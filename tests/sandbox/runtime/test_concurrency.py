@@ -135,5 +135,5 @@ def test_freeze_while_commands_start(rt, sbx):
     finally:
         stop.set()
         runner.join()
-    assert slowest < 2.0
+    assert slowest < 5.0  # no give-up at the freezer's 10 s settle limit (the bug's mark); loose under load
     assert sbx.commands.run("echo ok").stdout == "ok\n"

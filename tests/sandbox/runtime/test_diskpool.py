@@ -4,10 +4,10 @@ pool stays bounded and gives everything back on close or after a crash."""
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
 import pytest
+from waiting import wait_until
 
 from k3sys.sandbox.runtime.drivers import disk
 from k3sys.sandbox.runtime.drivers.diskpool import DiskPool
@@ -17,10 +17,7 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="loop devices and moun
 
 def _filled(pool: DiskPool, n: int) -> None:
     pool.refill()
-    deadline = time.monotonic() + 20
-    while pool.held() < n:
-        assert time.monotonic() < deadline, f"pool holds {pool.held()} disks, expected {n}"
-        time.sleep(0.01)
+    wait_until(lambda: pool.held() >= n, 20, f"the pool holding {n} disks")
 
 
 def _device_of(target: Path) -> str:

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import os
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
+from waiting import wait_until
 
 from k3sys.sandbox import DriverError, Sandbox
-from k3sys.sandbox.runtime.drivers.gate import Gate
+from k3sys.sandbox.runtime.drivers.gate import NAME, Gate
 from k3sys.sandbox.runtime.drivers.runc import RuncDriver
 from k3sys.sandbox.runtime.system import system_paths
 
@@ -29,11 +29,23 @@ def run(gate: Gate | None, env: dict[str, str] | None = None) -> subprocess.Pope
                             text=True)
 
 
+def at_gate(pids: list[int], fifo: str) -> bool:
+    """Each of `pids` has a gate's FIFO open (it waits there, reading): `fifo` itself, or any of one
+    under directory `fifo`."""
+    def holds(pid: int) -> bool:
+        try:
+            links = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+        except OSError:
+            return False
+        return any(x == fifo or (x.startswith(f"{fifo}/") and x.endswith(f"/{NAME}")) for x in links)
+    return all(holds(p) for p in pids)
+
+
 def test_each_run_waits_for_the_gate_then_is_criu(tmp_path: Path):
     gate = Gate(tmp_path, Path("/bin/echo"))
     try:
         first, second = run(gate), run(gate)
-        time.sleep(0.3)
+        wait_until(lambda: at_gate([first.pid, second.pid], str(gate.path)), 10, "both runs at the gate")
         assert first.poll() is None and second.poll() is None  # held
         gate.open()
         assert [p.communicate(timeout=10) for p in (first, second)] == [("swrk 3\n", "")] * 2
@@ -46,7 +58,7 @@ def test_each_run_waits_for_the_gate_then_is_criu(tmp_path: Path):
 def test_a_gate_closed_unopened_fails_every_run(tmp_path: Path):
     gate = Gate(tmp_path, Path("/bin/echo"))
     waiting = run(gate)
-    time.sleep(0.2)
+    wait_until(lambda: at_gate([waiting.pid], str(gate.path)), 10, "the run at the gate")
     gate.close()
     out, err = waiting.communicate(timeout=10)
     assert waiting.returncode == 1 and out == "" and "called off" in err
@@ -70,7 +82,9 @@ def test_a_restore_that_fails_before_the_gate_leaves_no_runc_behind(rt, monkeypa
         s.hibernate()
 
         def failing(*args, **kwargs):
-            time.sleep(0.1)  # runc is at its gate by now
+            # runc's CRIU at its gate (had it been later, it finds the gate gone and fails the same way).
+            wait_until(lambda: [p for p in filter(str.isdigit, os.listdir("/proc")) if int(p) != os.getpid()
+                                and at_gate([int(p)], str(rt.root))], 10, "runc at its gate")
             raise DriverError("the disk went away")
 
         monkeypatch.setattr(RuncDriver, "_mounts", failing)

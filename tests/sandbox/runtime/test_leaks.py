@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
+from waiting import wait_until
 
 from k3sys.sandbox import Runtime, Sandbox
 
@@ -29,10 +28,7 @@ def test_kill_in_every_state_leaves_nothing(private_root, leak_check):
         assert leak_check(private_root, ids) == []
         assert list((private_root / "layers").iterdir()) == []
         # Image directories are deleted on the runtime's cleanup thread: give it a moment.
-        deadline = time.monotonic() + 10
-        while rt.scratch.exists() and any(rt.scratch.iterdir()):
-            assert time.monotonic() < deadline, f"scratch not emptied: {sorted(rt.scratch.iterdir())}"
-            time.sleep(0.05)
+        wait_until(lambda: not rt.scratch.exists() or not any(rt.scratch.iterdir()), 10, "scratch emptied", step=0.05)
         # Checkpoints are not sandboxes: they stay until deleted, and deleting them frees the store.
         for ck in rt.checkpoints():
             rt.delete_checkpoint(ck.id)

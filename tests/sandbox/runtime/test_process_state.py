@@ -8,6 +8,7 @@ import time
 
 import pytest
 from counting import COUNTER, assert_counting, log_lines
+from waiting import wait_until
 
 from k3sys.sandbox import DriverError, Runtime, Sandbox
 
@@ -31,10 +32,12 @@ def test_counter_survives_every_operation(sbx):
             assert_counting(k, n)
         # Forks run independently: each continues its own copy of the counter.
         k0 = kids[0]
-        assert k0.commands.run("kill $(cat /tmp/counter.pid)").exit_code == 0
+        pid = k0.commands.run("cat /tmp/counter.pid").stdout.strip()
+        assert k0.commands.run(f"kill {pid}").exit_code == 0
+        # Gone (or a zombie): its log is final, asked of the process, not watched for a while.
+        wait_until(lambda: k0.commands.run(f"grep -qv ') Z ' /proc/{pid}/stat 2>/dev/null").exit_code != 0, 10,
+                   "the killed counter ending")
         stopped = log_lines(k0)[-1]
-        time.sleep(0.3)
-        assert log_lines(k0)[-1] == stopped
         assert_counting(kids[1], stopped)
         n = assert_counting(sbx, n)[-1]
     finally:
@@ -97,10 +100,7 @@ def ask(s: Sandbox, k: int) -> tuple[int, int]:
     if s.files.exists("/tmp/resp"):
         s.files.remove("/tmp/resp")
     s.files.write("/tmp/req", str(k))
-    deadline = time.monotonic() + 10
-    while not s.files.exists("/tmp/resp"):
-        assert time.monotonic() < deadline, "no reply over the loopback connection"
-        time.sleep(0.01)
+    wait_until(lambda: s.files.exists("/tmp/resp"), 10, "a reply over the loopback connection")
     reply = s.files.read_text("/tmp/resp").split()
     assert len(reply) == 2, f"connection broken: reply {reply!r}"
     return int(reply[0]), int(reply[1])
@@ -112,10 +112,7 @@ def test_python_processes_keep_memory_and_tcp_connection(rt, debian):
         s.files.write("/srv/server.py", SERVER)
         s.files.write("/srv/client.py", CLIENT)
         s.commands.run("python3 /srv/server.py >/dev/null 2>&1 &")
-        deadline = time.monotonic() + 10
-        while not s.files.exists("/tmp/server-ready"):
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        wait_until(lambda: s.files.exists("/tmp/server-ready"), 10, "the server listening")
         s.commands.run("python3 /srv/client.py >/dev/null 2>&1 &")
         assert ask(s, 5) == (1, 5)
         established = s.commands.run("awk '$4 == \"01\"' /proc/net/tcp | wc -l").stdout
@@ -158,7 +155,8 @@ def test_a_shell_that_vforks_all_the_time_checkpoints_every_time(rt, debian):
                 s.pause()
             t0 = time.perf_counter()
             s.checkpoint()
-            assert time.perf_counter() - t0 < 5, f"checkpoint {i} took {time.perf_counter() - t0:.1f} s"
+            # Under CRIU's 10 s seize timeout (the failure's mark), not a quiet machine's figure.
+            assert time.perf_counter() - t0 < 9, f"checkpoint {i} took {time.perf_counter() - t0:.1f} s"
             if i % 2:
                 s.resume()
         assert s.commands.run(f"kill -0 {pid}").exit_code == 0  # the loop runs on
@@ -238,8 +236,6 @@ def test_reaper_outlives_an_unexpected_error(private_root, monkeypatch):
     monkeypatch.setattr(Runtime, "_expire", failing_once)
     with Runtime(private_root, on_timeout="kill") as rt:
         s = Sandbox.create(runtime=rt, timeout_s=1)
-        deadline = time.monotonic() + 20
-        while s in Sandbox.list(runtime=rt) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert len(calls) >= 2 and s not in Sandbox.list(runtime=rt)
+        wait_until(lambda: s not in Sandbox.list(runtime=rt), 20, "the retried expiry killing the sandbox", step=0.1)
+        assert len(calls) >= 2
         rt.kill_all()

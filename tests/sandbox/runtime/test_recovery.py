@@ -9,11 +9,11 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
 from counting import criu_running, wait_for
+from waiting import wait_until
 
 from k3sys.sandbox import Runtime, Sandbox
 
@@ -49,9 +49,7 @@ def start_child(root: Path, *crash_at: str) -> tuple[subprocess.Popen, dict]:
 
 def read_n(s: Sandbox) -> int:
     """The counter's file (retried: the loop truncates it before each write)."""
-    while not (text := s.files.read_text("/tmp/n").strip()):
-        time.sleep(0.005)
-    return int(text)
+    return int(wait_until(lambda: s.files.read_text("/tmp/n").strip(), 10, "the counter's file written", step=0.005))
 
 
 def check_recovered(root: Path, first: dict, leak_check) -> None:

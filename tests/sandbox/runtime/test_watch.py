@@ -5,9 +5,9 @@ watch that carries on across a checkpoint and a hibernation."""
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
+from waiting import wait_until
 
 from k3sys.sandbox import (
     FilesystemEvent,
@@ -24,11 +24,12 @@ def collect(w, until: FilesystemEvent, seen: list[FilesystemEvent] | None = None
             timeout: float = 20) -> list[FilesystemEvent]:
     """Events from `w` (after `seen`) up to and including `until`."""
     seen = [] if seen is None else seen
-    deadline = time.monotonic() + timeout
-    while until not in seen:
-        assert time.monotonic() < deadline, f"no {until} within {timeout} s; got {seen}"
-        seen += w.get_new_events()
-        time.sleep(0.02)
+
+    def reached() -> bool:
+        seen.extend(w.get_new_events())
+        return until in seen
+
+    wait_until(reached, timeout, f"{until} (after {seen})", step=0.02)
     return seen
 
 
@@ -53,11 +54,14 @@ def test_watch_reports_each_kind_of_change_and_stops(sbx):
                               ("create", "/root/w/g"), ("remove", "/root/w/g"), ("chmod", "/root/w/old"),
                               ("create", "/root/w/sub")]
     assert [e.is_dir for e in events if e.path == "/root/w/sub"] == [True]
-    time.sleep(0.3)
-    assert w.get_new_events() == []  # not recursive: nothing from inside sub
+    # Not recursive: nothing from inside sub. Events come in order, and sub/deep was written before
+    # the marker: up to the marker's, there is none of it.
+    sbx.files.make_dir("/root/w/marker")
+    assert squash(collect(w, FilesystemEvent("create", "/root/w/marker", True))) == [("create", "/root/w/marker")]
     w.stop()
-    sbx.files.write("/root/w/after", "x")
-    time.sleep(0.3)
+    with sbx.files.watch_dir("/root/w") as live:  # the change reaches a live watch; the stopped one gets none
+        sbx.files.make_dir("/root/w/after")
+        collect(live, FilesystemEvent("create", "/root/w/after", True))
     assert w.get_new_events() == []
     assert (w.dropped, w.overflows) == (0, 0)
 
@@ -84,10 +88,7 @@ def test_watch_stop_ends_the_agents_worker(sbx):
     w = sbx.files.watch_dir("/tmp")
     assert agent_processes() == idle + 1
     w.stop()
-    deadline = time.monotonic() + 10
-    while agent_processes() != idle:
-        assert time.monotonic() < deadline, "the watch's worker outlived stop()"
-        time.sleep(0.05)
+    wait_until(lambda: agent_processes() == idle, 10, "the watch's worker ending with stop()", step=0.05)
 
 
 @pytest.mark.embedded
@@ -96,10 +97,7 @@ def test_a_flood_is_bounded_and_counted(rt, sbx):
     w = rt.watch_dir(sbx.id, "/root/flood", max_events=100)
     try:
         sbx.commands.run("i=0; while [ $i -lt 500 ]; do : > /root/flood/f$i; i=$((i+1)); done")
-        deadline = time.monotonic() + 20
-        while w.dropped < 400:
-            assert time.monotonic() < deadline, f"only {w.dropped} dropped"
-            time.sleep(0.05)
+        wait_until(lambda: w.dropped >= 400, 20, "400 events dropped", step=0.05)
         events = w.get_new_events()
         assert [e.path for e in events] == [f"/root/flood/f{i}" for i in range(100)]  # the first, in order
         assert w.dropped == 400 and w.overflows == 0
@@ -109,10 +107,7 @@ def test_a_flood_is_bounded_and_counted(rt, sbx):
 
 def wait_gaps(w, n: int) -> None:
     """Until the watch is whole again after its `n`th cut (changes before that may be missed)."""
-    deadline = time.monotonic() + 20
-    while w.gaps < n:
-        assert time.monotonic() < deadline, f"the watch was not set up again ({w.gaps} gaps, want {n})"
-        time.sleep(0.01)
+    wait_until(lambda: w.gaps >= n, 20, f"the watch set up again after cut {n}")
 
 
 @pytest.mark.embedded
@@ -131,11 +126,15 @@ def test_watch_goes_on_across_checkpoint_and_hibernation_and_ends_with_the_sandb
         collect(w, FilesystemEvent("create", "/tmp/after-resume"))
     finally:
         s.kill()
-    deadline = time.monotonic() + 10
-    with pytest.raises(AgentError):
-        while time.monotonic() < deadline:
+
+    def ended() -> bool:
+        try:
             w.get_new_events()
-            time.sleep(0.05)
+        except AgentError:
+            return True
+        return False
+
+    wait_until(ended, 10, "the watch ending with its sandbox (AgentError)", step=0.05)
 
 
 @pytest.mark.embedded

@@ -13,7 +13,6 @@ import errno
 import os
 import re
 import shutil
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -22,6 +21,7 @@ import pytest
 from sandbox_fixtures import MISSING
 from service_process import ServiceProcess
 from test_tenants import add_key
+from waiting import wait_until
 
 from k3sys.sandbox import QuotaError, SandboxLimitError, SandboxSpec
 from k3sys.sandbox.errors import CapacityError
@@ -50,14 +50,6 @@ __import__("os").rename("/tmp/got.new", "/tmp/got")
 time.sleep(3600)
 """
 _libc = ctypes.CDLL(None, use_errno=True)
-
-
-def wait_for(check, what: str, timeout: float = 60):
-    deadline = time.monotonic() + timeout
-    while not (found := check()):
-        assert time.monotonic() < deadline, f"{what}: not within {timeout} s"
-        time.sleep(0.05)
-    return found
 
 
 def host_opens(n: int) -> int:
@@ -90,7 +82,7 @@ def hold_instances(s) -> tuple[int, int]:
     """Run LOOP in sandbox `s` in the background: (instances it holds, the errno that stopped it)."""
     s.files.write("/tmp/loop.py", LOOP)
     s.commands.run("python3 /tmp/loop.py", background=True)
-    text = wait_for(lambda: s.files.exists("/tmp/got") and s.files.read("/tmp/got"), "the loop's count")
+    text = wait_until(lambda: s.files.exists("/tmp/got") and s.files.read("/tmp/got"), 60, "the loop's count")
     got, err = text.split()
     return int(got), int(err)
 
@@ -99,7 +91,7 @@ def still_watches(s, where: str = "/tmp") -> bool:
     """Whether sandbox `s` can watch `where` and see a change in it."""
     with s.files.watch_dir(where) as w:
         s.files.write(f"{where}/poke", "x")
-        wait_for(lambda: [e for e in w.get_new_events() if e.path == f"{where}/poke"], "the watch's event", 20)
+        wait_until(lambda: [e for e in w.get_new_events() if e.path == f"{where}/poke"], 20, "the watch's event")
     return True
 
 
@@ -129,7 +121,7 @@ def test_inotify_loop_inside_runs_out_of_its_own_count(budgeted, arena, sec_rt, 
     assert (got, err) == (inotify.INSTANCES_PER_USER, errno.EMFILE)  # its own count ran out, per user inside
     with pytest.raises(SandboxLimitError, match="max_inotify_instances: 128 per user"):
         s.files.watch_dir("/tmp")  # the agent's watch runs as root inside too: told what ran out
-    wait_for(lambda: sec_rt._watches.open(s.id) == 0, "the refused watch's budget given back")
+    wait_until(lambda: sec_rt._watches.open(s.id) == 0, 60, "the refused watch's budget given back")
     assert host_opens(256) == 256, "host root cannot make inotify instances"
     assert still_watches(arena.bystander, "/root")
     in_use = host_instances_in_use()
@@ -173,7 +165,7 @@ def test_api_watches_budgeted_per_sandbox(budgeted, arena, sec_rt, record_proper
         held.pop().stop()
         assert still_watches(s)  # a slot given back is usable again
         s.kill()  # with 31 watches open: they end, and so does their count
-        wait_for(lambda: sec_rt._watches.open(s.id) == 0, "the killed sandbox's budget given back")
+        wait_until(lambda: sec_rt._watches.open(s.id) == 0, 60, "the killed sandbox's budget given back")
     finally:
         for w in held:
             w.stop()

@@ -20,12 +20,12 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 from sandbox_fixtures import MISSING
+from waiting import wait_until
 
 from k3sys.sandbox import Runtime, Sandbox
 from k3sys.sandbox.egress import ALL_TRAFFIC, EgressPolicy
@@ -150,10 +150,7 @@ def _leftovers(slot: int) -> list[str]:
 def _listen(rt, sid: str, port: int = 8080) -> None:
     """A server inside the sandbox on 0.0.0.0:port that answers "hi" to every connection."""
     rt.run(sid, f"nc -ll -p {port} -e echo hi </dev/null >/dev/null 2>&1 &")
-    deadline = time.monotonic() + 10
-    while ":8080" not in rt.run(sid, "netstat -ltn").stdout:
-        assert time.monotonic() < deadline, "the listener inside did not come up"
-        time.sleep(0.05)
+    wait_until(lambda: ":8080" in rt.run(sid, "netstat -ltn").stdout, 10, "the listener inside", step=0.05)
 
 
 def test_own_namespace_and_nat_egress(net_rt, record_property):
@@ -299,10 +296,14 @@ def test_source_address_spoofing_dropped(net_rt, record_property):
         seen, tries = {}, {}
         for src in (_address(net_rt, victim), "192.0.2.77", INSIDE):  # the last: its own, the control
             tries[src] = net_rt.run(sid, f"python3 /tmp/spoof.py {src} {OUT_A}").stdout.split("\n")
-            time.sleep(0.2)
-            seen[src] = _host_reach(OUT_A, 7003)  # the sources the outside received datagrams from
+            if src != INSIDE:  # then one from its own address: a spoofed one let out would have arrived before it
+                net_rt.run(sid, f"python3 /tmp/spoof.py {INSIDE} {OUT_A}")
+            got: set[str] = set()  # the sources the outside received datagrams from
+            wait_until(lambda got=got: got.update(_host_reach(OUT_A, 7003).split()) or OUT_HOST in got, 10,
+                       f"the datagram from its own address (after {src}'s)", step=0.05)
+            seen[src] = got
         spoofed = [_address(net_rt, victim), "192.0.2.77"]
-        assert seen == {**dict.fromkeys(spoofed, ""), INSIDE: OUT_HOST}
+        assert seen == dict.fromkeys([*spoofed, INSIDE], {OUT_HOST})
         assert "freebind sent" in tries[INSIDE] and "raw 1" in tries[INSIDE]  # EPERM: no CAP_NET_RAW
         record_property("figure", f"datagrams from spoofed sources {spoofed} never left the host; tried: "
                                   f"{tries['192.0.2.77']}")
@@ -317,10 +318,8 @@ def test_listener_and_connections_across_checkpoint_restore_and_fork(net_rt, rec
     _listen(net_rt, sid)
     # An open outbound connection: the children restore it on the shared inside address.
     net_rt.run(sid, f"sleep 600 | nc {OUT_A} 7001 >/dev/null 2>&1 &")
-    deadline = time.monotonic() + 10
-    while "ESTABLISHED" not in net_rt.run(sid, "netstat -tn").stdout:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    wait_until(lambda: "ESTABLISHED" in net_rt.run(sid, "netstat -tn").stdout, 10, "the outbound connection",
+               step=0.05)
     ck = net_rt.checkpoint(sid).id
     restored = net_rt.restore(ck).id
     kids = [i.id for i in net_rt.fork(sid, 2)]

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from service_process import ServiceProcess
+from waiting import wait_until
 
 pytestmark = pytest.mark.timeout(300)
 LINES = 3_000_000
@@ -38,10 +39,8 @@ def _can_lower_oom_scores() -> bool:
 
 
 def _wait_all_ended(s, n: int, timeout: float = 180) -> None:
-    deadline = time.monotonic() + timeout
-    while sum(not p.running for p in s.commands.list()) < n:
-        assert time.monotonic() < deadline, "the background commands did not end"
-        time.sleep(0.2)
+    wait_until(lambda: sum(not p.running for p in s.commands.list()) >= n, timeout, f"{n} background commands ending",
+               step=0.2)
 
 
 def test_background_floods_leave_pid1_alive(arena, record_property):

@@ -24,6 +24,7 @@ import pytest
 from conftest import Arena
 from sandbox_fixtures import leftovers
 from service_process import ServiceProcess
+from waiting import wait_until
 
 from k3sys.sandbox import Sandbox
 from k3sys.sandbox.errors import AgentError, AgentTimeoutError
@@ -118,10 +119,7 @@ def _stop_agent(rt, s: Sandbox) -> int:
     """SIGSTOP the sandbox's agent from the host (what the attach did); returns its host pid."""
     pid = rt.driver.init_pid(s.id)
     os.kill(pid, signal.SIGSTOP)
-    deadline = time.monotonic() + 10
-    while _state(pid) != "T":
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    wait_until(lambda: _state(pid) == "T", 10, "the agent stopped")
     return pid
 
 
@@ -184,10 +182,7 @@ def test_stuck_agent_fails_calls_within_deadlines_and_kill_completes(fast_arena,
 
     t = threading.Thread(target=checkpoint)
     t.start()
-    deadline = time.monotonic() + 10
-    while rt.info(s.id).state != "checkpointing":
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    wait_until(lambda: rt.info(s.id).state == "checkpointing", 10, "the checkpoint under way")
     t0 = time.monotonic()
     s.kill()
     t_kill = time.monotonic() - t0
@@ -219,10 +214,8 @@ def test_stuck_sandbox_past_its_timeout_is_killed_and_logged(fast_arena, fast_rt
     _stop_agent(fast_rt, s)
     with caplog.at_level(logging.INFO, logger="k3sys.sandbox.runtime.recovery"):
         fast_rt.set_timeout(s.id, 0)
-        deadline = time.monotonic() + FAST.answer + SLACK
-        while s.id in {i.id for i in fast_rt.list()}:
-            assert time.monotonic() < deadline, "still there"
-            time.sleep(0.05)
+        wait_until(lambda: s.id not in {i.id for i in fast_rt.list()}, FAST.answer + SLACK,
+                   "the stuck sandbox killed past its timeout", step=0.05)
     lines = [r.getMessage() for r in caplog.records if s.id in r.getMessage()]
     assert any("hibernation failed" in m and "AgentTimeoutError" in m and "killed" in m for m in lines), lines
     record_property("figure", "hibernation fails (AgentTimeoutError), sandbox killed, one warning line")

@@ -15,6 +15,7 @@ import time
 
 import pytest
 from service_process import ServiceProcess
+from waiting import wait_until
 
 from k3sys.sandbox.service.guard import ConnectionLimits
 from k3sys.sandbox.service.logfilter import RateLimit
@@ -101,10 +102,7 @@ def test_health_answers_during_half_open_flood(svc, record_property):
     attacker = Attacker(svc.port, ATTACK, REOPEN_PER_S)
     attacker.start()
     try:
-        deadline = time.monotonic() + 60
-        while attacker.opened < ATTACK and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert attacker.opened >= ATTACK, f"only {attacker.opened} connections opened"
+        wait_until(lambda: attacker.opened >= ATTACK, 60, f"{ATTACK} connections opened", step=0.05)
         latencies, fds = [], []
         for _ in range(30):  # from 127.0.0.2, while the attacker keeps reopening what the server drops
             seconds, status = probe(svc.port)
@@ -120,7 +118,9 @@ def test_health_answers_during_half_open_flood(svc, record_property):
                               f"reopened (server cap {CAP}, {SHARE} per client): /health p50 {p50 * 1e3:.1f} ms, "
                               f"p90 {p90 * 1e3:.1f} ms, max {max(latencies) * 1e3:.0f} ms; server fds {idle_fds} "
                               f"idle, at most {max(fds)} under attack")
-    assert p90 < 0.1, latencies
+    # Unguarded, the server stops answering (timeouts); guarded it answers in milliseconds on a quiet
+    # machine. The bound sits between the two, loose enough for a loaded one.
+    assert p90 < 1.0, latencies
     # The server holds at most the attacker's share (plus what is being accepted or closed: guard.py's
     # bound), never the attacker's count; the rest were evicted by newer ones or timed out.
     assert max(fds) <= idle_fds + SHARE + 3 * LIMITS.backlog < ATTACK
@@ -150,7 +150,7 @@ def test_many_addresses_are_held_by_the_total_cap(svc, record_property):
     p90 = statistics.quantiles(latencies, n=10)[-1]
     record_property("figure", f"8 addresses x {2 * SHARE} half-open (total cap {CAP}): /health p90 "
                               f"{p90 * 1e3:.1f} ms; server fds at most {max(fds)}")
-    assert p90 < 0.1, latencies
+    assert p90 < 1.0, latencies  # as above: no stall, on a loaded machine too
     assert max(fds) <= idle_fds + CAP + 3 * LIMITS.backlog < idle_fds + 16 * SHARE
 
 
@@ -204,8 +204,12 @@ def test_malformed_request_flood_logs_a_few_lines(svc, record_property):
         s.sendall(b"NOT HTTP AT ALL\r\n\r\n")
         while s.recv(4096):
             pass
-    time.sleep(0.3)
-    new = svc.log.read_bytes()[before:].decode(errors="replace").splitlines()
+
+    def logged() -> list[str]:
+        lines = svc.log.read_bytes()[before:].decode(errors="replace").splitlines()
+        return lines if any("more like it, not logged" in line for line in lines) else []
+
+    new = wait_until(logged, 10, "the line counting what was dropped")
     invalid = [line for line in new if "Invalid HTTP request" in line]
     record_property("figure", f"{n + 1} malformed requests: {len(invalid)} log lines, {len(''.join(new))} bytes")
     assert 1 <= len(invalid) <= 20 and any("more like it, not logged" in line for line in invalid)

@@ -27,6 +27,7 @@ from e2b import (
 from e2b import Sandbox as E2B
 from packaging.version import Version
 from service_process import ServiceProcess
+from waiting import wait_until
 
 from k3sys.sandbox._connect import STREAM_CONTENT_TYPE, FrameReader, frame
 from k3sys.sandbox.service.envd.app import access_token, url_signature
@@ -155,10 +156,9 @@ def test_watch_dir(box):
     try:
         box.files.write("/tmp/w/new.txt", "x")
         box.files.write("/tmp/w/old.txt", "y")  # the agent's atomic replace shows as a write of the name
-        deadline, events = time.monotonic() + 20, []
-        while not any(e.name == "old.txt" for e in events) and time.monotonic() < deadline:
-            time.sleep(0.1)
-            events += watch.get_new_events()
+        events = []
+        wait_until(lambda: events.extend(watch.get_new_events()) or any(e.name == "old.txt" for e in events), 20,
+                   "the event of old.txt", step=0.1)
         assert not [e for e in events if "k3sys-" in e.name], events  # no temporary file shows
         created = [e for e in events if e.name == "new.txt" and e.type == FilesystemEventType.CREATE]
         assert created and created[0].entry.path == "/tmp/w/new.txt" and created[0].entry.type == FileType.FILE
@@ -210,8 +210,9 @@ def test_async_sdk(envd_service, box):
 
 
 def test_a_stream_goes_on_through_a_checkpoint(envd_service, box):
-    h = box.commands.run("for i in $(seq 1 20); do echo line$i; sleep 0.1; done", background=True)
-    time.sleep(0.5)
+    h = box.commands.run("for i in $(seq 1 20); do echo line$i; [ $i = 3 ] && : > /tmp/streamed; sleep 0.1; done",
+                         background=True)
+    wait_until(lambda: box.files.exists("/tmp/streamed"), 10, "three lines out")  # the checkpoint cuts it under way
     with envd_service.client() as c:
         c.checkpoint(box.sandbox_id)  # the agent's connections are cut for the dump: the stream pauses
     r = h.wait()
@@ -283,15 +284,11 @@ def test_k3sys_client_watch_and_processes(envd_service, box):
         s.files.make_dir("/tmp/kw")
         with s.files.watch_dir("/tmp/kw") as w:
             s.files.write("/tmp/kw/f", b"x")
-            deadline, events = time.monotonic() + 20, []
-            while not events and time.monotonic() < deadline:
-                events = [e for e in w.get_new_events() if e.path == "/tmp/kw/f"]
-                time.sleep(0.1)
-        assert events and events[0].type == "create" and not events[0].is_dir
+            events = wait_until(lambda: [e for e in w.get_new_events() if e.path == "/tmp/kw/f"], 20,
+                                "the watch's event", step=0.1)
+        assert events[0].type == "create" and not events[0].is_dir
         h = s.commands.run("exit 5", background=True)
-        deadline = time.monotonic() + 20
-        while h.running and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: not h.running, 20, "the command's end", step=0.05)
         ended = [p for p in s.commands.list() if p.pid == h.pid]
         assert ended and not ended[0].running and ended[0].exit_code == 5
         assert h.wait(10).exit_code == 5

@@ -9,6 +9,7 @@ import time
 import pytest
 from e2b import Sandbox, SandboxState
 from test_e2b_control import TEMPLATE, ours, server  # noqa: F401 (fixtures)
+from waiting import wait_until
 
 from k3sys.sandbox import InvalidStateError
 
@@ -18,17 +19,13 @@ LOOP = "sh -c 'i=0; while :; do i=$((i+1)); echo $i > /tmp/n; sleep 0.02; done'"
 
 
 def _n(client, sid: str) -> int:
-    while not (text := client.run(sid, "cat /tmp/n").stdout.strip()):  # the loop truncates it to write
-        time.sleep(0.01)
-    return int(text)
+    # Retried: the loop truncates the file to write it.
+    return int(wait_until(lambda: client.run(sid, "cat /tmp/n").stdout.strip(), 20, "the counter's file written"))
 
 
 def _moves_on(client, sid: str, since: int) -> int:
-    deadline = time.monotonic() + 30
-    while (n := _n(client, sid)) <= since + 2:
-        assert time.monotonic() < deadline, f"the counter is stuck at {n}"
-        time.sleep(0.05)
-    return n
+    return wait_until(lambda: (n := _n(client, sid)) > since + 2 and n, 30, f"the counter going past {since}",
+                      step=0.05)
 
 
 @pytest.fixture
@@ -50,7 +47,7 @@ def test_pause_answers_frozen_and_connect_right_after_is_a_thaw(counting, ours):
     assert counting.get_info().state == SandboxState.PAUSED
     assert counting.pause() is False  # 409: already paused
     frozen = ours.cpu_seconds(sid)
-    time.sleep(0.2)
+    time.sleep(0.2)  # "no CPU" needs a window: a running counter uses some within it, a frozen one none
     assert ours.cpu_seconds(sid) == frozen  # no CPU while paused
     with pytest.raises(InvalidStateError):
         ours.run(sid, "true")
@@ -61,7 +58,7 @@ def test_pause_answers_frozen_and_connect_right_after_is_a_thaw(counting, ours):
     assert (info.state, info.then_hibernate, info.head) == ("running", False, None)
     assert Sandbox.list_snapshots(sandbox_id=sid).next_items() == []
     assert ours.cpu_seconds(sid) >= cpu > 0
-    assert answered < 1.0, f"pause took {answered:.3f} s"
+    assert answered < 3.0, f"pause took {answered:.3f} s"  # not the dump's time (head is None); loose under load
     _moves_on(ours, sid, 0)
 
 
@@ -69,11 +66,14 @@ def test_connect_after_the_hibernation_is_a_restore(counting, ours):  # noqa: F8
     sid = counting.sandbox_id
     before = _n(ours, sid)
     assert counting.pause() is True
-    deadline = time.monotonic() + 60
-    while (info := ours.info(sid)).state != "hibernated":
-        assert info.state in ("paused", "hibernating"), info
-        assert time.monotonic() < deadline, "never hibernated"
-        time.sleep(0.02)
+
+    def hibernated() -> bool:
+        state = ours.info(sid).state
+        assert state in ("paused", "hibernating", "hibernated"), state
+        return state == "hibernated"
+
+    wait_until(hibernated, 60, "the background hibernation", step=0.02)
+    info = ours.info(sid)
     assert info.head is not None and not info.then_hibernate and ours.memory_bytes(sid) == 0
     assert counting.get_info().state == SandboxState.PAUSED  # E2B's view was "paused" throughout
     Sandbox.connect(sid)

@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from service_process import BALLAST, ServiceProcess
+from waiting import wait_until
 
 from k3sys.sandbox import Sandbox
 
@@ -62,10 +63,7 @@ def test_slow_checkpoint_does_not_stall_other_sandboxes(service):
     with service.client() as rt, Sandbox.create(runtime=rt, memory_mb=384) as big, \
             Sandbox.create(runtime=rt, memory_mb=64) as small:
         big.commands.run(BALLAST.format(mb=80))
-        deadline = time.monotonic() + 30
-        while big.memory_bytes() < 80e6:
-            assert time.monotonic() < deadline, "ballast never grew"
-            time.sleep(0.1)
+        wait_until(lambda: big.memory_bytes() >= 80e6, 30, "the ballast growing", step=0.1)
         span: list[float] = []
         worker = threading.Thread(target=lambda: (span.append(time.monotonic()), big.checkpoint(),
                                                   span.append(time.monotonic())))

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from blake3 import blake3
+from waiting import wait_until
 
 import k3sys.sandbox.runtime.store as store_pkg
 from k3sys.sandbox.errors import SandboxError
@@ -248,10 +249,8 @@ def test_follower_abort_and_changed_files(store: Store, shm: Path):
     assert store.gc()["packs"] == 0  # the follower's lock is gone: gc may run
     # A file replaced after the follower read it (another inode) is chunked again by the commit.
     follower = store.follow(images)
-    deadline = time.monotonic() + 10
-    while follower._files.get(str(images / "pages-1.img"), [None, 0])[1] < 400 * PAGE:  # read the old file
-        assert time.monotonic() < deadline, "the follower never read pages-1.img"
-        time.sleep(0.01)
+    wait_until(lambda: follower._files.get(str(images / "pages-1.img"), [None, 0])[1] >= 400 * PAGE, 10,
+               "the follower reading the old pages-1.img")
     changed = rand(400 * PAGE, 2) + rand(PAGE, 3)
     write(shm / "new.img", changed).rename(images / "pages-1.img")
     m = store.commit({"images": images}, follower=follower)
