@@ -28,8 +28,8 @@ from k3sys.sandbox.runtime.sealed import FS_BYTES, SealedLayers
 from k3sys.sandbox.runtime.state import LIVE, Record, State
 from k3sys.sandbox.runtime.store import Follower, Manifest
 from k3sys.sandbox.runtime.store.reader import FileReader
-from k3sys.sandbox.runtime.table import _new_id, _rmtree
 from k3sys.sandbox.runtime.templates import template_rootfs
+from k3sys.sandbox.runtime.trees import new_id, remove_tree
 from k3sys.sandbox.spec import MAX_FORK, SandboxSpec, check_number
 from k3sys.sandbox.types import CheckpointInfo, SandboxInfo
 
@@ -66,7 +66,7 @@ class Checkpoints(SealedLayers):
         `transitional` with `prev` and `pending` set. With `store`, the store packs the memory images
         while CRIU writes them (`Store.follow`); `_commit` finishes that, and a caller that does not
         commit must `abort` the follower."""
-        ck = _new_id("ck")
+        ck = new_id("ck")
         images, fs = self._staging(ck)
         self._set(rec, transitional, prev=rec.state, pending=ck)
         follower = self.store.follow(images) if store else None
@@ -76,8 +76,8 @@ class Checkpoints(SealedLayers):
         except BaseException:
             if follower is not None:
                 follower.abort()
-            _rmtree(images)
-            _rmtree(fs)
+            remove_tree(images)
+            remove_tree(fs)
             self._set(rec, rec.prev, prev=None, pending=None)
             raise
         return _Snapshot(ck, images, fs, t, follower)
@@ -97,8 +97,8 @@ class Checkpoints(SealedLayers):
         with self._locked(sid) as rec:
             self._require(rec, "checkpoint", *LIVE)
             info, images, fs = self._checkpoint_locked(rec)
-            self._cleaner.submit(_rmtree, images)
-            _rmtree(fs)
+            self._cleaner.submit(remove_tree, images)
+            remove_tree(fs)
             return info
 
     def _checkpoint_locked(self, rec: Record) -> tuple[CheckpointInfo, Path, Path]:
@@ -114,8 +114,8 @@ class Checkpoints(SealedLayers):
         except BaseException:
             if snap.follower is not None:
                 snap.follower.abort()
-            _rmtree(snap.images)
-            _rmtree(snap.fs)
+            remove_tree(snap.images)
+            remove_tree(snap.fs)
             self._set(rec, rec.state, pending=None)
             raise
         self._set(rec, rec.state, head=snap.ck, pending=None)
@@ -151,27 +151,31 @@ class Checkpoints(SealedLayers):
         except BaseException:
             if snap.follower is not None:
                 snap.follower.abort()
-            _rmtree(images)
-            _rmtree(fs)
+            remove_tree(images)
+            remove_tree(fs)
             self._undo_hibernate(rec)
             self._set(rec, rec.prev, prev=None, pending=None, then_hibernate=False)
             raise
         if job is not None and job.cancelled:  # durable already: a checkpoint like any other
-            self._cleaner.submit(_rmtree, images)
-            _rmtree(fs)
+            self._cleaner.submit(remove_tree, images)
+            remove_tree(fs)
             self._undo_hibernate(rec)
             self._set(rec, rec.prev, head=ck, prev=None, pending=None, then_hibernate=False)
             raise Cancelled(f"hibernation of {sid} cancelled after its commit: {ck} kept as a checkpoint")
         t1 = time.perf_counter()
         self.driver.destroy(sid, self._dirs(sid))
         self._wipe_upper(rec)
-        # The sealed fs is exactly what `resume` will stack the new upper on: keep it as a layer.
-        os.rename(fs, self._layer_dir(ck))
-        t["stop"] = time.perf_counter() - t1
-        self._warm(ck, images)  # before "hibernated": their tmpfs is freed too (~50 ms per GiB)
-        self._set(rec, State.HIBERNATED, head=ck, layer=None, sealed_bytes=m.meta[FS_BYTES], prev=None,
-                  pending=None, then_hibernate=False)
-        self._gc_layers()
+        # The sealed fs is exactly what `resume` will stack the new upper on: keep it as a layer
+        # (held here until the record, hibernated, holds it).
+        self.layers.acquire(ck)
+        try:
+            self.layers.adopt(ck, fs)
+            t["stop"] = time.perf_counter() - t1
+            self._warm(ck, images)  # before "hibernated": their tmpfs is freed too (~50 ms per GiB)
+            self._set(rec, State.HIBERNATED, head=ck, layer=None, sealed_bytes=m.meta[FS_BYTES], prev=None,
+                      pending=None, then_hibernate=False)
+        finally:
+            self.layers.release(ck)
         t["total"] = time.perf_counter() - t0
         self._timings[sid] = t
         return CheckpointInfo.from_manifest(m, t)
@@ -186,7 +190,7 @@ class Checkpoints(SealedLayers):
     def _wipe_upper(self, rec: Record) -> None:
         dirs = self._dirs(rec.id)
         for d in (dirs.upper, dirs.work, dirs.bundle, dirs.logs):
-            _rmtree(d)
+            remove_tree(d)
 
     def _restore_into(self, rec: Record, ck: str, images: Path | None = None) -> dict[str, float]:
         """Start `rec`'s processes from checkpoint `ck` (images from `prefetch` or the store unless
@@ -194,13 +198,13 @@ class Checkpoints(SealedLayers):
         mounts; it reads the pages by range from the packs (those CRIU restores itself first)."""
         t: dict[str, float] = {}
         t0 = time.perf_counter()
-        self._ensure_layer(ck)
+        self.layers.ensure(ck)  # held by `rec` (its layer, or the head it resumes onto)
         own, reader = images is None, None
         staged = self._unstage(rec.id, keep=True) if own else None
         if staged is not None and staged.ck == ck:
             images = staged.path
         elif staged is not None:
-            _rmtree(staged.path)
+            remove_tree(staged.path)
         pool = ThreadPoolExecutor(1, thread_name_prefix="k3sys-checkout")
         try:
             ready = Images.complete(images) if images is not None else None
@@ -234,7 +238,7 @@ class Checkpoints(SealedLayers):
         with contextlib.suppress(SandboxError, OSError), FileReader(self.store, ck, "images") as reader:
             for name, ranges in self.driver.first_reads(images).items():
                 reader.prefetch(name, ranges)
-        _rmtree(images)
+        remove_tree(images)
 
     def _drop_images(self, sid: str, images: Path, reader: FileReader | None) -> None:
         """Delete the images `sid` was restored from (and let go of the packs its pages were read
@@ -242,7 +246,7 @@ class Checkpoints(SealedLayers):
         try:
             self.driver.settle(sid)
         finally:
-            _rmtree(images)
+            remove_tree(images)
             if reader is not None:
                 reader.close()
 
@@ -291,10 +295,10 @@ class Checkpoints(SealedLayers):
             snap = self._snapshot(rec, State.CHECKPOINTING, thaw=True, store=False)
             ck, images, fs, t = snap.ck, snap.images, snap.fs, snap.t
             kids: list[SandboxInfo] = []
+            self.layers.acquire(ck)  # the fork's own hold on the new layer, until every child holds it
             try:
-                # `pending` stays set until the end: it keeps the new layer from being collected.
                 self._set(rec, rec.prev, prev=None)
-                os.rename(fs, self._layer_dir(ck))
+                self.layers.adopt(ck, fs)
                 t1 = time.perf_counter()
                 fs_bytes = layers.tree_bytes(self._layer_dir(ck))  # what each child's disk holds already
                 t["measure"] = time.perf_counter() - t1
@@ -318,10 +322,10 @@ class Checkpoints(SealedLayers):
                 raise
             finally:
                 for d in images.parent.glob(f"{images.name}*"):
-                    self._cleaner.submit(_rmtree, d)
-                _rmtree(fs)  # only there if the rename did not happen
+                    self._cleaner.submit(remove_tree, d)
+                remove_tree(fs)  # only there if it was not adopted
                 self._set(rec, rec.state, pending=None)
-                self._gc_layers()  # the layer goes unless a child stands on it
+                self.layers.release(ck)  # the layer goes unless a child stands on it
             t["total"] = time.perf_counter() - t0
             self._timings[sid] = t
             return kids
@@ -351,8 +355,7 @@ class Checkpoints(SealedLayers):
         if users:
             raise InvalidStateError(f"checkpoint {ck} holds {users[0].state} sandbox {users[0].id}; "
                                     "kill or resume it first")
-        self.store.delete(ck)
-        self._gc_layers()
+        self.store.delete(ck)  # its layer, if sandboxes stand on it, goes with the last of them
 
     def prefetch(self, sid: str, ttl_s: float = 60.0) -> bool:
         """Stage a hibernated sandbox's images on tmpfs ahead of a likely `resume` (e.g. while the
@@ -371,7 +374,7 @@ class Checkpoints(SealedLayers):
                     self._staged[sid] = _Staged(staged.ck, staged.path, expires)
                     return True
             self._unstage(sid)
-            self._ensure_layer(rec.head)
+            self.layers.ensure(rec.head)
             path, _ = self._staging(f"{rec.head}-{sid}-prefetched")
             self.store.checkout(rec.head, {"images": path})
             with self._mu:
@@ -383,5 +386,5 @@ class Checkpoints(SealedLayers):
         with self._mu:
             staged = self._staged.pop(sid, None)
         if staged is not None and not keep:
-            self._cleaner.submit(_rmtree, staged.path)
+            self._cleaner.submit(remove_tree, staged.path)
         return staged

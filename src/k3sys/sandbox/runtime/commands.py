@@ -31,7 +31,8 @@ from k3sys.sandbox.runtime.agent import Agent
 from k3sys.sandbox.runtime.agent_protocol import Exit, Gap
 from k3sys.sandbox.runtime.follow import OutputFollower
 from k3sys.sandbox.runtime.state import State
-from k3sys.sandbox.runtime.table import Table, _new_id
+from k3sys.sandbox.runtime.table import Table
+from k3sys.sandbox.runtime.trees import new_id
 from k3sys.sandbox.spec import CommandResult, OutputPieces, check_command
 from k3sys.sandbox.types import ProcessInfo
 
@@ -187,7 +188,7 @@ class Commands(Table):
             self._commands.pop(cid, None)
 
     def _register_command(self, sid: str, pid: int) -> str:
-        cid = _new_id("cmd")
+        cid = new_id("cmd")
         with self._mu:
             self._commands[cid] = _Command(sid, pid)
         return cid

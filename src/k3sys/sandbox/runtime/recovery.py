@@ -23,7 +23,8 @@ from k3sys.sandbox.errors import (
 )
 from k3sys.sandbox.runtime.background import Hibernator
 from k3sys.sandbox.runtime.state import LIVE, Record, State
-from k3sys.sandbox.runtime.table import Table, _rmtree
+from k3sys.sandbox.runtime.table import Table
+from k3sys.sandbox.runtime.trees import remove_tree
 
 _log = logging.getLogger(__name__)
 
@@ -38,8 +39,8 @@ class Recovery(Table):
         self.driver.cleanup_stale()
         self.store.gc()  # temp files and unreferenced packs of commits a crash interrupted
         for d in (self.root / "tmp").iterdir():
-            _rmtree(d)
-        _rmtree(self.scratch)
+            remove_tree(d)
+        remove_tree(self.scratch)
         for path in sorted((self.root / "sandboxes").glob("*/record.json")):
             rec = Record.load(path)
             self._register(rec)
@@ -50,8 +51,8 @@ class Recovery(Table):
             if not (d / "record.json").exists():
                 with contextlib.suppress(SandboxError):
                     self.driver.destroy(d.name, self._dirs(d.name))
-                _rmtree(d)
-        self._gc_layers()
+                remove_tree(d)
+        self.layers.sweep()  # the counts are the records' now: what no record holds, a crash left
 
     def _settle(self, rec: Record) -> None:
         """Bring one adopted record in line with what is really there (see the module docstring)."""

@@ -50,11 +50,13 @@ from k3sys.sandbox.runtime.checkpoints import Checkpoints, _Staged
 from k3sys.sandbox.runtime.commands import Commands, _Command
 from k3sys.sandbox.runtime.drivers.base import Driver
 from k3sys.sandbox.runtime.files import Files
+from k3sys.sandbox.runtime.layerset import LayerSet
 from k3sys.sandbox.runtime.recovery import Recovery
 from k3sys.sandbox.runtime.state import Record, State
 from k3sys.sandbox.runtime.store import Store
-from k3sys.sandbox.runtime.table import Table, _rmtree
+from k3sys.sandbox.runtime.table import Table
 from k3sys.sandbox.runtime.templates import template_rootfs
+from k3sys.sandbox.runtime.trees import remove_tree
 from k3sys.sandbox.runtime.watch import WatchBudget
 from k3sys.sandbox.spec import ON_TIMEOUT, SandboxSpec, check_number
 from k3sys.sandbox.types import SandboxInfo
@@ -104,6 +106,8 @@ class Runtime(Recovery, Checkpoints, Files, Commands, Table):
             driver = RuncDriver(self.root)
         self.driver = driver
         self.store = Store(self.root / "store")
+        self.layers = LayerSet(self.root / "layers", self.root / "tmp",
+                               lambda ck, dest: self.store.checkout(ck, {"fs": dest}))
         tag = hashlib.sha256(str(self.root.resolve()).encode()).hexdigest()[:12]
         self.scratch = Path(os.environ.get("K3SYS_SCRATCH", "/dev/shm")) / f"k3sys-{tag}"
         self._mu = threading.Lock()  # guards the dictionaries below
@@ -150,14 +154,9 @@ class Runtime(Recovery, Checkpoints, Files, Commands, Table):
             # Something is still held (a mount, a cgroup): keep the record so it stays visible.
             self._set(rec, State.LOST, reason=f"kill failed: {e}")
             raise
-        _rmtree(dirs.root)
+        remove_tree(dirs.root)
         self._unstage(rec.id)
-        with self._mu:
-            self._records.pop(rec.id, None)
-            self._locks.pop(rec.id, None)
-            self._timings.pop(rec.id, None)
-        rec.state = State.KILLED
-        self._gc_layers()
+        self._drop_record(rec)
 
     def kill(self, sid: str) -> None:
         """Stop the sandbox and release its processes, memory, mounts, cgroups and files (a
@@ -277,9 +276,8 @@ class Runtime(Recovery, Checkpoints, Files, Commands, Table):
                 if memory:
                     self._restore_into(rec, rec.head)
                 else:  # the sealed fs of its last checkpoint under a fresh upper, the template's PID 1
-                    self._ensure_layer(rec.head)
                     self.driver.create(sid, self._dirs(sid), rec.spec,
-                                       [self._layer_dir(rec.head), template_rootfs(rec.spec.template)],
+                                       [self.layers.ensure(rec.head), template_rootfs(rec.spec.template)],
                                        sealed_bytes=rec.sealed_bytes)
             except BaseException:
                 with contextlib.suppress(SandboxError):
@@ -290,7 +288,6 @@ class Runtime(Recovery, Checkpoints, Files, Commands, Table):
             # A sandbox hibernated by its timeout gets a fresh `timeout_s` from now.
             deadline = rec.deadline if rec.deadline or not rec.spec.timeout_s else time.time() + rec.spec.timeout_s
             self._set(rec, State.RUNNING, layer=rec.head, prev=None, deadline=deadline, reason="")
-            self._gc_layers()
 
     def set_timeout(self, sid: str, timeout_s: float | None) -> None:
         """The sandbox's `on_timeout` applies `timeout_s` seconds from now (None: never)."""

@@ -65,6 +65,14 @@ class Record:
     then_hibernate: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
+    def held_layers(self) -> set[str]:
+        """The sealed layers this sandbox holds a reference to (layerset.py): the one it stands on,
+        and for a hibernated or resuming one `head`'s, which its resume stacks the new upper onto."""
+        held = {self.layer} if self.layer else set()
+        if self.head and self.state in (State.HIBERNATED, State.RESUMING):
+            held.add(self.head)
+        return held
+
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d["spec"] = self.spec.to_json()

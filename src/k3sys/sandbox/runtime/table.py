@@ -29,62 +29,16 @@ from k3sys.sandbox.errors import (
 )
 from k3sys.sandbox.runtime.agent import Agent
 from k3sys.sandbox.runtime.drivers.base import Driver, SandboxDirs
+from k3sys.sandbox.runtime.layerset import LayerSet
 from k3sys.sandbox.runtime.state import Record, State
 from k3sys.sandbox.runtime.store import Store
 from k3sys.sandbox.runtime.templates import template_rootfs, template_user
+from k3sys.sandbox.runtime.trees import new_id
 from k3sys.sandbox.spec import check_id
 from k3sys.sandbox.types import SandboxInfo
 
 T = TypeVar("T")
 _log = logging.getLogger(__name__)
-
-
-def _new_id(prefix: str) -> str:
-    return f"{prefix}-{secrets.token_hex(6)}"
-
-
-def _rmtree(path: Path) -> None:
-    """Remove `path` and everything below it: without recursion (a sandbox's tree can be any depth),
-    without following links (only the current directory is held open: descend by name, climb by
-    ".."), never raising (an error is logged and what is left stays)."""
-    try:
-        if not stat.S_ISDIR(os.lstat(path).st_mode):
-            os.unlink(path)
-            return
-        cur = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-    except FileNotFoundError:
-        return
-    except OSError as e:
-        _log.warning("cannot remove %s: %s", path, e)
-        return
-    names: list[str] = []  # the directories we are in, below `path`
-    try:
-        while True:
-            sub = None
-            with os.scandir(cur) as entries:
-                for e in entries:
-                    if e.is_dir(follow_symlinks=False):
-                        sub = sub or e.name
-                    else:
-                        with contextlib.suppress(FileNotFoundError):
-                            os.unlink(e.name, dir_fd=cur)
-            if sub is not None:
-                down = os.open(sub, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=cur)
-                os.close(cur)
-                cur = down
-                names.append(sub)
-            elif names:
-                up = os.open("..", os.O_RDONLY | os.O_DIRECTORY, dir_fd=cur)
-                os.close(cur)
-                cur = up
-                os.rmdir(names.pop(), dir_fd=cur)
-            else:
-                break
-        os.rmdir(path)
-    except OSError as e:
-        _log.warning("cannot remove %s (at depth %d): %s", path, len(names), e)
-    finally:
-        os.close(cur)
 
 
 class Table:
@@ -94,6 +48,7 @@ class Table:
     root: Path
     driver: Driver
     store: Store
+    layers: LayerSet
     scratch: Path
     on_timeout: str
     _mu: threading.Lock
@@ -109,9 +64,12 @@ class Table:
         rec.save(self._dirs(rec.id).root / "record.json")
 
     def _set(self, rec: Record, state: State, **changes: Any) -> None:
+        """Change `rec` and persist it; the layers it holds follow (acquired before released)."""
+        held = rec.held_layers()
         rec.state = state
         for k, v in changes.items():
             setattr(rec, k, v)
+        self.layers.update(held, rec.held_layers())
         self._save(rec)
 
     @contextlib.contextmanager
@@ -155,7 +113,7 @@ class Table:
             raise InvalidStateError(f"cannot {op} sandbox {rec.id}: it is {rec.state.value} (needs {want})")
 
     def _layer_dir(self, ck: str | None) -> Path | None:
-        return self.root / "layers" / ck if ck else None
+        return self.layers.path(ck) if ck else None
 
     def _lowers(self, rec: Record) -> list[Path]:
         template = template_rootfs(rec.spec.template)
@@ -163,9 +121,21 @@ class Table:
         return [layer, template] if layer else [template]
 
     def _register(self, rec: Record) -> None:
+        """Add `rec` to the table; it holds its layers from here on (until `_drop_record`)."""
+        self.layers.update((), rec.held_layers())
         with self._mu:
             self._records[rec.id] = rec
             self._locks.setdefault(rec.id, threading.RLock())
+
+    def _drop_record(self, rec: Record) -> None:
+        """Drop a killed `rec` from the table and let go of its layers (the last holder deletes one)."""
+        with self._mu:
+            self._records.pop(rec.id, None)
+            self._locks.pop(rec.id, None)
+            self._timings.pop(rec.id, None)
+        held = rec.held_layers()
+        rec.state = State.KILLED
+        self.layers.update(held, ())
 
     def _staging(self, name: str) -> tuple[Path, Path]:
         """(tmpfs directory for process images, disk directory for a sealed tree), both not yet created.
@@ -183,7 +153,7 @@ class Table:
         return self.scratch / name, self.root / "tmp" / name
 
     def _claim_id(self, id: str | None) -> str:
-        sid = check_id("id", id) if id is not None else _new_id("sbx")
+        sid = check_id("id", id) if id is not None else new_id("sbx")
         with self._mu:
             if sid in self._records or self._dirs(sid).root.exists():
                 raise InvalidArgumentError(f"id: sandbox {sid!r} already exists")
