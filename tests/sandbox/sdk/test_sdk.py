@@ -163,9 +163,9 @@ def test_paused_sandbox_gets_no_cpu(sbx):
     sbx.pause()
     time.sleep(0.3)
     # Read the counter through the host's view of the file system: unchanged while frozen.
-    n1 = (sbx._rt._dirs(sbx.id).rootfs / "tmp/n").read_text()
+    n1 = (sbx._rt.table.dirs(sbx.id).rootfs / "tmp/n").read_text()
     time.sleep(0.3)
-    n2 = (sbx._rt._dirs(sbx.id).rootfs / "tmp/n").read_text()
+    n2 = (sbx._rt.table.dirs(sbx.id).rootfs / "tmp/n").read_text()
     assert n1 == n2
     sbx.resume()
     time.sleep(0.3)

@@ -18,12 +18,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from k3sys.sandbox.errors import (
+    CheckpointNotFoundError,
     InvalidStateError,
     SandboxError,
 )
 from k3sys.sandbox.runtime import layers
 from k3sys.sandbox.runtime.background import Cancelled, Hibernator, Job
 from k3sys.sandbox.runtime.drivers.base import Images, is_page_image
+from k3sys.sandbox.runtime.prefetch import Prefetch
 from k3sys.sandbox.runtime.sealed import FS_BYTES, SealedLayers
 from k3sys.sandbox.runtime.state import LIVE, Record, State
 from k3sys.sandbox.runtime.store import Follower, Manifest
@@ -32,6 +34,9 @@ from k3sys.sandbox.runtime.templates import template_rootfs
 from k3sys.sandbox.runtime.trees import new_id, remove_tree
 from k3sys.sandbox.spec import MAX_FORK, SandboxSpec, check_number
 from k3sys.sandbox.types import CheckpointInfo, SandboxInfo
+
+# Manifest meta: a sandbox's own checkpoint (its pause's, `Record.hibernation`), not listed as a snapshot.
+INTERNAL = "internal"
 
 
 @dataclass(frozen=True)
@@ -46,19 +51,9 @@ class _Snapshot:
     follower: Follower | None
 
 
-@dataclass(frozen=True)
-class _Staged:
-    """Images of checkpoint `ck` checked out to `path` by `prefetch`, kept until `expires` (monotonic s)."""
-
-    ck: str
-    path: Path
-    expires: float
-
-
-class Checkpoints(SealedLayers):
+class Checkpoints(Prefetch, SealedLayers):
     """`Runtime`'s checkpoint operations (see the module docstring)."""
 
-    _staged: dict[str, _Staged]
     _hibernator: Hibernator
 
     def _snapshot(self, rec: Record, transitional: State, *, thaw: bool, store: bool = True) -> _Snapshot:
@@ -68,34 +63,36 @@ class Checkpoints(SealedLayers):
         commit must `abort` the follower."""
         ck = new_id("ck")
         images, fs = self._staging(ck)
-        self._set(rec, transitional, prev=rec.state, pending=ck)
+        self.table.set(rec, transitional, prev=rec.state, pending=ck)
         follower = self.store.follow(images) if store else None
         try:
-            t = self.driver.snapshot(rec.id, self._dirs(rec.id), images, fs, self._layer_dir(rec.layer),
+            t = self.driver.snapshot(rec.id, self.table.dirs(rec.id), images, fs, self._layer_dir(rec.layer),
                                      thaw=thaw)
         except BaseException:
             if follower is not None:
                 follower.abort()
             remove_tree(images)
             remove_tree(fs)
-            self._set(rec, rec.prev, prev=None, pending=None)
+            self.table.set(rec, rec.prev, prev=None, pending=None)
             raise
         return _Snapshot(ck, images, fs, t, follower)
 
-    def _commit(self, rec: Record, snap: _Snapshot, fs: Path | None = None) -> Manifest:
-        """Commit `snap` (its sealed fs from `fs` if it moved) as the sandbox's next checkpoint, with
-        what its sealed fs holds of a disk (`FS_BYTES`)."""
-        fs = fs or snap.fs
+    def _commit(self, rec: Record, snap: _Snapshot, internal: bool = False) -> Manifest:
+        """Commit `snap` as the sandbox's next checkpoint, with what its sealed fs holds of a disk
+        (`FS_BYTES`); `internal`: the sandbox's own (`INTERNAL`)."""
+        fs = snap.fs
         t0 = time.perf_counter()  # "measure", within "store"
         meta = {"sandbox": rec.id, "spec": rec.spec.to_json(), FS_BYTES: layers.tree_bytes(fs)}
+        if internal:
+            meta[INTERNAL] = True
         snap.t["measure"] = time.perf_counter() - t0
         return self.store.commit({"images": snap.images, "fs": fs}, parent=rec.head, meta=meta,
                                  id=snap.ck, follower=snap.follower)
 
     def checkpoint(self, sid: str) -> CheckpointInfo:
         """Snapshot a running or paused sandbox into the store; the sandbox carries on as it was."""
-        with self._locked(sid) as rec:
-            self._require(rec, "checkpoint", *LIVE)
+        with self.table.locked(sid) as rec:
+            self.table.require(rec, "checkpoint", *LIVE)
             info, images, fs = self._checkpoint_locked(rec)
             self._cleaner.submit(remove_tree, images)
             remove_tree(fs)
@@ -107,7 +104,7 @@ class Checkpoints(SealedLayers):
         t = snap.t
         try:
             # The sandbox runs again already; a failed commit only loses this checkpoint.
-            self._set(rec, rec.prev, prev=None)
+            self.table.set(rec, rec.prev, prev=None)
             t1 = time.perf_counter()
             m = self._commit(rec, snap)
             t["store"] = time.perf_counter() - t1
@@ -116,25 +113,28 @@ class Checkpoints(SealedLayers):
                 snap.follower.abort()
             remove_tree(snap.images)
             remove_tree(snap.fs)
-            self._set(rec, rec.state, pending=None)
+            self.table.set(rec, rec.state, pending=None)
             raise
-        self._set(rec, rec.state, head=snap.ck, pending=None)
+        self.table.set(rec, rec.state, head=snap.ck, pending=None)
         t["total"] = time.perf_counter() - t0
-        self._timings[rec.id] = t
+        self.table.timings[rec.id] = t
         return CheckpointInfo.from_manifest(m, t), snap.images, snap.fs
 
     def hibernate(self, sid: str) -> CheckpointInfo:
         """Checkpoint, then stop every process: memory and CPU are released; `resume` brings it back.
         Synchronous: returns once the checkpoint is durable and the memory released (see
-        `pause(hibernate=True)` for the same in the background)."""
-        with self._locked(sid) as rec:
-            self._require(rec, "hibernate", *LIVE)
+        `pause(hibernate=True)` for the same in the background). The checkpoint is the caller's,
+        listed like any other (E2B's pause, whose checkpoint nobody is handed, keeps its own:
+        `Record.hibernation`)."""
+        with self.table.locked(sid) as rec:
+            self.table.require(rec, "hibernate", *LIVE)
             self._hibernator.take(sid)  # a queued background hibernation of it is this one now
             return self._hibernate_locked(rec)
 
-    def _hibernate_locked(self, rec: Record, job: Job | None = None) -> CheckpointInfo:
-        """Hibernate `rec` (its lock held). For a background `job` cancelled meanwhile (a `resume`
-        or `kill` waits for the lock), stop after the phase in progress instead and raise
+    def _hibernate_locked(self, rec: Record, job: Job | None = None, internal: bool = False) -> CheckpointInfo:
+        """Hibernate `rec` (its lock held); `internal`: the checkpoint is the sandbox's own
+        (`Record.hibernation`, replacing the one before). For a background `job` cancelled meanwhile (a
+        `resume` or `kill` waits for the lock), stop after the phase in progress instead and raise
         `Cancelled`, leaving the sandbox paused: after the dump its images are dropped; after the
         commit the checkpoint is kept as its head."""
         sid = rec.id
@@ -146,7 +146,7 @@ class Checkpoints(SealedLayers):
             if job is not None and job.cancelled:
                 raise Cancelled(f"hibernation of {sid} cancelled after its dump")
             t1 = time.perf_counter()
-            m = self._commit(rec, snap)
+            m = self._commit(rec, snap, internal)
             t["store"] = time.perf_counter() - t1
         except BaseException:
             if snap.follower is not None:
@@ -154,16 +154,19 @@ class Checkpoints(SealedLayers):
             remove_tree(images)
             remove_tree(fs)
             self._undo_hibernate(rec)
-            self._set(rec, rec.prev, prev=None, pending=None, then_hibernate=False)
+            self.table.set(rec, rec.prev, prev=None, pending=None, then_hibernate=False)
             raise
-        if job is not None and job.cancelled:  # durable already: a checkpoint like any other
+        # Durable: the sandbox's head from here on whatever follows, so the pause's checkpoint before it goes.
+        self._drop_own(rec.hibernation)
+        if job is not None and job.cancelled:  # durable already: kept as its head
             self._cleaner.submit(remove_tree, images)
             remove_tree(fs)
             self._undo_hibernate(rec)
-            self._set(rec, rec.prev, head=ck, prev=None, pending=None, then_hibernate=False)
+            self.table.set(rec, rec.prev, head=ck, prev=None, pending=None, then_hibernate=False,
+                      hibernation=ck if internal else None)
             raise Cancelled(f"hibernation of {sid} cancelled after its commit: {ck} kept as a checkpoint")
         t1 = time.perf_counter()
-        self.driver.destroy(sid, self._dirs(sid))
+        self.driver.destroy(sid, self.table.dirs(sid))
         self._wipe_upper(rec)
         # The sealed fs is exactly what `resume` will stack the new upper on: keep it as a layer
         # (held here until the record, hibernated, holds it).
@@ -172,12 +175,12 @@ class Checkpoints(SealedLayers):
             self.layers.adopt(ck, fs)
             t["stop"] = time.perf_counter() - t1
             self._warm(ck, images)  # before "hibernated": their tmpfs is freed too (~50 ms per GiB)
-            self._set(rec, State.HIBERNATED, head=ck, layer=None, sealed_bytes=m.meta[FS_BYTES], prev=None,
-                      pending=None, then_hibernate=False)
+            self.table.set(rec, State.HIBERNATED, head=ck, layer=None, sealed_bytes=m.meta[FS_BYTES], prev=None,
+                      pending=None, then_hibernate=False, hibernation=ck if internal else None)
         finally:
             self.layers.release(ck)
         t["total"] = time.perf_counter() - t0
-        self._timings[sid] = t
+        self.table.timings[sid] = t
         return CheckpointInfo.from_manifest(m, t)
 
     def _undo_hibernate(self, rec: Record) -> None:
@@ -185,10 +188,10 @@ class Checkpoints(SealedLayers):
         thawed if it ran, and its agent's gate open again (the dump left it closed)."""
         if rec.prev is State.RUNNING:
             self.driver.resume(rec.id)
-        self.driver.agent(rec.id, self._dirs(rec.id)).open_gate()
+        self.driver.agent(rec.id, self.table.dirs(rec.id)).open_gate()
 
     def _wipe_upper(self, rec: Record) -> None:
-        dirs = self._dirs(rec.id)
+        dirs = self.table.dirs(rec.id)
         for d in (dirs.upper, dirs.work, dirs.bundle, dirs.logs):
             remove_tree(d)
 
@@ -220,7 +223,7 @@ class Checkpoints(SealedLayers):
                 ready = Images(images, Images.page_bytes_of(reader.sizes()), wait, reader.read, reader.prefetch)
             lowers = [self._layer_dir(ck), template_rootfs(rec.spec.template)]
             # Lazily where the images are ours: the sandbox runs while its memory streams in.
-            t.update(self.driver.restore(rec.id, self._dirs(rec.id), rec.spec, lowers, ready, lazy=own,
+            t.update(self.driver.restore(rec.id, self.table.dirs(rec.id), rec.spec, lowers, ready, lazy=own,
                                          sealed_bytes=rec.sealed_bytes))
         finally:
             pool.shutdown()  # a restore that failed before waiting for the checkout lets it finish first
@@ -229,7 +232,7 @@ class Checkpoints(SealedLayers):
             elif reader is not None:
                 reader.close()
         t["total"] = time.perf_counter() - t0
-        self._timings[rec.id] = t
+        self.table.timings[rec.id] = t
         return t
 
     def _warm(self, ck: str, images: Path) -> None:
@@ -265,20 +268,20 @@ class Checkpoints(SealedLayers):
                images: Path | None = None) -> SandboxInfo:
         """A new sandbox restored from snapshot `ck` (its layer, holding `sealed_bytes` of its disk; its
         images from the store unless given), whose latest stored checkpoint is `head`."""
-        sid = self._claim_id(id)
+        sid = self.table.claim_id(id)
         now = time.time()
         rec = Record(sid, spec, State.CREATING, now, deadline=now + spec.timeout_s if spec.timeout_s else None,
                      head=head, layer=ck, sealed_bytes=sealed_bytes)
-        self._register(rec)
-        with self._locked(sid):
-            self._save(rec)
+        self.table.register(rec)
+        with self.table.locked(sid):
+            self.table.save(rec)
             try:
                 self._restore_into(rec, ck, images)
             except BaseException:
                 self._discard(rec)
                 raise
-            self._set(rec, State.RUNNING)
-            return self._info(rec)
+            self.table.set(rec, State.RUNNING)
+            return self.table.info(rec)
 
     def fork(self, sid: str, n: int = 1) -> list[SandboxInfo]:
         """`n` new running sandboxes, each a copy of this one now (processes, memory, files).
@@ -289,15 +292,15 @@ class Checkpoints(SealedLayers):
         descends from. Checkpoint the source first to keep its state in the store.
         """
         check_number("n", n, 1, MAX_FORK, "children", integer=True)
-        with self._locked(sid) as rec:
-            self._require(rec, "fork", *LIVE)
+        with self.table.locked(sid) as rec:
+            self.table.require(rec, "fork", *LIVE)
             t0 = time.perf_counter()
             snap = self._snapshot(rec, State.CHECKPOINTING, thaw=True, store=False)
             ck, images, fs, t = snap.ck, snap.images, snap.fs, snap.t
             kids: list[SandboxInfo] = []
             self.layers.acquire(ck)  # the fork's own hold on the new layer, until every child holds it
             try:
-                self._set(rec, rec.prev, prev=None)
+                self.table.set(rec, rec.prev, prev=None)
                 self.layers.adopt(ck, fs)
                 t1 = time.perf_counter()
                 fs_bytes = layers.tree_bytes(self._layer_dir(ck))  # what each child's disk holds already
@@ -324,10 +327,10 @@ class Checkpoints(SealedLayers):
                 for d in images.parent.glob(f"{images.name}*"):
                     self._cleaner.submit(remove_tree, d)
                 remove_tree(fs)  # only there if it was not adopted
-                self._set(rec, rec.state, pending=None)
+                self.table.set(rec, rec.state, pending=None)
                 self.layers.release(ck)  # the layer goes unless a child stands on it
             t["total"] = time.perf_counter() - t0
-            self._timings[sid] = t
+            self.table.timings[sid] = t
             return kids
 
     @staticmethod
@@ -341,50 +344,24 @@ class Checkpoints(SealedLayers):
         return out
 
     def checkpoints(self) -> list[CheckpointInfo]:
-        """Every checkpoint in the store, oldest first."""
-        return [CheckpointInfo.from_manifest(m) for m in self.store.list()]
+        """Every checkpoint in the store, oldest first, but the sandboxes' own (`Record.hibernation`)."""
+        return [CheckpointInfo.from_manifest(m) for m in self.store.list() if not m.meta.get(INTERNAL)]
+
+    def _drop_own(self, ck: str | None) -> None:
+        """Delete a sandbox's own checkpoint it no longer needs (superseded, or the sandbox killed). The
+        store keeps the chunks a later checkpoint shares with it; one a hibernated sandbox still
+        resumes from stays."""
+        if ck is not None:
+            with contextlib.suppress(CheckpointNotFoundError, InvalidStateError):
+                self.delete_checkpoint(ck)
 
     def get_checkpoint(self, ck: str) -> CheckpointInfo:
         return CheckpointInfo.from_manifest(self.store.get(ck))
 
     def delete_checkpoint(self, ck: str) -> None:
         """Remove a checkpoint from the store; refused while a hibernated (or resuming) sandbox needs it."""
-        with self._mu:
-            users = [r for r in self._records.values()
-                     if r.head == ck and r.state in (State.HIBERNATED, State.RESUMING)]
+        users = [r for r in self.table.records() if r.head == ck and r.state in (State.HIBERNATED, State.RESUMING)]
         if users:
             raise InvalidStateError(f"checkpoint {ck} holds {users[0].state} sandbox {users[0].id}; "
                                     "kill or resume it first")
         self.store.delete(ck)  # its layer, if sandboxes stand on it, goes with the last of them
-
-    def prefetch(self, sid: str, ttl_s: float = 60.0) -> bool:
-        """Stage a hibernated sandbox's images on tmpfs ahead of a likely `resume` (e.g. while the
-        policy model thinks), so that the resume restores without reading the store. A hint: it
-        returns whether images are staged (False, doing nothing, unless the sandbox is hibernated).
-        The staged copy holds as much memory as the sandbox's memory image until `resume` uses it,
-        the sandbox is killed, or `ttl_s` seconds pass (a later call renews it)."""
-        check_number("ttl_s", ttl_s, 0.1, 3600, "s")
-        with self._locked(sid) as rec:
-            if rec.state is not State.HIBERNATED:
-                return False
-            expires = time.monotonic() + ttl_s
-            with self._mu:
-                staged = self._staged.get(sid)
-                if staged is not None and staged.ck == rec.head:
-                    self._staged[sid] = _Staged(staged.ck, staged.path, expires)
-                    return True
-            self._unstage(sid)
-            self.layers.ensure(rec.head)
-            path, _ = self._staging(f"{rec.head}-{sid}-prefetched")
-            self.store.checkout(rec.head, {"images": path})
-            with self._mu:
-                self._staged[sid] = _Staged(rec.head, path, expires)
-            return True
-
-    def _unstage(self, sid: str, keep: bool = False) -> _Staged | None:
-        """Forget the images `prefetch` staged for `sid`; delete them unless `keep` (then the caller owns them)."""
-        with self._mu:
-            staged = self._staged.pop(sid, None)
-        if staged is not None and not keep:
-            self._cleaner.submit(remove_tree, staged.path)
-        return staged

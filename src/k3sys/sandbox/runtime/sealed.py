@@ -11,12 +11,12 @@ disk of every sandbox that starts on it (resume, restore, fork: drivers/disk.py 
 from __future__ import annotations
 
 from k3sys.sandbox.runtime import layers
-from k3sys.sandbox.runtime.table import Table
+from k3sys.sandbox.runtime.base import Base
 
 FS_BYTES = "fs_bytes"  # manifest meta: `layers.tree_bytes` of the checkpoint's sealed fs
 
 
-class SealedLayers(Table):
+class SealedLayers(Base):
     """`Runtime`'s sealed layers (see the module docstring)."""
 
     def _fs_bytes(self, ck: str) -> int:
