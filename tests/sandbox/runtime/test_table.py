@@ -48,9 +48,9 @@ def test_the_transition_table_is_checked_on_every_change(tmp_path):
 def test_transition_sets_via_then_to_and_refuses_other_states(tmp_path):
     t = table(tmp_path)
     rec = new_record(t, State.HIBERNATED, head="ck-a")
-    with pytest.raises(InvalidStateError, match="cannot pause sandbox .* it is hibernated"):
-        with t.transition(rec.id, LIVE, State.CHECKPOINTING, None, "pause"):
-            pass
+    with (pytest.raises(InvalidStateError, match="cannot pause sandbox .* it is hibernated"),
+          t.transition(rec.id, LIVE, State.CHECKPOINTING, None, "pause")):
+        pass
     with t.transition(rec.id, (State.HIBERNATED,), State.RESUMING, State.RUNNING, "resume") as r:
         assert r is rec and on_disk(t, rec).state is State.RESUMING and rec.prev is State.HIBERNATED
         t.set(rec, rec.state, layer=rec.head)
@@ -63,9 +63,9 @@ def test_transition_sets_via_then_to_and_refuses_other_states(tmp_path):
 def test_transition_rolls_back_on_an_exception(tmp_path):
     t = table(tmp_path)
     rec = new_record(t, State.PAUSED)
-    with pytest.raises(OSError, match="injected"):
-        with t.transition(rec.id, LIVE, State.HIBERNATING, State.HIBERNATED, "hibernate"):
-            raise OSError("injected")
+    with (pytest.raises(OSError, match="injected"),
+          t.transition(rec.id, LIVE, State.HIBERNATING, State.HIBERNATED, "hibernate")):
+        raise OSError("injected")
     assert (rec.state, rec.prev) == (State.PAUSED, None)
     assert on_disk(t, rec).state is State.PAUSED
 
@@ -80,7 +80,6 @@ def test_records_hold_their_layers_until_dropped(tmp_path):
     assert t.layers.counts() == {"ck-a": 2}  # running on ck-a: ck-b released
     with t.locked(a.id) as rec:
         t.drop(rec)
-    with pytest.raises(NotFoundError):
-        with t.locked(a.id):
-            pass
+    with pytest.raises(NotFoundError), t.locked(a.id):
+        pass
     assert t.layers.counts() == {"ck-a": 1} and [r.id for r in t.records()] == [b.id]

@@ -24,7 +24,7 @@ from k3sys.sandbox.errors import (
 )
 from k3sys.sandbox.runtime import layers
 from k3sys.sandbox.runtime.background import Cancelled, Hibernator, Job
-from k3sys.sandbox.runtime.drivers.base import Images, is_page_image
+from k3sys.sandbox.runtime.drivers.base import Images
 from k3sys.sandbox.runtime.prefetch import Prefetch
 from k3sys.sandbox.runtime.sealed import FS_BYTES, SealedLayers
 from k3sys.sandbox.runtime.state import LIVE, Record, State
@@ -163,22 +163,18 @@ class Checkpoints(Prefetch, SealedLayers):
             remove_tree(fs)
             self._undo_hibernate(rec)
             self.table.set(rec, rec.prev, head=ck, prev=None, pending=None, then_hibernate=False,
-                      hibernation=ck if internal else None)
+                           hibernation=ck if internal else None)
             raise Cancelled(f"hibernation of {sid} cancelled after its commit: {ck} kept as a checkpoint")
         t1 = time.perf_counter()
         self.driver.destroy(sid, self.table.dirs(sid))
         self._wipe_upper(rec)
-        # The sealed fs is exactly what `resume` will stack the new upper on: keep it as a layer
-        # (held here until the record, hibernated, holds it).
-        self.layers.acquire(ck)
-        try:
-            self.layers.adopt(ck, fs)
-            t["stop"] = time.perf_counter() - t1
-            self._warm(ck, images)  # before "hibernated": their tmpfs is freed too (~50 ms per GiB)
-            self.table.set(rec, State.HIBERNATED, head=ck, layer=None, sealed_bytes=m.meta[FS_BYTES], prev=None,
-                      pending=None, then_hibernate=False, hibernation=ck if internal else None)
-        finally:
-            self.layers.release(ck)
+        t["stop"] = time.perf_counter() - t1
+        self._warm(ck, images)  # before "hibernated": their tmpfs is freed too (~50 ms per GiB)
+        self.table.set(rec, State.HIBERNATED, head=ck, layer=None, sealed_bytes=m.meta[FS_BYTES], prev=None,
+                       pending=None, then_hibernate=False, hibernation=ck if internal else None)
+        # The sealed fs is exactly what `resume` will stack the new upper on: the layer the record now
+        # holds (were this to fail, the resume would check it out of the store).
+        self.layers.adopt(ck, fs)
         t["total"] = time.perf_counter() - t0
         self.table.timings[sid] = t
         return CheckpointInfo.from_manifest(m, t)
@@ -210,17 +206,18 @@ class Checkpoints(Prefetch, SealedLayers):
             remove_tree(staged.path)
         pool = ThreadPoolExecutor(1, thread_name_prefix="k3sys-checkout")
         try:
-            ready = Images.complete(images) if images is not None else None
+            ready = self.driver.images.complete(images) if images is not None else None
             if ready is None:
                 reader = FileReader(self.store, ck, "images")
                 images, _ = self._staging(f"{ck}-{rec.id}")
-                checkout = pool.submit(self.store.checkout, ck, {"images": images}, is_page_image)
+                checkout = pool.submit(self.store.checkout, ck, {"images": images}, self.driver.images.holds_memory)
 
                 def wait() -> None:  # "store": until the checkout is done (it runs beside the mounts)
                     checkout.result()
                     t["store"] = time.perf_counter() - t0
 
-                ready = Images(images, Images.page_bytes_of(reader.sizes()), wait, reader.read, reader.prefetch)
+                ready = Images(images, self.driver.images.memory_bytes(reader.sizes()), wait, reader.read,
+                               reader.prefetch)
             lowers = [self._layer_dir(ck), template_rootfs(rec.spec.template)]
             # Lazily where the images are ours: the sandbox runs while its memory streams in.
             t.update(self.driver.restore(rec.id, self.table.dirs(rec.id), rec.spec, lowers, ready, lazy=own,
@@ -239,7 +236,7 @@ class Checkpoints(Prefetch, SealedLayers):
         """Have the store start reading what a resume from hibernation `ck` reads first (~1 MiB; its
         packs are written past the page cache), then delete `images`. Best effort."""
         with contextlib.suppress(SandboxError, OSError), FileReader(self.store, ck, "images") as reader:
-            for name, ranges in self.driver.first_reads(images).items():
+            for name, ranges in self.driver.images.first_reads(images).items():
                 reader.prefetch(name, ranges)
         remove_tree(images)
 

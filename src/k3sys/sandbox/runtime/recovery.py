@@ -68,7 +68,7 @@ class Recovery(Base):
             self._wipe_upper(rec)
             superseded, own = rec.hibernation, self.store.get(committed).meta.get(INTERNAL)
             self.table.set(rec, State.HIBERNATED, head=committed, layer=None, sealed_bytes=self._fs_bytes(committed),
-                      prev=None, pending=None, then_hibernate=False, hibernation=committed if own else None)
+                           prev=None, pending=None, then_hibernate=False, hibernation=committed if own else None)
             self._drop_own(superseded)
         elif s in (State.CHECKPOINTING, State.HIBERNATING, *LIVE) and alive:
             target = rec.prev if s in (State.CHECKPOINTING, State.HIBERNATING) else s

@@ -4,7 +4,7 @@ One `Runtime` owns one runtime directory (default `~/.local/share/k3sys`, or `K3
 
     runtime.lock              flock held while a runtime has the directory open
     sandboxes/<id>/record.json  the sandbox's `Record` (state.py); bundle/, upper/, work/, logs/
-    layers/<checkpoint id>/   sealed file systems in use as lower layers (hard-linked, read-only)
+    layers/<checkpoint id>/   sealed file systems in use as lower layers (read-only; counted: layerset.py)
     store/                    the content-addressed checkpoint store (`k3sys.sandbox.runtime.store`)
     runc/                     the driver's state (runc --root)
     tmp/                      staging on the same file system as layers/ (renames, hard links)
@@ -17,11 +17,16 @@ one leaves the sandbox in its previous state. Operations on different sandboxes 
 Commands run without the lock (a long command does not block `pause` or `kill`).
 
 Recovery: a runtime opening a directory another runtime left (crashed) adopts its sandboxes
-(recovery.py). The class is assembled from its parts, one job each: table.py (records, locks,
-transitions), commands.py, files.py, checkpoints.py (checkpoint, hibernate, restore, fork,
-prefetch), sealed.py (sealed layers: checkout, collection, their charge to the disk), recovery.py
-(startup recovery, the timeout reaper); this module holds construction, create / kill / pause /
-resume and the queries.
+(recovery.py).
+
+Parts (docs/sandbox.md draws who calls whom): the sandbox table (table.py: records, per-sandbox
+locks, the one transition table, `transition`) and the sealed layers (layerset.py: a reference count
+per layer, the last release deletes) are parts of their own, constructed here with their
+dependencies and reached as `self.table` and `self.layers`. Commands (commands.py), files
+(files.py), checkpoints (checkpoints.py: checkpoint, hibernate, restore, fork; prefetch.py; sealed.py
+what a sealed layer holds of the disk) and recovery (recovery.py: startup recovery, the timeout
+reaper) are still mixins of this class over base.py; this module holds construction, create / kill
+/ pause / resume and the queries.
 """
 
 from __future__ import annotations
