@@ -274,7 +274,7 @@ def floor(rt: Runtime, s: Sandbox, repeats: int, rec: Recorder) -> None:
         for i in range(repeats):
             spec = s.spec
             sid = f"floor-{i}"
-            dirs = rt._dirs(sid)
+            dirs = rt.table.dirs(sid)
             dirs.root.mkdir(parents=True)
             try:
                 lowers = [layer, template_rootfs(spec.template)]

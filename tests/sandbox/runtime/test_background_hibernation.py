@@ -171,7 +171,7 @@ def test_the_checkpoint_is_exactly_the_paused_state(private_root):
         s.commands.run("sh -c 'i=0; while :; do i=$((i+1)); echo $i; done > /tmp/fast' >/dev/null 2>&1 &")
         wait_for(lambda: s.files.exists("/tmp/fast"), step=0.01)
         s.pause(hibernate=True)
-        upper = rt._dirs(s.id).upper / "tmp" / "fast"
+        upper = rt.table.dirs(s.id).upper / "tmp" / "fast"
         at_pause = upper.read_bytes()  # the host's view of the frozen sandbox's file
         wait_state(s, "hibernated")
         rt.resume(s.id, memory=False)  # its files as the checkpoint has them

@@ -164,9 +164,9 @@ def test_paused_sandbox_gets_no_cpu(sbx):
     # Read the counter through the host's view of the file system: unchanged while frozen. "Nothing
     # moved" needs a window; 0.3 s is thousands of steps of a running counter, and load can only make
     # a running counter move less, never a frozen one move.
-    n1 = (sbx._rt._dirs(sbx.id).rootfs / "tmp/n").read_text()
+    n1 = (sbx._rt.table.dirs(sbx.id).rootfs / "tmp/n").read_text()
     time.sleep(0.3)
-    n2 = (sbx._rt._dirs(sbx.id).rootfs / "tmp/n").read_text()
+    n2 = (sbx._rt.table.dirs(sbx.id).rootfs / "tmp/n").read_text()
     assert n1 == n2
     sbx.resume()
     wait_until(lambda: sbx.files.read_text("/tmp/n") != n2, 10, "the resumed counter moving")

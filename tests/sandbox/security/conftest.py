@@ -115,8 +115,8 @@ class Arena:
         held = [line for line in leftovers(self.rt.root, ids) if self.bystander.id not in line]
         assert held == []
         assert not [i for i in ids if (driver.reach.dir / i).exists()]
-        assert loops_backed_by([self.rt._dirs(i).root for i in ids]) == []
-        assert all(driver.ranges.base_of(self.rt._dirs(i).root) is None for i in ids)
+        assert loops_backed_by([self.rt.table.dirs(i).root for i in ids]) == []
+        assert all(driver.ranges.base_of(self.rt.table.dirs(i).root) is None for i in ids)
 
 
 @pytest.fixture

@@ -148,14 +148,14 @@ def test_root_inside_is_not_root_outside(arena, record_property):
     for pid in (_cgroup(s.id) / "cgroup.procs").read_text().split():
         status = Path(f"/proc/{pid}/status").read_text()
         host_uids.append(int(next(line for line in status.splitlines() if line.startswith("Uid:")).split()[1]))
-    base = arena.rt.driver.ranges.base_of(arena.rt._dirs(s.id).root)
+    base = arena.rt.driver.ranges.base_of(arena.rt.table.dirs(s.id).root)
     assert base is not None and base >= idmap.BASE
     assert host_uids and all(base <= u < base + idmap.SIZE for u in host_uids), host_uids
     assert s.commands.run("id -u").stdout.strip() == "0"
     # A fork child gets a range of its own; a file root writes inside is root's inside, not the host's.
     kid = s.fork(1)[0]
     arena.track([kid])
-    kid_base = arena.rt.driver.ranges.base_of(arena.rt._dirs(kid.id).root)
+    kid_base = arena.rt.driver.ranges.base_of(arena.rt.table.dirs(kid.id).root)
     assert kid_base not in (None, base)
     assert kid.commands.run("cat /proc/self/uid_map").stdout.split() == ["0", str(kid_base), str(idmap.SIZE)]
     kid.files.write("/root/f", "x")
@@ -231,7 +231,7 @@ def test_create_parameters_bounded(sec_rt, record_property):
 def test_disk_filled_past_disk_mb(arena, record_property):
     record_property("attack", "dd past disk_mb")
     s = arena.create(memory_mb=64, disk_mb=64)
-    image = arena.rt._dirs(s.id).root / "disk.img"
+    image = arena.rt.table.dirs(s.id).root / "disk.img"
     assert s.commands.run("df -m / | tail -1").stdout.split()[1] in {str(n) for n in range(56, 65)}
     r = s.commands.run("dd if=/dev/zero of=/root/big bs=1M count=200", timeout=60)
     assert r.exit_code != 0 and "No space left on device" in r.stderr

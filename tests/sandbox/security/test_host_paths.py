@@ -91,7 +91,7 @@ def test_host_users_cannot_reach_into_a_sandbox(arena, open_rt, debian_template,
     r = s.commands.run("cp /usr/bin/python3 /tmp/p && chmod 4755 /tmp/p && echo tenant > /tmp/secret && "
                        "chmod 644 /tmp/secret && /tmp/p -c 'print(1)'")
     assert (r.exit_code, r.stdout.strip()) == (0, "1"), r.stderr
-    driver, dirs = open_rt.driver, open_rt._dirs(s.id)
+    driver, dirs = open_rt.driver, open_rt.table.dirs(s.id)
 
     # Every host mount naming the sandbox: nosuid and nodev, so nothing of it ever runs with privilege.
     mounts = _mounts(s.id)

@@ -161,7 +161,7 @@ def test_stuck_agent_fails_calls_within_deadlines_and_kill_completes(fast_arena,
     _stop_agent(rt, s)
     t_run = _fails_in_time(lambda: s.commands.run("echo hi", timeout=120), FAST.probe + FAST.answer, s.id)
     t_file = _fails_in_time(lambda: s.files.read("/root/data"), FAST.answer + 5, s.id)
-    held = _fill_backlog(rt._dirs(s.id).rootfs / SOCKET)
+    held = _fill_backlog(rt.table.dirs(s.id).rootfs / SOCKET)
     try:
         t_pause = _fails_in_time(lambda: rt.pause(s.id, hibernate=True), FAST.answer, s.id)
         t_ck = _fails_in_time(lambda: rt.checkpoint(s.id), FAST.answer, s.id)

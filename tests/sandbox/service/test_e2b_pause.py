@@ -11,7 +11,7 @@ from e2b import Sandbox, SandboxState
 from test_e2b_control import TEMPLATE, ours, server  # noqa: F401 (fixtures)
 from waiting import wait_until
 
-from k3sys.sandbox import InvalidStateError
+from k3sys.sandbox import CheckpointNotFoundError, InvalidStateError
 
 pytestmark = pytest.mark.timeout(180)
 # A counter held in the shell's memory: after a restore it goes on from where it was, not from 1.
@@ -79,3 +79,28 @@ def test_connect_after_the_hibernation_is_a_restore(counting, ours):  # noqa: F8
     Sandbox.connect(sid)
     assert ours.info(sid).state == "running"
     _moves_on(ours, sid, before)  # counts on from where it was: the memory came back
+
+
+def test_the_pause_checkpoint_is_not_a_snapshot_and_goes_with_the_sandbox(server, ours):  # noqa: F811
+    # Issue 28, mismatch 4: it was listed by `list_snapshots()` and outlived the sandbox.
+    with Sandbox.create(TEMPLATE, timeout=120) as s:
+        snap = s.create_snapshot()
+        pauses = []
+        for _ in range(2):
+            assert s.pause() is True
+            deadline = time.monotonic() + 60
+            while (info := ours.info(s.sandbox_id)).state != "hibernated":
+                assert time.monotonic() < deadline, "never hibernated"
+                time.sleep(0.02)
+            pauses.append(info.head)
+            listed = [x.snapshot_id for x in Sandbox.list_snapshots(sandbox_id=s.sandbox_id).next_items()]
+            assert listed == [snap.snapshot_id]  # the user's snapshot, not the pause's
+            Sandbox.connect(s.sandbox_id)
+        with pytest.raises(CheckpointNotFoundError):
+            ours.get_checkpoint(pauses[0])  # superseded by the second pause
+        assert ours.get_checkpoint(pauses[1]).id == pauses[1]
+        s.kill()
+    with pytest.raises(CheckpointNotFoundError):
+        ours.get_checkpoint(pauses[1])  # killed: its own checkpoint went with it
+    assert Sandbox.delete_snapshot(snap.snapshot_id) is True
+    assert snap.snapshot_id not in {c.id for c in ours.checkpoints()}

@@ -149,7 +149,7 @@ def encode(op: str, fields: Iterable[tuple[str, object]]) -> bytes:
     return _HEAD.pack(len(body) + 1) + b"Q" + body
 
 
-def _error(f: dict[str, str]) -> SandboxError:
+def agent_error(f: dict[str, str]) -> SandboxError:
     cls = _ERRORS.get(f.get("code", ""), AgentError)
     return cls(f"sandbox agent: {f.get('msg', 'failed')} ({f.get('code', '?')})")
 
@@ -223,7 +223,7 @@ class Stream:
         while True:
             t, payload = self.frame()
             if t == "X":
-                raise _error(parse_fields(payload))
+                raise agent_error(parse_fields(payload))
             yield t, payload
             if t == "R":
                 return

@@ -18,20 +18,25 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from k3sys.sandbox.errors import (
+    CheckpointNotFoundError,
     InvalidStateError,
     SandboxError,
 )
 from k3sys.sandbox.runtime import layers
 from k3sys.sandbox.runtime.background import Cancelled, Hibernator, Job
-from k3sys.sandbox.runtime.drivers.base import Images, is_page_image
+from k3sys.sandbox.runtime.drivers.base import Images
+from k3sys.sandbox.runtime.prefetch import Prefetch
 from k3sys.sandbox.runtime.sealed import FS_BYTES, SealedLayers
 from k3sys.sandbox.runtime.state import LIVE, Record, State
 from k3sys.sandbox.runtime.store import Follower, Manifest
 from k3sys.sandbox.runtime.store.reader import FileReader
-from k3sys.sandbox.runtime.table import _new_id, _rmtree
 from k3sys.sandbox.runtime.templates import template_rootfs
+from k3sys.sandbox.runtime.trees import new_id, remove_tree
 from k3sys.sandbox.spec import MAX_FORK, SandboxSpec, check_number
 from k3sys.sandbox.types import CheckpointInfo, SandboxInfo
+
+# Manifest meta: a sandbox's own checkpoint (its pause's, `Record.hibernation`), not listed as a snapshot.
+INTERNAL = "internal"
 
 
 @dataclass(frozen=True)
@@ -46,19 +51,9 @@ class _Snapshot:
     follower: Follower | None
 
 
-@dataclass(frozen=True)
-class _Staged:
-    """Images of checkpoint `ck` checked out to `path` by `prefetch`, kept until `expires` (monotonic s)."""
-
-    ck: str
-    path: Path
-    expires: float
-
-
-class Checkpoints(SealedLayers):
+class Checkpoints(Prefetch, SealedLayers):
     """`Runtime`'s checkpoint operations (see the module docstring)."""
 
-    _staged: dict[str, _Staged]
     _hibernator: Hibernator
 
     def _snapshot(self, rec: Record, transitional: State, *, thaw: bool, store: bool = True) -> _Snapshot:
@@ -66,39 +61,41 @@ class Checkpoints(SealedLayers):
         `transitional` with `prev` and `pending` set. With `store`, the store packs the memory images
         while CRIU writes them (`Store.follow`); `_commit` finishes that, and a caller that does not
         commit must `abort` the follower."""
-        ck = _new_id("ck")
+        ck = new_id("ck")
         images, fs = self._staging(ck)
-        self._set(rec, transitional, prev=rec.state, pending=ck)
+        self.table.set(rec, transitional, prev=rec.state, pending=ck)
         follower = self.store.follow(images) if store else None
         try:
-            t = self.driver.snapshot(rec.id, self._dirs(rec.id), images, fs, self._layer_dir(rec.layer),
+            t = self.driver.snapshot(rec.id, self.table.dirs(rec.id), images, fs, self._layer_dir(rec.layer),
                                      thaw=thaw)
         except BaseException:
             if follower is not None:
                 follower.abort()
-            _rmtree(images)
-            _rmtree(fs)
-            self._set(rec, rec.prev, prev=None, pending=None)
+            remove_tree(images)
+            remove_tree(fs)
+            self.table.set(rec, rec.prev, prev=None, pending=None)
             raise
         return _Snapshot(ck, images, fs, t, follower)
 
-    def _commit(self, rec: Record, snap: _Snapshot, fs: Path | None = None) -> Manifest:
-        """Commit `snap` (its sealed fs from `fs` if it moved) as the sandbox's next checkpoint, with
-        what its sealed fs holds of a disk (`FS_BYTES`)."""
-        fs = fs or snap.fs
+    def _commit(self, rec: Record, snap: _Snapshot, internal: bool = False) -> Manifest:
+        """Commit `snap` as the sandbox's next checkpoint, with what its sealed fs holds of a disk
+        (`FS_BYTES`); `internal`: the sandbox's own (`INTERNAL`)."""
+        fs = snap.fs
         t0 = time.perf_counter()  # "measure", within "store"
         meta = {"sandbox": rec.id, "spec": rec.spec.to_json(), FS_BYTES: layers.tree_bytes(fs)}
+        if internal:
+            meta[INTERNAL] = True
         snap.t["measure"] = time.perf_counter() - t0
         return self.store.commit({"images": snap.images, "fs": fs}, parent=rec.head, meta=meta,
                                  id=snap.ck, follower=snap.follower)
 
     def checkpoint(self, sid: str) -> CheckpointInfo:
         """Snapshot a running or paused sandbox into the store; the sandbox carries on as it was."""
-        with self._locked(sid) as rec:
-            self._require(rec, "checkpoint", *LIVE)
+        with self.table.locked(sid) as rec:
+            self.table.require(rec, "checkpoint", *LIVE)
             info, images, fs = self._checkpoint_locked(rec)
-            self._cleaner.submit(_rmtree, images)
-            _rmtree(fs)
+            self._cleaner.submit(remove_tree, images)
+            remove_tree(fs)
             return info
 
     def _checkpoint_locked(self, rec: Record) -> tuple[CheckpointInfo, Path, Path]:
@@ -107,34 +104,37 @@ class Checkpoints(SealedLayers):
         t = snap.t
         try:
             # The sandbox runs again already; a failed commit only loses this checkpoint.
-            self._set(rec, rec.prev, prev=None)
+            self.table.set(rec, rec.prev, prev=None)
             t1 = time.perf_counter()
             m = self._commit(rec, snap)
             t["store"] = time.perf_counter() - t1
         except BaseException:
             if snap.follower is not None:
                 snap.follower.abort()
-            _rmtree(snap.images)
-            _rmtree(snap.fs)
-            self._set(rec, rec.state, pending=None)
+            remove_tree(snap.images)
+            remove_tree(snap.fs)
+            self.table.set(rec, rec.state, pending=None)
             raise
-        self._set(rec, rec.state, head=snap.ck, pending=None)
+        self.table.set(rec, rec.state, head=snap.ck, pending=None)
         t["total"] = time.perf_counter() - t0
-        self._timings[rec.id] = t
+        self.table.timings[rec.id] = t
         return CheckpointInfo.from_manifest(m, t), snap.images, snap.fs
 
     def hibernate(self, sid: str) -> CheckpointInfo:
         """Checkpoint, then stop every process: memory and CPU are released; `resume` brings it back.
         Synchronous: returns once the checkpoint is durable and the memory released (see
-        `pause(hibernate=True)` for the same in the background)."""
-        with self._locked(sid) as rec:
-            self._require(rec, "hibernate", *LIVE)
+        `pause(hibernate=True)` for the same in the background). The checkpoint is the caller's,
+        listed like any other (E2B's pause, whose checkpoint nobody is handed, keeps its own:
+        `Record.hibernation`)."""
+        with self.table.locked(sid) as rec:
+            self.table.require(rec, "hibernate", *LIVE)
             self._hibernator.take(sid)  # a queued background hibernation of it is this one now
             return self._hibernate_locked(rec)
 
-    def _hibernate_locked(self, rec: Record, job: Job | None = None) -> CheckpointInfo:
-        """Hibernate `rec` (its lock held). For a background `job` cancelled meanwhile (a `resume`
-        or `kill` waits for the lock), stop after the phase in progress instead and raise
+    def _hibernate_locked(self, rec: Record, job: Job | None = None, internal: bool = False) -> CheckpointInfo:
+        """Hibernate `rec` (its lock held); `internal`: the checkpoint is the sandbox's own
+        (`Record.hibernation`, replacing the one before). For a background `job` cancelled meanwhile (a
+        `resume` or `kill` waits for the lock), stop after the phase in progress instead and raise
         `Cancelled`, leaving the sandbox paused: after the dump its images are dropped; after the
         commit the checkpoint is kept as its head."""
         sid = rec.id
@@ -146,34 +146,37 @@ class Checkpoints(SealedLayers):
             if job is not None and job.cancelled:
                 raise Cancelled(f"hibernation of {sid} cancelled after its dump")
             t1 = time.perf_counter()
-            m = self._commit(rec, snap)
+            m = self._commit(rec, snap, internal)
             t["store"] = time.perf_counter() - t1
         except BaseException:
             if snap.follower is not None:
                 snap.follower.abort()
-            _rmtree(images)
-            _rmtree(fs)
+            remove_tree(images)
+            remove_tree(fs)
             self._undo_hibernate(rec)
-            self._set(rec, rec.prev, prev=None, pending=None, then_hibernate=False)
+            self.table.set(rec, rec.prev, prev=None, pending=None, then_hibernate=False)
             raise
-        if job is not None and job.cancelled:  # durable already: a checkpoint like any other
-            self._cleaner.submit(_rmtree, images)
-            _rmtree(fs)
+        # Durable: the sandbox's head from here on whatever follows, so the pause's checkpoint before it goes.
+        self._drop_own(rec.hibernation)
+        if job is not None and job.cancelled:  # durable already: kept as its head
+            self._cleaner.submit(remove_tree, images)
+            remove_tree(fs)
             self._undo_hibernate(rec)
-            self._set(rec, rec.prev, head=ck, prev=None, pending=None, then_hibernate=False)
+            self.table.set(rec, rec.prev, head=ck, prev=None, pending=None, then_hibernate=False,
+                           hibernation=ck if internal else None)
             raise Cancelled(f"hibernation of {sid} cancelled after its commit: {ck} kept as a checkpoint")
         t1 = time.perf_counter()
-        self.driver.destroy(sid, self._dirs(sid))
+        self.driver.destroy(sid, self.table.dirs(sid))
         self._wipe_upper(rec)
-        # The sealed fs is exactly what `resume` will stack the new upper on: keep it as a layer.
-        os.rename(fs, self._layer_dir(ck))
         t["stop"] = time.perf_counter() - t1
         self._warm(ck, images)  # before "hibernated": their tmpfs is freed too (~50 ms per GiB)
-        self._set(rec, State.HIBERNATED, head=ck, layer=None, sealed_bytes=m.meta[FS_BYTES], prev=None,
-                  pending=None, then_hibernate=False)
-        self._gc_layers()
+        self.table.set(rec, State.HIBERNATED, head=ck, layer=None, sealed_bytes=m.meta[FS_BYTES], prev=None,
+                       pending=None, then_hibernate=False, hibernation=ck if internal else None)
+        # The sealed fs is exactly what `resume` will stack the new upper on: the layer the record now
+        # holds (were this to fail, the resume would check it out of the store).
+        self.layers.adopt(ck, fs)
         t["total"] = time.perf_counter() - t0
-        self._timings[sid] = t
+        self.table.timings[sid] = t
         return CheckpointInfo.from_manifest(m, t)
 
     def _undo_hibernate(self, rec: Record) -> None:
@@ -181,12 +184,12 @@ class Checkpoints(SealedLayers):
         thawed if it ran, and its agent's gate open again (the dump left it closed)."""
         if rec.prev is State.RUNNING:
             self.driver.resume(rec.id)
-        self.driver.agent(rec.id, self._dirs(rec.id)).open_gate()
+        self.driver.agent(rec.id, self.table.dirs(rec.id)).open_gate()
 
     def _wipe_upper(self, rec: Record) -> None:
-        dirs = self._dirs(rec.id)
+        dirs = self.table.dirs(rec.id)
         for d in (dirs.upper, dirs.work, dirs.bundle, dirs.logs):
-            _rmtree(d)
+            remove_tree(d)
 
     def _restore_into(self, rec: Record, ck: str, images: Path | None = None) -> dict[str, float]:
         """Start `rec`'s processes from checkpoint `ck` (images from `prefetch` or the store unless
@@ -194,29 +197,30 @@ class Checkpoints(SealedLayers):
         mounts; it reads the pages by range from the packs (those CRIU restores itself first)."""
         t: dict[str, float] = {}
         t0 = time.perf_counter()
-        self._ensure_layer(ck)
+        self.layers.ensure(ck)  # held by `rec` (its layer, or the head it resumes onto)
         own, reader = images is None, None
         staged = self._unstage(rec.id, keep=True) if own else None
         if staged is not None and staged.ck == ck:
             images = staged.path
         elif staged is not None:
-            _rmtree(staged.path)
+            remove_tree(staged.path)
         pool = ThreadPoolExecutor(1, thread_name_prefix="k3sys-checkout")
         try:
-            ready = Images.complete(images) if images is not None else None
+            ready = self.driver.images.complete(images) if images is not None else None
             if ready is None:
                 reader = FileReader(self.store, ck, "images")
                 images, _ = self._staging(f"{ck}-{rec.id}")
-                checkout = pool.submit(self.store.checkout, ck, {"images": images}, is_page_image)
+                checkout = pool.submit(self.store.checkout, ck, {"images": images}, self.driver.images.holds_memory)
 
                 def wait() -> None:  # "store": until the checkout is done (it runs beside the mounts)
                     checkout.result()
                     t["store"] = time.perf_counter() - t0
 
-                ready = Images(images, Images.page_bytes_of(reader.sizes()), wait, reader.read, reader.prefetch)
+                ready = Images(images, self.driver.images.memory_bytes(reader.sizes()), wait, reader.read,
+                               reader.prefetch)
             lowers = [self._layer_dir(ck), template_rootfs(rec.spec.template)]
             # Lazily where the images are ours: the sandbox runs while its memory streams in.
-            t.update(self.driver.restore(rec.id, self._dirs(rec.id), rec.spec, lowers, ready, lazy=own,
+            t.update(self.driver.restore(rec.id, self.table.dirs(rec.id), rec.spec, lowers, ready, lazy=own,
                                          sealed_bytes=rec.sealed_bytes))
         finally:
             pool.shutdown()  # a restore that failed before waiting for the checkout lets it finish first
@@ -225,16 +229,16 @@ class Checkpoints(SealedLayers):
             elif reader is not None:
                 reader.close()
         t["total"] = time.perf_counter() - t0
-        self._timings[rec.id] = t
+        self.table.timings[rec.id] = t
         return t
 
     def _warm(self, ck: str, images: Path) -> None:
         """Have the store start reading what a resume from hibernation `ck` reads first (~1 MiB; its
         packs are written past the page cache), then delete `images`. Best effort."""
         with contextlib.suppress(SandboxError, OSError), FileReader(self.store, ck, "images") as reader:
-            for name, ranges in self.driver.first_reads(images).items():
+            for name, ranges in self.driver.images.first_reads(images).items():
                 reader.prefetch(name, ranges)
-        _rmtree(images)
+        remove_tree(images)
 
     def _drop_images(self, sid: str, images: Path, reader: FileReader | None) -> None:
         """Delete the images `sid` was restored from (and let go of the packs its pages were read
@@ -242,7 +246,7 @@ class Checkpoints(SealedLayers):
         try:
             self.driver.settle(sid)
         finally:
-            _rmtree(images)
+            remove_tree(images)
             if reader is not None:
                 reader.close()
 
@@ -261,20 +265,20 @@ class Checkpoints(SealedLayers):
                images: Path | None = None) -> SandboxInfo:
         """A new sandbox restored from snapshot `ck` (its layer, holding `sealed_bytes` of its disk; its
         images from the store unless given), whose latest stored checkpoint is `head`."""
-        sid = self._claim_id(id)
+        sid = self.table.claim_id(id)
         now = time.time()
         rec = Record(sid, spec, State.CREATING, now, deadline=now + spec.timeout_s if spec.timeout_s else None,
                      head=head, layer=ck, sealed_bytes=sealed_bytes)
-        self._register(rec)
-        with self._locked(sid):
-            self._save(rec)
+        self.table.register(rec)
+        with self.table.locked(sid):
+            self.table.save(rec)
             try:
                 self._restore_into(rec, ck, images)
             except BaseException:
                 self._discard(rec)
                 raise
-            self._set(rec, State.RUNNING)
-            return self._info(rec)
+            self.table.set(rec, State.RUNNING)
+            return self.table.info(rec)
 
     def fork(self, sid: str, n: int = 1) -> list[SandboxInfo]:
         """`n` new running sandboxes, each a copy of this one now (processes, memory, files).
@@ -285,16 +289,16 @@ class Checkpoints(SealedLayers):
         descends from. Checkpoint the source first to keep its state in the store.
         """
         check_number("n", n, 1, MAX_FORK, "children", integer=True)
-        with self._locked(sid) as rec:
-            self._require(rec, "fork", *LIVE)
+        with self.table.locked(sid) as rec:
+            self.table.require(rec, "fork", *LIVE)
             t0 = time.perf_counter()
             snap = self._snapshot(rec, State.CHECKPOINTING, thaw=True, store=False)
             ck, images, fs, t = snap.ck, snap.images, snap.fs, snap.t
             kids: list[SandboxInfo] = []
+            self.layers.acquire(ck)  # the fork's own hold on the new layer, until every child holds it
             try:
-                # `pending` stays set until the end: it keeps the new layer from being collected.
-                self._set(rec, rec.prev, prev=None)
-                os.rename(fs, self._layer_dir(ck))
+                self.table.set(rec, rec.prev, prev=None)
+                self.layers.adopt(ck, fs)
                 t1 = time.perf_counter()
                 fs_bytes = layers.tree_bytes(self._layer_dir(ck))  # what each child's disk holds already
                 t["measure"] = time.perf_counter() - t1
@@ -318,12 +322,12 @@ class Checkpoints(SealedLayers):
                 raise
             finally:
                 for d in images.parent.glob(f"{images.name}*"):
-                    self._cleaner.submit(_rmtree, d)
-                _rmtree(fs)  # only there if the rename did not happen
-                self._set(rec, rec.state, pending=None)
-                self._gc_layers()  # the layer goes unless a child stands on it
+                    self._cleaner.submit(remove_tree, d)
+                remove_tree(fs)  # only there if it was not adopted
+                self.table.set(rec, rec.state, pending=None)
+                self.layers.release(ck)  # the layer goes unless a child stands on it
             t["total"] = time.perf_counter() - t0
-            self._timings[sid] = t
+            self.table.timings[sid] = t
             return kids
 
     @staticmethod
@@ -337,51 +341,24 @@ class Checkpoints(SealedLayers):
         return out
 
     def checkpoints(self) -> list[CheckpointInfo]:
-        """Every checkpoint in the store, oldest first."""
-        return [CheckpointInfo.from_manifest(m) for m in self.store.list()]
+        """Every checkpoint in the store, oldest first, but the sandboxes' own (`Record.hibernation`)."""
+        return [CheckpointInfo.from_manifest(m) for m in self.store.list() if not m.meta.get(INTERNAL)]
+
+    def _drop_own(self, ck: str | None) -> None:
+        """Delete a sandbox's own checkpoint it no longer needs (superseded, or the sandbox killed). The
+        store keeps the chunks a later checkpoint shares with it; one a hibernated sandbox still
+        resumes from stays."""
+        if ck is not None:
+            with contextlib.suppress(CheckpointNotFoundError, InvalidStateError):
+                self.delete_checkpoint(ck)
 
     def get_checkpoint(self, ck: str) -> CheckpointInfo:
         return CheckpointInfo.from_manifest(self.store.get(ck))
 
     def delete_checkpoint(self, ck: str) -> None:
         """Remove a checkpoint from the store; refused while a hibernated (or resuming) sandbox needs it."""
-        with self._mu:
-            users = [r for r in self._records.values()
-                     if r.head == ck and r.state in (State.HIBERNATED, State.RESUMING)]
+        users = [r for r in self.table.records() if r.head == ck and r.state in (State.HIBERNATED, State.RESUMING)]
         if users:
             raise InvalidStateError(f"checkpoint {ck} holds {users[0].state} sandbox {users[0].id}; "
                                     "kill or resume it first")
-        self.store.delete(ck)
-        self._gc_layers()
-
-    def prefetch(self, sid: str, ttl_s: float = 60.0) -> bool:
-        """Stage a hibernated sandbox's images on tmpfs ahead of a likely `resume` (e.g. while the
-        policy model thinks), so that the resume restores without reading the store. A hint: it
-        returns whether images are staged (False, doing nothing, unless the sandbox is hibernated).
-        The staged copy holds as much memory as the sandbox's memory image until `resume` uses it,
-        the sandbox is killed, or `ttl_s` seconds pass (a later call renews it)."""
-        check_number("ttl_s", ttl_s, 0.1, 3600, "s")
-        with self._locked(sid) as rec:
-            if rec.state is not State.HIBERNATED:
-                return False
-            expires = time.monotonic() + ttl_s
-            with self._mu:
-                staged = self._staged.get(sid)
-                if staged is not None and staged.ck == rec.head:
-                    self._staged[sid] = _Staged(staged.ck, staged.path, expires)
-                    return True
-            self._unstage(sid)
-            self._ensure_layer(rec.head)
-            path, _ = self._staging(f"{rec.head}-{sid}-prefetched")
-            self.store.checkout(rec.head, {"images": path})
-            with self._mu:
-                self._staged[sid] = _Staged(rec.head, path, expires)
-            return True
-
-    def _unstage(self, sid: str, keep: bool = False) -> _Staged | None:
-        """Forget the images `prefetch` staged for `sid`; delete them unless `keep` (then the caller owns them)."""
-        with self._mu:
-            staged = self._staged.pop(sid, None)
-        if staged is not None and not keep:
-            self._cleaner.submit(_rmtree, staged.path)
-        return staged
+        self.store.delete(ck)  # its layer, if sandboxes stand on it, goes with the last of them

@@ -29,9 +29,10 @@ from k3sys.sandbox.errors import (
 )
 from k3sys.sandbox.runtime.agent import Agent
 from k3sys.sandbox.runtime.agent_protocol import Exit, Gap
+from k3sys.sandbox.runtime.base import Base
 from k3sys.sandbox.runtime.follow import OutputFollower
 from k3sys.sandbox.runtime.state import State
-from k3sys.sandbox.runtime.table import Table, _new_id
+from k3sys.sandbox.runtime.trees import new_id
 from k3sys.sandbox.spec import CommandResult, OutputPieces, check_command
 from k3sys.sandbox.types import ProcessInfo
 
@@ -91,7 +92,7 @@ class _Command:
     mu: threading.Lock = field(default_factory=threading.Lock)  # one fetch at a time
 
 
-class Commands(Table):
+class Commands(Base):
     """`Runtime`'s commands (see the module docstring)."""
 
     _commands: dict[str, _Command]
@@ -130,8 +131,8 @@ class Commands(Table):
             raise InvalidArgumentError(f"pty: expected (rows, cols) between 1 and 65535, got {pty!r}")
         piped = stdin is True or isinstance(stdin, bytes)
         follower = None
-        with self._locked(sid) as rec:
-            self._require(rec, "run a command in", State.RUNNING)
+        with self.table.locked(sid) as rec:
+            self.table.require(rec, "run a command in", State.RUNNING)
             agent = self._agent(sid)
             if follow:
                 fields = agent._start_fields(cmd, env, cwd, user, piped, pty, None)
@@ -187,7 +188,7 @@ class Commands(Table):
             self._commands.pop(cid, None)
 
     def _register_command(self, sid: str, pid: int) -> str:
-        cid = _new_id("cmd")
+        cid = new_id("cmd")
         with self._mu:
             self._commands[cid] = _Command(sid, pid)
         return cid
@@ -241,8 +242,7 @@ class Commands(Table):
         return w
 
     def _killed(self, c: _Command) -> bool:
-        with self._mu:
-            return c.sandbox_id not in self._records
+        return self.table.get(c.sandbox_id) is None
 
     def wait_command(self, cid: str, timeout: float | None = None) -> CommandResult:
         """Wait for the command to end; on `timeout` (seconds) kill it and raise CommandTimeoutError."""
@@ -311,8 +311,8 @@ class Commands(Table):
             raise InvalidArgumentError(f"timeout: expected None or a positive number of seconds, got {timeout!r}")
         if stdin is None:
             env = check_command(cmd, cwd, env)
-            with self._locked(sid) as rec:
-                self._require(rec, "run a command in", State.RUNNING)
+            with self.table.locked(sid) as rec:
+                self.table.require(rec, "run a command in", State.RUNNING)
                 agent = self._agent(sid)
             try:
                 out, end = agent.run(cmd, env=env, cwd=cwd or "/", timeout=timeout, limit=RUN_OUTPUT_MAX)

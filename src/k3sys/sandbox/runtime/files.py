@@ -19,8 +19,8 @@ from k3sys.sandbox.errors import (
 )
 from k3sys.sandbox.runtime.agent import Agent
 from k3sys.sandbox.runtime.agent_protocol import xattr_fields, xattrs_of
+from k3sys.sandbox.runtime.base import Base
 from k3sys.sandbox.runtime.state import State
-from k3sys.sandbox.runtime.table import Table
 from k3sys.sandbox.runtime.watch import MAX_EVENTS, WatchBudget, WatchHandle
 from k3sys.sandbox.types import EntryInfo
 
@@ -107,14 +107,14 @@ class _Sized(io.BytesIO):
         self.size = len(data)
 
 
-class Files(Table):
+class Files(Base):
     """`Runtime`'s file operations (see the module docstring)."""
 
     _watches: WatchBudget  # set by `Runtime.__init__`
 
     def _files(self, sid: str, op: str) -> Agent:
-        with self._locked(sid) as rec:
-            self._require(rec, op, State.RUNNING)
+        with self.table.locked(sid) as rec:
+            self.table.require(rec, op, State.RUNNING)
             return self._agent(sid)
 
     def read_file(self, sid: str, path: str, user: str | None = None) -> bytes:

@@ -17,7 +17,7 @@ from typing import NoReturn
 
 from k3sys.sandbox.errors import AgentError
 from k3sys.sandbox.runtime.agent import Agent
-from k3sys.sandbox.runtime.agent_protocol import FRAME_MAX, Exit, Gap, _error, encode, parse_fields
+from k3sys.sandbox.runtime.agent_protocol import FRAME_MAX, Exit, Gap, agent_error, encode, parse_fields
 
 READ_MAX = 256 << 10  # bytes taken from the agent's socket per `read`, at most
 
@@ -86,7 +86,7 @@ class OutputFollower:
                 break
             else:
                 view.release()
-                self._fail(_error(parse_fields(payload)))
+                self._fail(agent_error(parse_fields(payload)))
         view.release()
         del self._buf[:at]
         if self.exit is not None:

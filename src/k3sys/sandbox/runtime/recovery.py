@@ -22,13 +22,15 @@ from k3sys.sandbox.errors import (
     SandboxError,
 )
 from k3sys.sandbox.runtime.background import Hibernator
+from k3sys.sandbox.runtime.base import Base
+from k3sys.sandbox.runtime.checkpoints import INTERNAL
 from k3sys.sandbox.runtime.state import LIVE, Record, State
-from k3sys.sandbox.runtime.table import Table, _rmtree
+from k3sys.sandbox.runtime.trees import remove_tree
 
 _log = logging.getLogger(__name__)
 
 
-class Recovery(Table):
+class Recovery(Base):
     """`Runtime`'s startup recovery and reaper (see the module docstring)."""
 
     _closed: threading.Event
@@ -38,20 +40,20 @@ class Recovery(Table):
         self.driver.cleanup_stale()
         self.store.gc()  # temp files and unreferenced packs of commits a crash interrupted
         for d in (self.root / "tmp").iterdir():
-            _rmtree(d)
-        _rmtree(self.scratch)
+            remove_tree(d)
+        remove_tree(self.scratch)
         for path in sorted((self.root / "sandboxes").glob("*/record.json")):
             rec = Record.load(path)
-            self._register(rec)
+            self.table.register(rec)
             self._settle(rec)
             if rec.state is State.PAUSED and rec.then_hibernate:
                 self._hibernator.submit(rec.id)
         for d in (self.root / "sandboxes").iterdir():  # created but never recorded
             if not (d / "record.json").exists():
                 with contextlib.suppress(SandboxError):
-                    self.driver.destroy(d.name, self._dirs(d.name))
-                _rmtree(d)
-        self._gc_layers()
+                    self.driver.destroy(d.name, self.table.dirs(d.name))
+                remove_tree(d)
+        self.layers.sweep()  # the counts are the records' now: what no record holds, a crash left
 
     def _settle(self, rec: Record) -> None:
         """Bring one adopted record in line with what is really there (see the module docstring)."""
@@ -62,33 +64,35 @@ class Recovery(Table):
         if s is State.HIBERNATING and committed:
             # The checkpoint is durable: finish the hibernation.
             with contextlib.suppress(SandboxError):
-                self.driver.destroy(rec.id, self._dirs(rec.id))
+                self.driver.destroy(rec.id, self.table.dirs(rec.id))
             self._wipe_upper(rec)
-            self._set(rec, State.HIBERNATED, head=committed, layer=None, sealed_bytes=self._fs_bytes(committed),
-                      prev=None, pending=None, then_hibernate=False)
+            superseded, own = rec.hibernation, self.store.get(committed).meta.get(INTERNAL)
+            self.table.set(rec, State.HIBERNATED, head=committed, layer=None, sealed_bytes=self._fs_bytes(committed),
+                           prev=None, pending=None, then_hibernate=False, hibernation=committed if own else None)
+            self._drop_own(superseded)
         elif s in (State.CHECKPOINTING, State.HIBERNATING, *LIVE) and alive:
             target = rec.prev if s in (State.CHECKPOINTING, State.HIBERNATING) else s
             if target is State.RUNNING and status == "paused":
                 self.driver.resume(rec.id)
             elif target is State.PAUSED and status == "running":
                 self.driver.pause(rec.id)
-            self._set(rec, target, head=committed or rec.head, prev=None, pending=None)
+            self.table.set(rec, target, head=committed or rec.head, prev=None, pending=None)
         elif s is State.RESUMING and alive:
-            self._set(rec, State.RUNNING, layer=rec.head, prev=None)
+            self.table.set(rec, State.RUNNING, layer=rec.head, prev=None)
         elif s is State.RESUMING:
             with contextlib.suppress(SandboxError):
-                self.driver.destroy(rec.id, self._dirs(rec.id))
+                self.driver.destroy(rec.id, self.table.dirs(rec.id))
             self._wipe_upper(rec)
-            self._set(rec, State.HIBERNATED, prev=None)
+            self.table.set(rec, State.HIBERNATED, prev=None)
         elif s in (State.HIBERNATED, State.LOST):
             pass
         else:  # creating, or its processes are gone
             with contextlib.suppress(SandboxError):
-                self.driver.destroy(rec.id, self._dirs(rec.id))
+                self.driver.destroy(rec.id, self.table.dirs(rec.id))
             why = ("the runtime died while creating it" if s is State.CREATING
                    else f"its processes were gone when the runtime restarted (it was {s.value})")
             _log.warning("sandbox %s lost: %s", rec.id, why)
-            self._set(rec, State.LOST, reason=why, prev=None, pending=None, then_hibernate=False)
+            self.table.set(rec, State.LOST, reason=why, prev=None, pending=None, then_hibernate=False)
 
     def _has_checkpoint(self, ck: str) -> bool:
         try:
@@ -104,8 +108,7 @@ class Recovery(Table):
                 stale = [sid for sid, st in self._staged.items() if st.expires <= mono]
             for sid in stale:
                 self._unstage(sid)
-            with self._mu:
-                expired = [r.id for r in self._records.values() if r.deadline is not None and r.deadline <= now]
+            expired = [r.id for r in self.table.records() if r.deadline is not None and r.deadline <= now]
             for sid in expired:
                 try:
                     self._expire(sid)
@@ -114,7 +117,7 @@ class Recovery(Table):
 
     def _expire(self, sid: str) -> None:
         """Apply the sandbox's `on_timeout` (its spec's, else the runtime's) if it is still past its deadline."""
-        with self._locked(sid) as rec:
+        with self.table.locked(sid) as rec:
             if rec.deadline is None or rec.deadline > time.time():
                 return  # renewed or handled while we waited for the lock
             if (rec.spec.on_timeout or self.on_timeout) == "kill":
@@ -122,10 +125,11 @@ class Recovery(Table):
                 self._discard(rec)
                 return
             if rec.state not in LIVE:  # hibernated or lost already: nothing runs to stop
-                self._set(rec, rec.state, deadline=None)
+                self.table.set(rec, rec.state, deadline=None)
                 return
             try:
-                self.hibernate(sid)
+                self._hibernator.take(sid)  # a queued background hibernation of it is this one now
+                self._hibernate_locked(rec, internal=True)  # E2B's auto-pause: the sandbox's own
             except Exception as e:  # noqa: BLE001 - e.g. a full disk under the store, a stuck agent
                 # Its time is up either way: never hold resources past it; but never silently.
                 _log.warning("sandbox %s: timeout_s=%g ran out and its hibernation failed (%s: %s): killed",
@@ -134,4 +138,4 @@ class Recovery(Table):
                 return
             why = f"hibernated when its timeout_s={rec.spec.timeout_s:g} ran out"
             _log.info("sandbox %s: %s", sid, why)
-            self._set(rec, rec.state, deadline=None, reason=why)
+            self.table.set(rec, rec.state, deadline=None, reason=why)

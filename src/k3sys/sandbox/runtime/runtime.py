@@ -4,7 +4,7 @@ One `Runtime` owns one runtime directory (default `~/.local/share/k3sys`, or `K3
 
     runtime.lock              flock held while a runtime has the directory open
     sandboxes/<id>/record.json  the sandbox's `Record` (state.py); bundle/, upper/, work/, logs/
-    layers/<checkpoint id>/   sealed file systems in use as lower layers (hard-linked, read-only)
+    layers/<checkpoint id>/   sealed file systems in use as lower layers (read-only; counted: layerset.py)
     store/                    the content-addressed checkpoint store (`k3sys.sandbox.runtime.store`)
     runc/                     the driver's state (runc --root)
     tmp/                      staging on the same file system as layers/ (renames, hard links)
@@ -17,11 +17,16 @@ one leaves the sandbox in its previous state. Operations on different sandboxes 
 Commands run without the lock (a long command does not block `pause` or `kill`).
 
 Recovery: a runtime opening a directory another runtime left (crashed) adopts its sandboxes
-(recovery.py). The class is assembled from its parts, one job each: table.py (records, locks,
-transitions), commands.py, files.py, checkpoints.py (checkpoint, hibernate, restore, fork,
-prefetch), sealed.py (sealed layers: checkout, collection, their charge to the disk), recovery.py
-(startup recovery, the timeout reaper); this module holds construction, create / kill / pause /
-resume and the queries.
+(recovery.py).
+
+Parts (docs/sandbox.md draws who calls whom): the sandbox table (table.py: records, per-sandbox
+locks, the one transition table, `transition`) and the sealed layers (layerset.py: a reference count
+per layer, the last release deletes) are parts of their own, constructed here with their
+dependencies and reached as `self.table` and `self.layers`. Commands (commands.py), files
+(files.py), checkpoints (checkpoints.py: checkpoint, hibernate, restore, fork; prefetch.py; sealed.py
+what a sealed layer holds of the disk) and recovery (recovery.py: startup recovery, the timeout
+reaper) are still mixins of this class over base.py; this module holds construction, create / kill
+/ pause / resume and the queries.
 """
 
 from __future__ import annotations
@@ -46,15 +51,17 @@ from k3sys.sandbox.errors import (
     SandboxError,
 )
 from k3sys.sandbox.runtime.background import Cancelled, Hibernator, Job
-from k3sys.sandbox.runtime.checkpoints import Checkpoints, _Staged
-from k3sys.sandbox.runtime.commands import Commands, _Command
+from k3sys.sandbox.runtime.checkpoints import Checkpoints
+from k3sys.sandbox.runtime.commands import Commands
 from k3sys.sandbox.runtime.drivers.base import Driver
 from k3sys.sandbox.runtime.files import Files
+from k3sys.sandbox.runtime.layerset import LayerSet
 from k3sys.sandbox.runtime.recovery import Recovery
 from k3sys.sandbox.runtime.state import Record, State
 from k3sys.sandbox.runtime.store import Store
-from k3sys.sandbox.runtime.table import Table, _rmtree
+from k3sys.sandbox.runtime.table import SandboxTable
 from k3sys.sandbox.runtime.templates import template_rootfs
+from k3sys.sandbox.runtime.trees import remove_tree
 from k3sys.sandbox.runtime.watch import WatchBudget
 from k3sys.sandbox.spec import ON_TIMEOUT, SandboxSpec, check_number
 from k3sys.sandbox.types import SandboxInfo
@@ -72,7 +79,7 @@ def default_root() -> Path:
     return Path(env) if env else Path.home() / ".local" / "share" / "k3sys"
 
 
-class Runtime(Recovery, Checkpoints, Files, Commands, Table):
+class Runtime(Recovery, Checkpoints, Files, Commands):
     """Sandboxes of one runtime directory; see the module docstring. Use one per directory."""
 
     def __init__(self, root: Path | str | None = None, driver: Driver | None = None, on_timeout: str = "kill",
@@ -104,14 +111,14 @@ class Runtime(Recovery, Checkpoints, Files, Commands, Table):
             driver = RuncDriver(self.root)
         self.driver = driver
         self.store = Store(self.root / "store")
+        self.layers = LayerSet(self.root / "layers", self.root / "tmp",
+                               lambda ck, dest: self.store.checkout(ck, {"fs": dest}))
         tag = hashlib.sha256(str(self.root.resolve()).encode()).hexdigest()[:12]
         self.scratch = Path(os.environ.get("K3SYS_SCRATCH", "/dev/shm")) / f"k3sys-{tag}"
-        self._mu = threading.Lock()  # guards the dictionaries below
-        self._records: dict[str, Record] = {}
-        self._locks: dict[str, threading.RLock] = {}
-        self._commands: dict[str, _Command] = {}
-        self._timings: dict[str, dict[str, float]] = {}  # sandbox id -> phases of its latest operation
-        self._staged: dict[str, _Staged] = {}  # sandbox id -> images prefetched for its resume
+        self.table = SandboxTable(self.root, self.layers)
+        self._mu = threading.Lock()  # guards `_commands` and `_staged`
+        self._commands = {}  # command id -> its sandbox and pid (commands.py)
+        self._staged = {}  # sandbox id -> images prefetched for its resume (prefetch.py)
         self._watches = WatchBudget()  # watches open per sandbox (watch.py)
         # Image directories are deleted off the caller's path (freeing 64 MiB of tmpfs takes ~5 ms).
         self._cleaner = ThreadPoolExecutor(1, thread_name_prefix="k3sys-sandbox-cleanup")
@@ -126,69 +133,60 @@ class Runtime(Recovery, Checkpoints, Files, Commands, Table):
         if not isinstance(spec, SandboxSpec):
             raise InvalidArgumentError(f"spec: expected a SandboxSpec, got {type(spec).__name__}")
         template_rootfs(spec.template)  # unknown template -> UnknownTemplateError before any work
-        sid = self._claim_id(id)
+        sid = self.table.claim_id(id)
         now = time.time()
         rec = Record(sid, spec, State.CREATING, now, deadline=now + spec.timeout_s if spec.timeout_s else None)
-        self._register(rec)
-        with self._locked(sid):
-            self._save(rec)
+        self.table.register(rec)
+        with self.table.locked(sid):
+            self.table.save(rec)
             try:
-                self.driver.create(sid, self._dirs(sid), spec, self._lowers(rec))
+                self.driver.create(sid, self.table.dirs(sid), spec, self._lowers(rec))
             except BaseException:
                 self._discard(rec)
                 raise
-            self._set(rec, State.RUNNING)
-            return self._info(rec)
+            self.table.set(rec, State.RUNNING)
+            return self.table.info(rec)
 
     def _discard(self, rec: Record) -> None:
         """Release everything of `rec` and forget it (its checkpoints stay in the store)."""
-        dirs = self._dirs(rec.id)
+        dirs = self.table.dirs(rec.id)
         self.driver.drop_agent(rec.id)  # calls waiting on it fail now; commands die with the sandbox
         try:
             self.driver.destroy(rec.id, dirs)
         except BaseException as e:
             # Something is still held (a mount, a cgroup): keep the record so it stays visible.
-            self._set(rec, State.LOST, reason=f"kill failed: {e}")
+            self.table.set(rec, State.LOST, reason=f"kill failed: {e}")
             raise
-        _rmtree(dirs.root)
+        remove_tree(dirs.root)
         self._unstage(rec.id)
-        with self._mu:
-            self._records.pop(rec.id, None)
-            self._locks.pop(rec.id, None)
-            self._timings.pop(rec.id, None)
-        rec.state = State.KILLED
-        self._gc_layers()
+        self.table.drop(rec)
+        self._drop_own(rec.hibernation)
 
     def kill(self, sid: str) -> None:
         """Stop the sandbox and release its processes, memory, mounts, cgroups and files (a
         background hibernation in flight stops after its current phase first)."""
         self._hibernator.cancel(sid)
-        with self._mu:
-            known = sid in self._records
-        if known:
+        if self.table.get(sid) is not None:
             # Calls on its agent end now, and fail from here on, those of an operation holding the
             # lock included (a dump's quiesce of a stuck agent): the kill waits for none of their deadlines.
-            self.driver.agent(sid, self._dirs(sid)).cut("the sandbox is being killed")
-        with self._locked(sid) as rec:
+            self.driver.agent(sid, self.table.dirs(sid)).cut("the sandbox is being killed")
+        with self.table.locked(sid) as rec:
             self._discard(rec)
 
     def info(self, sid: str) -> SandboxInfo:
-        with self._mu:
-            rec = self._records.get(sid)
+        rec = self.table.get(sid)
         if rec is None:
             raise NotFoundError(f"no sandbox {sid!r}")
-        return self._info(rec)
+        return self.table.info(rec)
 
     def list(self) -> list[SandboxInfo]:
         """Every sandbox this runtime knows (killed ones are gone), oldest first."""
-        with self._mu:
-            recs = sorted(self._records.values(), key=lambda r: (r.created, r.id))
-        return [self._info(r) for r in recs]
+        return [self.table.info(r) for r in self.table.records()]
 
     def timings(self, sid: str) -> dict[str, float]:
         """Seconds per phase of the sandbox's latest create / checkpoint / hibernate / resume / restore /
         fork (`runc+criu`: the runc call, `criu`: CRIU's own part of it, `store`: the checkpoint store)."""
-        return dict(self._timings.get(sid, {}))
+        return dict(self.table.timings.get(sid, {}))
 
     def memory_bytes(self, sid: str) -> int:
         """Memory the sandbox's processes hold now, in bytes (0 unless running or paused)."""
@@ -206,19 +204,19 @@ class Runtime(Recovery, Checkpoints, Files, Commands, Table):
         frozen; a worker checkpoints and stops it `hibernate_delay_s` later, releasing its memory
         once the checkpoint is durable. Meanwhile its info says "paused" with `then_hibernate`, then
         "hibernating", then "hibernated"; a `resume` before the end is a thaw (background.py)."""
-        with self._locked(sid) as rec:
-            self._require(rec, "pause", State.RUNNING)
+        with self.table.locked(sid) as rec:
+            self.table.require(rec, "pause", State.RUNNING)
             # For a hibernation: the agent drops the host's connections and holds its gate first, so
             # the dump needs no thaw and saves exactly this state (the driver's `pause(sid, dirs)`).
-            self.driver.pause(sid, self._dirs(sid) if hibernate else None)
-            self._set(rec, State.PAUSED, then_hibernate=hibernate, reason="")
+            self.driver.pause(sid, self.table.dirs(sid) if hibernate else None)
+            self.table.set(rec, State.PAUSED, then_hibernate=hibernate, reason="")
             if hibernate:
                 self._hibernator.submit(sid)
 
     def _hibernate_job(self, job: Job) -> None:
         """A background worker's hibernation of `job.sid` (see `pause`)."""
         try:
-            with self._locked(job.sid) as rec:
+            with self.table.locked(job.sid) as rec:
                 if not self._hibernator.active(job) or rec.state is not State.PAUSED or not rec.then_hibernate:
                     return  # resumed, killed, or hibernated by someone else meanwhile
                 try:
@@ -227,7 +225,7 @@ class Runtime(Recovery, Checkpoints, Files, Commands, Table):
                     pass
                 except Exception as e:  # noqa: BLE001 - the sandbox stays paused; its record says why
                     _log.warning("background hibernation of %s failed: %s: %s", job.sid, type(e).__name__, e)
-                    self._set(rec, rec.state, reason=f"background hibernation failed: {type(e).__name__}: {e}")
+                    self.table.set(rec, rec.state, reason=f"background hibernation failed: {type(e).__name__}: {e}")
         except NotFoundError:
             pass  # killed before its turn
 
@@ -240,7 +238,7 @@ class Runtime(Recovery, Checkpoints, Files, Commands, Table):
         later, past that burst, is safe."""
         for attempt in range(1, DUMP_TRIES + 1):
             try:
-                self._hibernate_locked(rec, job)
+                self._hibernate_locked(rec, job, internal=True)
                 return
             except (DriverError, AgentError) as e:
                 if isinstance(e, AgentTimeoutError):
@@ -261,43 +259,40 @@ class Runtime(Recovery, Checkpoints, Files, Commands, Table):
         dump, or the store commit) and the sandbox thaws, its processes never stopped."""
         if memory:
             self._hibernator.cancel(sid)  # before the lock: its worker holds it while it works
-        with self._locked(sid) as rec:
-            self._require(rec, "resume", State.PAUSED, State.HIBERNATED)
+        with self.table.locked(sid) as rec:
+            self.table.require(rec, "resume", State.PAUSED, State.HIBERNATED)
             if rec.state is State.PAUSED and rec.then_hibernate and not memory:
                 self._hibernator.take(sid)
                 self._hibernate_tries(rec)
             if rec.state is State.PAUSED:
                 self.driver.resume(sid)
                 if rec.then_hibernate:  # its gate is held since the pause
-                    self.driver.agent(sid, self._dirs(sid)).open_gate()
-                self._set(rec, State.RUNNING, then_hibernate=False)
+                    self.driver.agent(sid, self.table.dirs(sid)).open_gate()
+                self.table.set(rec, State.RUNNING, then_hibernate=False)
                 return
-            self._set(rec, State.RESUMING, prev=State.HIBERNATED)
-            try:
-                if memory:
-                    self._restore_into(rec, rec.head)
-                else:  # the sealed fs of its last checkpoint under a fresh upper, the template's PID 1
-                    self._ensure_layer(rec.head)
-                    self.driver.create(sid, self._dirs(sid), rec.spec,
-                                       [self._layer_dir(rec.head), template_rootfs(rec.spec.template)],
-                                       sealed_bytes=rec.sealed_bytes)
-            except BaseException:
-                with contextlib.suppress(SandboxError):
-                    self.driver.destroy(sid, self._dirs(sid))
-                self._wipe_upper(rec)
-                self._set(rec, State.HIBERNATED, prev=None)
-                raise
-            # A sandbox hibernated by its timeout gets a fresh `timeout_s` from now.
-            deadline = rec.deadline if rec.deadline or not rec.spec.timeout_s else time.time() + rec.spec.timeout_s
-            self._set(rec, State.RUNNING, layer=rec.head, prev=None, deadline=deadline, reason="")
-            self._gc_layers()
+            with self.table.transition(sid, (State.HIBERNATED,), State.RESUMING, State.RUNNING, "resume"):
+                try:
+                    if memory:
+                        self._restore_into(rec, rec.head)
+                    else:  # the sealed fs of its last checkpoint under a fresh upper, the template's PID 1
+                        self.driver.create(sid, self.table.dirs(sid), rec.spec,
+                                           [self.layers.ensure(rec.head), template_rootfs(rec.spec.template)],
+                                           sealed_bytes=rec.sealed_bytes)
+                except BaseException:  # back to hibernated (`transition`), with nothing of the attempt left
+                    with contextlib.suppress(SandboxError):
+                        self.driver.destroy(sid, self.table.dirs(sid))
+                    self._wipe_upper(rec)
+                    raise
+                # A sandbox hibernated by its timeout gets a fresh `timeout_s` from now.
+                deadline = rec.deadline if rec.deadline or not rec.spec.timeout_s else time.time() + rec.spec.timeout_s
+                self.table.set(rec, rec.state, layer=rec.head, deadline=deadline, reason="")
 
     def set_timeout(self, sid: str, timeout_s: float | None) -> None:
         """The sandbox's `on_timeout` applies `timeout_s` seconds from now (None: never)."""
         if timeout_s is not None:
             check_number("timeout_s", timeout_s, 0, 1e9, "seconds (or None)")
-        with self._locked(sid) as rec:
-            self._set(rec, rec.state, deadline=None if timeout_s is None else time.time() + timeout_s)
+        with self.table.locked(sid) as rec:
+            self.table.set(rec, rec.state, deadline=None if timeout_s is None else time.time() + timeout_s)
 
     def close(self) -> None:
         """Let go of the directory; sandboxes keep running and the next runtime adopts them."""

@@ -35,6 +35,23 @@ class State(StrEnum):
     LOST = "lost"
 
 
+# The one transition table: state -> the states a sandbox in it may go to next (`SandboxTable.set`
+# checks each change). A transitional state goes back to where it came from on failure; every state
+# but `killed` may also end `killed` (the record goes) or `lost` (its processes died, or a kill failed
+# and left something held).
+_NEXT = {
+    State.CREATING: {State.RUNNING},
+    State.RUNNING: {State.PAUSED, State.CHECKPOINTING, State.HIBERNATING},
+    State.PAUSED: {State.RUNNING, State.CHECKPOINTING, State.HIBERNATING},
+    State.CHECKPOINTING: {State.RUNNING, State.PAUSED},
+    State.HIBERNATING: {State.HIBERNATED, State.RUNNING, State.PAUSED},
+    State.HIBERNATED: {State.RESUMING},
+    State.RESUMING: {State.RUNNING, State.HIBERNATED},
+    State.LOST: set(),
+}
+TRANSITIONS: dict[State, frozenset[State]] = {
+    **{s: frozenset(nxt | {State.KILLED, State.LOST}) for s, nxt in _NEXT.items()}, State.KILLED: frozenset()}
+
 # States in which the sandbox has live processes the caller may use.
 LIVE = (State.RUNNING, State.PAUSED)
 
@@ -48,7 +65,9 @@ class Record:
     layer (for a hibernated sandbox: `head`'s) holds of its `disk_mb` (`layers.tree_bytes`), reserved
     on the disk it gets at its next start so that the quota holds across them. `then_hibernate`: paused
     by `pause(hibernate=True)`, a background hibernation is queued or running (background.py); it
-    survives a restart of the runtime, whose recovery queues the hibernation again.
+    survives a restart of the runtime, whose recovery queues the hibernation again. `hibernation`: the
+    checkpoint of its latest pause (E2B's pause, a timeout's hibernation), the sandbox's own: not
+    listed among checkpoints, dropped when a newer hibernation of it commits and when it is killed.
     """
 
     id: str
@@ -63,7 +82,16 @@ class Record:
     sealed_bytes: int = 0
     reason: str = ""
     then_hibernate: bool = False
+    hibernation: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def held_layers(self) -> set[str]:
+        """The sealed layers this sandbox holds a reference to (layerset.py): the one it stands on,
+        and for a hibernated or resuming one `head`'s, which its resume stacks the new upper onto."""
+        held = {self.layer} if self.layer else set()
+        if self.head and self.state in (State.HIBERNATED, State.RESUMING):
+            held.add(self.head)
+        return held
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)

@@ -1,121 +1,62 @@
-"""The sandbox table every part of `Runtime` works on: records by id, a lock per sandbox, the
-directories of each, and the state transitions (`_set` persists each one before it returns).
+"""The sandbox table: records by id, a lock per sandbox, the directory of each, and its state
+changes, checked against the one transition table (`state.TRANSITIONS`) and persisted before they
+return.
 
-`_mu` guards the dictionaries; a sandbox's own lock (`_locked`) is held for the whole length of a
-life-cycle operation, so two operations on one sandbox never interleave (runtime.py's docstring).
+A sandbox's own lock (`locked`) is held for the whole length of a life-cycle operation, so two
+operations on one sandbox never interleave (runtime.py's docstring); the table's lock guards only its
+dictionaries. `transition` is the shape of most operations: check the state, set the transitional
+one, do the work, set the final one, or on an exception set the state before again. Each record
+holds its sealed layers (`Record.held_layers`) in the `LayerSet` for as long as it is in the table.
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
-import os
-import secrets
-import stat
 import threading
-import time
-from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
-from k3sys.sandbox.errors import (
-    AgentError,
-    AgentInterruptedError,
-    DriverError,
-    InvalidArgumentError,
-    InvalidStateError,
-    NotFoundError,
-)
-from k3sys.sandbox.runtime.agent import Agent
-from k3sys.sandbox.runtime.drivers.base import Driver, SandboxDirs
-from k3sys.sandbox.runtime.state import Record, State
-from k3sys.sandbox.runtime.store import Store
-from k3sys.sandbox.runtime.templates import template_rootfs, template_user
+from k3sys.sandbox.errors import InvalidArgumentError, InvalidStateError, NotFoundError
+from k3sys.sandbox.runtime.drivers.base import SandboxDirs
+from k3sys.sandbox.runtime.layerset import LayerSet
+from k3sys.sandbox.runtime.state import TRANSITIONS, Record, State
+from k3sys.sandbox.runtime.trees import new_id
 from k3sys.sandbox.spec import check_id
 from k3sys.sandbox.types import SandboxInfo
 
-T = TypeVar("T")
-_log = logging.getLogger(__name__)
 
+class SandboxTable:
+    """The sandboxes of the runtime directory `root` (see the module docstring)."""
 
-def _new_id(prefix: str) -> str:
-    return f"{prefix}-{secrets.token_hex(6)}"
+    def __init__(self, root: Path, layers: LayerSet) -> None:
+        self.root = root
+        self.layers = layers
+        self._mu = threading.Lock()  # guards the dictionaries below
+        self._records: dict[str, Record] = {}
+        self._locks: dict[str, threading.RLock] = {}
+        self.timings: dict[str, dict[str, float]] = {}  # sandbox id -> seconds per phase of its latest operation
 
-
-def _rmtree(path: Path) -> None:
-    """Remove `path` and everything below it: without recursion (a sandbox's tree can be any depth),
-    without following links (only the current directory is held open: descend by name, climb by
-    ".."), never raising (an error is logged and what is left stays)."""
-    try:
-        if not stat.S_ISDIR(os.lstat(path).st_mode):
-            os.unlink(path)
-            return
-        cur = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-    except FileNotFoundError:
-        return
-    except OSError as e:
-        _log.warning("cannot remove %s: %s", path, e)
-        return
-    names: list[str] = []  # the directories we are in, below `path`
-    try:
-        while True:
-            sub = None
-            with os.scandir(cur) as entries:
-                for e in entries:
-                    if e.is_dir(follow_symlinks=False):
-                        sub = sub or e.name
-                    else:
-                        with contextlib.suppress(FileNotFoundError):
-                            os.unlink(e.name, dir_fd=cur)
-            if sub is not None:
-                down = os.open(sub, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=cur)
-                os.close(cur)
-                cur = down
-                names.append(sub)
-            elif names:
-                up = os.open("..", os.O_RDONLY | os.O_DIRECTORY, dir_fd=cur)
-                os.close(cur)
-                cur = up
-                os.rmdir(names.pop(), dir_fd=cur)
-            else:
-                break
-        os.rmdir(path)
-    except OSError as e:
-        _log.warning("cannot remove %s (at depth %d): %s", path, len(names), e)
-    finally:
-        os.close(cur)
-
-
-class Table:
-    """Records, locks and directories of one runtime directory's sandboxes (see the module docstring).
-    The attributes are set by `Runtime.__init__`."""
-
-    root: Path
-    driver: Driver
-    store: Store
-    scratch: Path
-    on_timeout: str
-    _mu: threading.Lock
-    _records: dict[str, Record]
-    _locks: dict[str, threading.RLock]
-    _timings: dict[str, dict[str, float]]
-    _cleaner: ThreadPoolExecutor
-
-    def _dirs(self, sid: str) -> SandboxDirs:
+    def dirs(self, sid: str) -> SandboxDirs:
         return SandboxDirs(self.root / "sandboxes" / sid)
 
-    def _save(self, rec: Record) -> None:
-        rec.save(self._dirs(rec.id).root / "record.json")
+    def save(self, rec: Record) -> None:
+        rec.save(self.dirs(rec.id).root / "record.json")
 
-    def _set(self, rec: Record, state: State, **changes: Any) -> None:
+    def set(self, rec: Record, state: State, **changes: Any) -> None:
+        """Change `rec` (its lock held) and persist it; the layers it holds follow (acquired before
+        released). A state change the transition table does not allow is a bug: RuntimeError."""
+        if state is not rec.state and state not in TRANSITIONS[rec.state]:
+            raise RuntimeError(f"sandbox {rec.id}: no transition {rec.state.value} -> {state.value}")
+        held = rec.held_layers()
         rec.state = state
         for k, v in changes.items():
             setattr(rec, k, v)
-        self._save(rec)
+        self.layers.update(held, rec.held_layers())
+        self.save(rec)
 
     @contextlib.contextmanager
-    def _locked(self, sid: str) -> Iterator[Record]:
+    def locked(self, sid: str) -> Iterator[Record]:
         """The sandbox's record, with its lock held (NotFoundError for an unknown or killed id)."""
         with self._mu:
             lock = self._locks.get(sid)
@@ -129,68 +70,66 @@ class Table:
                     raise NotFoundError(f"no sandbox {sid!r}")
             yield rec
 
-    def _agent(self, sid: str) -> Agent:
-        with self._mu:
-            rec = self._records.get(sid)
-            if rec is None:  # killed: its agent went with it
-                raise AgentError(f"sandbox agent: sandbox {sid} is gone")
-        agent = self.driver.agent(sid, self._dirs(sid))
-        agent.user = template_user(rec.spec.template)  # calls naming no user run as the template's
-        return agent
-
-    def _retrying(self, sid: str, call: Callable[[Agent], T], deadline: float | None = None) -> T:
-        """`call(agent)` on the sandbox's agent, made again when a checkpoint cut it (the agent's gate
-        holds the retry until the sandbox runs again)."""
-        while True:
+    @contextlib.contextmanager
+    def transition(self, sid: str, allowed_from: tuple[State, ...], via: State, to: State | None,
+                   op: str) -> Iterator[Record]:
+        """`op` on the sandbox: with its lock held, InvalidStateError unless it is in `allowed_from`;
+        the record says `via` (with `prev` the state before) while the block runs; then `to` (None: the
+        state before), or on an exception the state before again. The block may `set` other fields."""
+        with self.locked(sid) as rec:
+            self.require(rec, op, *allowed_from)
+            before = rec.state
+            self.set(rec, via, prev=before)
             try:
-                return call(self._agent(sid))
-            except AgentInterruptedError:
-                if deadline is not None and time.monotonic() > deadline:
-                    raise
+                yield rec
+            except BaseException:
+                self.set(rec, before, prev=None)
+                raise
+            self.set(rec, to or before, prev=None)
 
-    @staticmethod
-    def _require(rec: Record, op: str, *allowed: State) -> None:
-        if rec.state not in allowed:
-            want = " or ".join(s.value for s in allowed)
-            raise InvalidStateError(f"cannot {op} sandbox {rec.id}: it is {rec.state.value} (needs {want})")
+    def get(self, sid: str) -> Record | None:
+        """The record of `sid` (no lock held: read, do not change it), or None."""
+        with self._mu:
+            return self._records.get(sid)
 
-    def _layer_dir(self, ck: str | None) -> Path | None:
-        return self.root / "layers" / ck if ck else None
+    def records(self) -> list[Record]:
+        """Every record, oldest first (no lock held: read, do not change them)."""
+        with self._mu:
+            return sorted(self._records.values(), key=lambda r: (r.created, r.id))
 
-    def _lowers(self, rec: Record) -> list[Path]:
-        template = template_rootfs(rec.spec.template)
-        layer = self._layer_dir(rec.layer)
-        return [layer, template] if layer else [template]
-
-    def _register(self, rec: Record) -> None:
+    def register(self, rec: Record) -> None:
+        """Add `rec` to the table; it holds its layers from here on (until `drop`)."""
+        self.layers.update((), rec.held_layers())
         with self._mu:
             self._records[rec.id] = rec
             self._locks.setdefault(rec.id, threading.RLock())
 
-    def _staging(self, name: str) -> tuple[Path, Path]:
-        """(tmpfs directory for process images, disk directory for a sealed tree), both not yet created.
-
-        Unique per call: staging is deleted off the caller's path, so a retried operation must not meet
-        (or have deleted under it) the directory of an earlier attempt."""
-        self.scratch.mkdir(mode=0o700, exist_ok=True)
-        # Its name is predictable and /dev/shm open to every host user, who could make it first and
-        # then read or change tenants' process images (which CRIU, as root, restores): only ours.
-        st = os.lstat(self.scratch)
-        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
-            raise DriverError(f"{self.scratch}: not this runtime's private directory (owner {st.st_uid}, mode "
-                              f"{stat.S_IMODE(st.st_mode):o}): another host user made it? Remove it")
-        name = f"{name}-{secrets.token_hex(4)}"
-        return self.scratch / name, self.root / "tmp" / name
-
-    def _claim_id(self, id: str | None) -> str:
-        sid = check_id("id", id) if id is not None else _new_id("sbx")
+    def drop(self, rec: Record) -> None:
+        """Drop a killed `rec` (its lock held) and let go of its layers (the last holder deletes one)."""
         with self._mu:
-            if sid in self._records or self._dirs(sid).root.exists():
+            self._records.pop(rec.id, None)
+            self._locks.pop(rec.id, None)
+            self.timings.pop(rec.id, None)
+        held = rec.held_layers()
+        rec.state = State.KILLED
+        self.layers.update(held, ())
+
+    def claim_id(self, id: str | None) -> str:
+        """`id` (checked), or a new one, with its directory made; InvalidArgumentError if taken."""
+        sid = check_id("id", id) if id is not None else new_id("sbx")
+        with self._mu:
+            if sid in self._records or self.dirs(sid).root.exists():
                 raise InvalidArgumentError(f"id: sandbox {sid!r} already exists")
-            self._dirs(sid).root.mkdir(parents=True)
+            self.dirs(sid).root.mkdir(parents=True)
         return sid
 
     @staticmethod
-    def _info(rec: Record) -> SandboxInfo:
+    def require(rec: Record, op: str, *allowed: State) -> None:
+        if rec.state not in allowed:
+            want = " or ".join(s.value for s in allowed)
+            raise InvalidStateError(f"cannot {op} sandbox {rec.id}: it is {rec.state.value} (needs {want})")
+
+    @staticmethod
+    def info(rec: Record) -> SandboxInfo:
         return SandboxInfo(rec.id, rec.state.value, rec.spec, rec.created, rec.head, rec.reason, rec.deadline,
                            rec.then_hibernate)

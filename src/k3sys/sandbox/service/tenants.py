@@ -56,7 +56,8 @@ class Quota:
     """What one tenant may hold at once: `sandboxes` holding memory (running or paused), the sum of
     their `memory_mb` (MiB), disk (MiB): the sum of `disk_mb` over all its sandboxes, hibernated ones
     too (their writable layer is kept), plus the logical size of every checkpoint of its sandboxes
-    kept in the store (`checkpoint_mb`; but a hibernated sandbox's own, which it resumes from), and
+    kept in the store (`checkpoint_mb`; but a hibernated sandbox's own, which it resumes from, and the
+    sandboxes' pause checkpoints, which `Runtime.checkpoints` does not list), and
     `pids`, the most a single sandbox may ask for."""
 
     sandboxes: int = 16

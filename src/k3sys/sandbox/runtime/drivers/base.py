@@ -8,7 +8,6 @@ a restore takes the same two back.
 
 from __future__ import annotations
 
-import fnmatch
 import subprocess
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -54,42 +53,47 @@ class SandboxDirs:
         return self.root / "logs"
 
 
-def is_page_image(name: str) -> bool:
-    """Whether CRIU image `name` holds memory pages."""
-    return fnmatch.fnmatch(name, "pages-*.img")
-
-
 @dataclass(frozen=True)
 class Images:
-    """The CRIU images a restore starts from: their directory, how many bytes of memory pages they
-    hold (known before they are all there: a driver may prepare for a lazy restore), and `wait()`,
-    which returns once they are all in `path` (a checkout may still be writing them; it raises if
-    that failed)."""
+    """The process images a restore starts from: their directory, how many bytes of memory they hold
+    (`ProcessImages.memory_bytes`; known before they are all there: a driver may prepare for a lazy
+    restore), and `wait()`, which returns once they are all in `path` (a checkout may still be
+    writing them; it raises if that failed)."""
 
     path: Path
     page_bytes: int
     wait: Callable[[], None] = lambda: None
-    # Where given, the page images in `path` are files of their size without data, and
-    # `read(name, offset, length)` returns their bytes (drivers/pageserver.py serves them from it);
+    # Where given, the files holding memory in `path` (`ProcessImages.holds_memory`) are files of their
+    # size without data, and `read(name, offset, length)` returns their bytes (the driver serves them);
     # `prefetch(name, [(offset, length)])` starts reading ranges that `read` will be asked for.
     read: Callable[[str, int, int], bytes | bytearray] | None = None
     prefetch: Callable[[str, list[tuple[int, int]]], None] | None = None
 
-    @staticmethod
-    def page_bytes_of(files: Iterable[tuple[str, int]]) -> int:
-        """Bytes of memory pages among CRIU image `files` (name, size)."""
-        return sum(size for name, size in files if is_page_image(name))
 
-    @classmethod
-    def complete(cls, path: Path) -> Images:
+
+class ProcessImages(Protocol):
+    """How a driver's process images are laid out (CRIU's for runc: drivers/criu_images.py); the
+    runtime asks this instead of knowing the format."""
+
+    def holds_memory(self, name: str) -> bool:
+        """Whether image file `name` holds the sandbox's memory (read by range, checked out as a hole)."""
+
+    def memory_bytes(self, files: Iterable[tuple[str, int]]) -> int:
+        """Bytes of memory among image `files` (name, size)."""
+
+    def complete(self, path: Path) -> Images:
         """The images already all in `path`."""
-        return cls(path, cls.page_bytes_of((p.name, p.stat().st_size) for p in path.iterdir()))
+
+    def first_reads(self, images: Path) -> dict[str, list[tuple[int, int]]]:
+        """Byte ranges (offset, length) per file of `images` that a restore from them reads before the
+        sandbox runs (a hibernation has the store start reading them: its resume waits for no disk)."""
 
 
 class Driver(Protocol):
     """Life cycle of one sandbox's processes; every method may raise `DriverError`."""
 
     name: str
+    images: ProcessImages  # the layout of its process images
 
     def create(self, sid: str, dirs: SandboxDirs, spec: SandboxSpec, lowers: list[Path],
                sealed_bytes: int = 0) -> None:
@@ -105,11 +109,6 @@ class Driver(Protocol):
 
     def settle(self, sid: str) -> None:
         """Wait until a lazy restore of `sid` has all its memory back (at once if none is under way)."""
-
-    def first_reads(self, images: Path) -> dict[str, list[tuple[int, int]]]:
-        """Byte ranges (offset, length) per file of process `images` that a restore from them reads
-        before the sandbox runs (a hibernation has the store start reading them: its resume waits
-        for no disk there)."""
 
     def exec(self, sid: str, argv: list[str], cwd: str, env: dict[str, str],
              stdin: bool) -> tuple[subprocess.Popen, int]:

@@ -50,10 +50,6 @@ def _stage(images: Images, lazy: bool,
     return server, time.perf_counter() - t0
 
 
-def _no_read(name: str, offset: int, n: int) -> bytes:
-    raise DriverError(f"{name}: no pages to read here")
-
-
 class CriuOps:
     """`restore`, `settle`, `snapshot` and `cleanup_stale` of `RuncDriver` (see the module docstring)."""
 
@@ -136,11 +132,6 @@ class CriuOps:
 
     def settle(self, sid: str) -> None:
         self.lazy.settle(sid)
-
-    def first_reads(self, images: Path) -> dict[str, list[tuple[int, int]]]:
-        # The pages CRIU restores itself (`_stage` writes them): all of them for an eager restore.
-        lazy = self.lazy.worth(Images.complete(images).page_bytes)
-        return PageServer(images, _no_read).eager(lazy)
 
     def snapshot(self, sid: str, dirs: SandboxDirs, images: Path, fs: Path, layer: Path | None,
                  *, thaw: bool) -> dict[str, float]:

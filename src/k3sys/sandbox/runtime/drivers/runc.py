@@ -29,6 +29,7 @@ from k3sys.sandbox.runtime.agent import Agent, Deadlines
 from k3sys.sandbox.runtime.drivers import confine, criulog, disk, idmap, inotify
 from k3sys.sandbox.runtime.drivers.base import SandboxDirs
 from k3sys.sandbox.runtime.drivers.cgroups import Cgroups
+from k3sys.sandbox.runtime.drivers.criu_images import CriuImages
 from k3sys.sandbox.runtime.drivers.criu_ops import CriuOps
 from k3sys.sandbox.runtime.drivers.diskpool import DiskPool
 from k3sys.sandbox.runtime.drivers.gate import Gate
@@ -87,6 +88,7 @@ class RuncDriver(CriuOps):
         self._userns: dict[int, int] = {}  # range base -> descriptor of a user namespace with its mapping
         # Lazy restores (lazypages.py)
         self.lazy = LazyPages(self.system.criu, self._env, self.cgroups.kill, self.cgroups.procs_file)
+        self.images = CriuImages(self.lazy)
         self._quiet: set[str] = set()  # frozen by pause(sid, dirs): dumped without a thaw (criu_ops.py)
         self.network = Network()  # network=True: own namespace, veth, NAT, egress policy (network.py)
         self.disks = DiskPool(self.state_dir / "disks")  # hardened sandboxes' disks, made ahead (diskpool.py)

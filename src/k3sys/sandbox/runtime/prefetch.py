@@ -1,0 +1,65 @@
+"""Images of a hibernated sandbox staged on tmpfs ahead of a likely `resume` (`prefetch`), so that
+the resume restores without reading the store; dropped at the resume, a kill, or past their time to
+live (the reaper, recovery.py)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from k3sys.sandbox.runtime.base import Base
+from k3sys.sandbox.runtime.state import State
+from k3sys.sandbox.runtime.trees import remove_tree
+from k3sys.sandbox.spec import check_number
+
+
+@dataclass(frozen=True)
+class Staged:
+    """Images of checkpoint `ck` checked out to `path` by `prefetch`, kept until `expires` (monotonic s)."""
+
+    ck: str
+    path: Path
+    expires: float
+
+
+class Prefetch(Base):
+    """`Runtime`'s staged images (see the module docstring); `_staged` is set by `Runtime.__init__`."""
+
+    _mu: threading.Lock  # guards `_staged`
+    _staged: dict[str, Staged]
+    _cleaner: ThreadPoolExecutor
+
+    def prefetch(self, sid: str, ttl_s: float = 60.0) -> bool:
+        """Stage a hibernated sandbox's images on tmpfs ahead of a likely `resume` (e.g. while the
+        policy model thinks), so that the resume restores without reading the store. A hint: it
+        returns whether images are staged (False, doing nothing, unless the sandbox is hibernated).
+        The staged copy holds as much memory as the sandbox's memory image until `resume` uses it,
+        the sandbox is killed, or `ttl_s` seconds pass (a later call renews it)."""
+        check_number("ttl_s", ttl_s, 0.1, 3600, "s")
+        with self.table.locked(sid) as rec:
+            if rec.state is not State.HIBERNATED:
+                return False
+            expires = time.monotonic() + ttl_s
+            with self._mu:
+                staged = self._staged.get(sid)
+                if staged is not None and staged.ck == rec.head:
+                    self._staged[sid] = Staged(staged.ck, staged.path, expires)
+                    return True
+            self._unstage(sid)
+            self.layers.ensure(rec.head)
+            path, _ = self._staging(f"{rec.head}-{sid}-prefetched")
+            self.store.checkout(rec.head, {"images": path})
+            with self._mu:
+                self._staged[sid] = Staged(rec.head, path, expires)
+            return True
+
+    def _unstage(self, sid: str, keep: bool = False) -> Staged | None:
+        """Forget the images `prefetch` staged for `sid`; delete them unless `keep` (then the caller owns them)."""
+        with self._mu:
+            staged = self._staged.pop(sid, None)
+        if staged is not None and not keep:
+            self._cleaner.submit(remove_tree, staged.path)
+        return staged
