@@ -40,6 +40,7 @@ from rich.table import Table
 from k3sys.sandbox.cli_keys import app as keys_app
 from k3sys.sandbox.egress import EgressPolicy
 from k3sys.sandbox.errors import (
+    CommandExitError,
     CommandTimeoutError,
     RuntimeLockedError,
     SandboxError,
@@ -176,6 +177,8 @@ def exec_(sid: Annotated[str, typer.Argument(help="Sandbox id.")],
         try:
             result = _run_streaming(s, " ".join(cmd), timeout, cwd, variables) if stream else \
                 s.commands.run(" ".join(cmd), timeout=timeout, cwd=cwd, env=variables)
+        except CommandExitError as e:  # a non-zero exit: the CLI exits with it
+            result = e
         except CommandTimeoutError as e:
             sys.stdout.write(e.stdout)
             sys.stderr.write(e.stderr)
@@ -203,7 +206,9 @@ def _run_streaming(s: Sandbox, cmd: str, timeout: float, cwd: str | None, env: d
         for name, text in h.stream():
             (sys.stdout if name == "stdout" else sys.stderr).write(text)
             (sys.stdout if name == "stdout" else sys.stderr).flush()
-        result = h.wait(timeout)
+        result = h.wait(timeout=timeout)
+    except CommandExitError as e:
+        result = e
     finally:
         timer.cancel()
     if timed_out.is_set():
@@ -228,10 +233,10 @@ def cp(src: Annotated[str, typer.Argument(help="SID:/path or a host path ('-': s
     with _backend(api_url, api_key, data_dir) as rt:
         if s_dst is not None:
             with contextlib.nullcontext(sys.stdin.buffer) if src == "-" else open(src, "rb") as f:
-                n = Sandbox(rt, s_dst[0]).files.write(s_dst[1], f)
+                n = rt.write_file(s_dst[0], s_dst[1], f)
             err.print(f"{n} bytes -> {dst}")
         else:
-            data = Sandbox(rt, s_src[0]).files.read(s_src[1])
+            data = Sandbox(rt, s_src[0]).files.read(s_src[1], format="bytes")
             if dst == "-":
                 sys.stdout.buffer.write(data)
             else:

@@ -136,7 +136,7 @@ class _Routes(EnvdCalls):
     def create(self, spec: SandboxSpec, id: str | None = None) -> SandboxInfo:
         body = {"templateID": spec.template, "timeout": spec.timeout_s, "sandboxID": id, "cpu": spec.cpu,
                 "memoryMB": spec.memory_mb, "diskSizeMB": spec.disk_mb, "pids": spec.pids,
-                "allow_internet_access": spec.network}
+                "allow_internet_access": spec.network, "metadata": spec.metadata, "envVars": spec.envs}
         if spec.egress is not None:
             e = spec.egress
             body["network"] = {"allowOut": list(e.allow_out), "denyOut": list(e.deny_out)} | (
@@ -155,6 +155,9 @@ class _Routes(EnvdCalls):
 
     def kill(self, sid: str) -> None:
         return self._do(_Call("DELETE", f"/sandboxes/{sid}"))
+
+    def set_timeout(self, sid: str, timeout_s: float) -> None:
+        return self._do(_Call("POST", f"/sandboxes/{sid}/timeout", json={"timeout": timeout_s}))
 
     def memory_bytes(self, sid: str) -> int:
         return self._do(_Call("GET", f"/sandboxes/{sid}/memory", parse=lambda r: r.json()["bytes"]))

@@ -183,11 +183,28 @@ class EnvdCalls:
         return self._files("GET", sid, rooted(path), lambda r: r.content)
 
     def write_file(self, sid: str, path: str, data: bytes | str | BinaryIO) -> int:
-        """Upload `data`; a file object is streamed in chunks."""
+        """Upload `data` (a file object is streamed in chunks); the bytes sent (envd's answer names
+        the file, not its size)."""
         if isinstance(data, str):
             data = data.encode()
-        content = _chunks(data) if hasattr(data, "read") else bytes(data)
-        return self._files("POST", sid, rooted(path), lambda r: r.json()[0]["size"], content)
+        sent = [0]
+
+        def counted(f: BinaryIO) -> Iterable[bytes]:
+            for chunk in _chunks(f):
+                sent[0] += len(chunk)
+                yield chunk
+        content = counted(data) if hasattr(data, "read") else bytes(data)
+        if isinstance(content, bytes):
+            sent[0] = len(content)
+        return self._files("POST", sid, rooted(path), lambda r: sent[0], content)
+
+    def stat(self, sid: str, path: str) -> EntryInfo:
+        return self._envd(sid, "filesystem.Filesystem/Stat", {"path": rooted(path)},
+                          lambda r: entry_of(r.json()["entry"]))
+
+    def move(self, sid: str, src: str, dst: str) -> None:
+        return self._envd(sid, "filesystem.Filesystem/Move", {"source": rooted(src), "destination": rooted(dst)},
+                          no_answer)
 
     def list_dir(self, sid: str, path: str = "/") -> list[EntryInfo]:
         return self._envd(sid, "filesystem.Filesystem/ListDir", {"path": rooted(path), "depth": 1},
