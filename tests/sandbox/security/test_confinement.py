@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+from sandbox_fixtures import run_any
 
 from k3sys.sandbox import InvalidArgumentError, Sandbox
 from k3sys.sandbox.runtime.drivers import confine, idmap
@@ -58,7 +59,7 @@ def test_fork_bomb_hits_pids_limit(arena, record_property):
 def test_memory_hog_killed_at_memory_mb(arena, record_property):
     record_property("attack", "memory hog")
     s = arena.create(memory_mb=64)
-    r = s.commands.run("x=$(head -c 200000000 /dev/zero | tr '\\0' a); echo survived ${#x}", timeout=60)
+    r = run_any(s, "x=$(head -c 200000000 /dev/zero | tr '\\0' a); echo survived ${#x}", timeout=60)
     assert r.exit_code == 137 and "survived" not in r.stdout
     assert s.memory_bytes() <= 64 << 20
     assert s.commands.run("echo fine").stdout == "fine\n"
@@ -80,7 +81,7 @@ def test_proc_kcore_and_kernel_files(arena, record_property):
     record_property("attack", "/proc/kcore, /proc/sysrq-trigger, /sys/firmware")
     s = arena.create(memory_mb=64)
     assert s.commands.run("head -c 64 /proc/kcore | wc -c").stdout.strip() == "0"
-    assert s.commands.run("echo b > /proc/sysrq-trigger").exit_code != 0
+    assert run_any(s, "echo b > /proc/sysrq-trigger").exit_code != 0
     assert s.commands.run("ls /sys/firmware").stdout == ""
     record_property("figure", "kcore reads 0 bytes; sysrq-trigger read-only; /sys/firmware empty")
 
@@ -96,7 +97,7 @@ print(call(165, b"none", b"/mnt", b"tmpfs", 0, 0), call(175, 0, 0, b""), call(31
       call(167, b"/x", 0), call(304, -100, 0, 0), call(250, 0, 0, 0))
 """)
     assert out.split() == ["1"] * 9, out  # EPERM each
-    assert s.commands.run("mount -t tmpfs none /mnt").exit_code != 0
+    assert run_any(s, "mount -t tmpfs none /mnt").exit_code != 0
     record_property("figure", "9 of 9 calls refused with EPERM (seccomp)")
 
 
@@ -117,9 +118,9 @@ def test_mknod_refused(arena, host, record_property):
     s = arena.create(memory_mb=64)
     dev = Path(host.loop)
     major, minor = divmod(dev.stat().st_rdev, 256)
-    r = s.commands.run(f"mknod /tmp/disk b {major} {minor} && dd if=/dev/zero of=/tmp/disk bs=4k count=1")
+    r = run_any(s, f"mknod /tmp/disk b {major} {minor} && dd if=/dev/zero of=/tmp/disk bs=4k count=1")
     assert r.exit_code != 0 and "Operation not permitted" in r.stderr
-    assert s.commands.run("mknod /tmp/null c 1 3").exit_code != 0
+    assert run_any(s, "mknod /tmp/null c 1 3").exit_code != 0
     record_property("figure", f"mknod b {major}:{minor} and c 1:3 refused (no CAP_MKNOD); the host loop device intact")
 
 
@@ -130,7 +131,7 @@ def test_new_user_namespace_refused_and_checkpoint_still_works(arena, debian_tem
     out = _py(s, "print(call(272, 0x10000000), call(272, 0x00020000), call(56, 0x10000000 | 17, 0, 0, 0, 0), "
                  "call(435, 0, 0))")
     assert out.split() == ["1", "1", "1", "38"], out  # EPERM, EPERM, EPERM, ENOSYS
-    assert s.commands.run("unshare -Urm mount -t tmpfs none /mnt").exit_code != 0
+    assert run_any(s, "unshare -Urm mount -t tmpfs none /mnt").exit_code != 0
     kid = s.fork(1)[0]
     arena.track([kid])
     status = kid.commands.run("grep -E 'Seccomp:|NoNewPrivs' /proc/self/status").stdout.split()
@@ -208,7 +209,7 @@ open("/root/ready", "w").write(str(os.getpid()))
 while True:
     time.sleep(0.2)
 ' &""", timeout=10)
-    while s.commands.run("test -e /root/ready").exit_code != 0:
+    while run_any(s, "test -e /root/ready").exit_code != 0:
         time.sleep(0.1)
     size = "ls -l /proc/$(cat /root/ready)/fd | grep -c 'ghost (deleted)'"
     ck = s.checkpoint()
@@ -234,7 +235,7 @@ def test_disk_filled_past_disk_mb(arena, record_property):
     s = arena.create(memory_mb=64, disk_mb=64)
     image = arena.rt._dirs(s.id).root / "disk.img"
     assert s.commands.run("df -m / | tail -1").stdout.split()[1] in {str(n) for n in range(56, 65)}
-    r = s.commands.run("dd if=/dev/zero of=/root/big bs=1M count=200", timeout=60)
+    r = run_any(s, "dd if=/dev/zero of=/root/big bs=1M count=200", timeout=60)
     assert r.exit_code != 0 and "No space left on device" in r.stderr
     s.commands.run("sync")  # what dd wrote reaches the image, so its size below is all of it
     held = image.stat().st_blocks * 512
