@@ -115,8 +115,8 @@ def create(template: Annotated[str, typer.Option(help="Template name.")] = "busy
     """Start a sandbox; prints its id."""
     with _backend(api_url, api_key, data_dir) as rt, _busy("creating"):
         egress = EgressPolicy(tuple(allow_out or ()), tuple(deny_out or ())) if allow_out or deny_out else None
-        s = Sandbox.create(template, cpu, memory_mb, pids, network, timeout_s, on_timeout, id=id, egress=egress,
-                           runtime=rt)
+        s = Sandbox.create(template, cpu=cpu, memory_mb=memory_mb, pids=pids, network=network, timeout_s=timeout_s,
+                           on_timeout=on_timeout, id=id, egress=egress, runtime=rt)
     print(s.id)
 
 
