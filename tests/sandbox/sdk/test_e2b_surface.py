@@ -257,3 +257,19 @@ def test_async_sandbox_has_the_same_surface(rt):
 
 def test_command_result_has_e2b_fields():
     assert CommandResult("o", "e", 0).error is None
+
+
+@pytest.mark.parametrize("sync_cls, async_cls", [
+    (sandbox_pkg.sdk.files.Files, sandbox_pkg.sdk.files.AsyncFiles),
+    (sandbox_pkg.sdk.commands.Commands, sandbox_pkg.sdk.commands.AsyncCommands),
+])
+def test_async_siblings_say_what_they_return(sync_cls, async_cls):
+    """Each asyncio method is a coroutine function with its blocking sibling's parameters and return
+    hint (not a sync hint over an awaitable)."""
+    names = {n for n in vars(sync_cls) if not n.startswith("_")}
+    assert names == {n for n in vars(async_cls) if not n.startswith("_")}
+    for n in names:
+        s, a = inspect.signature(getattr(sync_cls, n)), inspect.signature(getattr(async_cls, n))
+        assert inspect.iscoroutinefunction(getattr(async_cls, n)), n
+        assert list(s.parameters) == list(a.parameters), n
+        assert s.return_annotation == a.return_annotation.replace("AsyncCommandHandle", "CommandHandle"), n

@@ -20,8 +20,9 @@ from dataclasses import dataclass
 
 from k3sys.sandbox.errors import NotFoundError
 from k3sys.sandbox.sdk.api import _CheckpointBase, _Facade, _gather_later, _later, _later_chain
-from k3sys.sandbox.sdk.commands import AsyncCommandHandle
+from k3sys.sandbox.sdk.commands import AsyncCommandHandle, AsyncCommands
 from k3sys.sandbox.sdk.connection import ConnectionConfig
+from k3sys.sandbox.sdk.files import AsyncFiles
 from k3sys.sandbox.types import SandboxInfo
 
 
@@ -45,6 +46,10 @@ class AsyncSandbox(_Awaiting, _Facade):
 
     _checkpoint = AsyncCheckpoint
     _handle = AsyncCommandHandle
+    _commands = AsyncCommands
+    _files = AsyncFiles
+    commands: AsyncCommands
+    files: AsyncFiles
 
     def info(self) -> Awaitable[SandboxInfo]:
         """k3sys's earlier name of `get_info()`."""

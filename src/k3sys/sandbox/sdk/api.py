@@ -141,13 +141,15 @@ class _Facade:
     _connect: ClassVar[Callable[[ConnectionOpts], Any]]
     _checkpoint: ClassVar[type[_CheckpointBase]]
     _handle: ClassVar[type[Any]]
+    _commands: ClassVar[type[Any]]  # Commands or AsyncCommands
+    _files: ClassVar[type[Any]]  # Files or AsyncFiles
 
     def __init__(self, runtime: Any, id: str, envs: dict[str, str] | None = None) -> None:
         self._rt = runtime
         self.id = id
         self._env = None if envs is None else dict(envs)
-        self.commands = Commands(self)
-        self.files = Files(self)
+        self.commands = self._commands(self)
+        self.files = self._files(self)
 
     @classmethod
     def _of(cls, rt: Any, info: SandboxInfo) -> Any:
@@ -329,6 +331,10 @@ class Sandbox(_Blocking, _Facade):
 
     _checkpoint = Checkpoint
     _handle = CommandHandle
+    _commands = Commands
+    _files = Files
+    commands: Commands
+    files: Files
 
     @property
     def info(self) -> SandboxInfo:

@@ -11,13 +11,14 @@ result's fields), from `run` and from `wait`, as E2B's SDK does. k3sys's earlier
 keeps a pipe open for `send_stdin`), `wait(timeout)`, `stream()` (`(stream name, text)` pieces),
 `output()`, `running`.
 
-`Commands` is written once for both SDKs (see api.py's `_then`); `CommandHandle` and
-`AsyncCommandHandle` are siblings over `_CommandHandleBase`, so each one's hints say what it returns.
+Each call is described once, in `Commands` (see api.py's `_then`); `AsyncCommands` awaits the same
+descriptions, and `CommandHandle` and `AsyncCommandHandle` are siblings over `_CommandHandleBase`,
+so every class's hints say what it returns.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from k3sys.sandbox.errors import CommandExitError, InvalidArgumentError, NotFoundError
@@ -166,7 +167,8 @@ class AsyncCommandHandle(_CommandHandleBase):
 
 
 class Commands:
-    """`sbx.commands`: run shell commands in the sandbox."""
+    """`sbx.commands`: run shell commands in the sandbox. Each call is described here once; through
+    an `AsyncSandbox` the same description gives awaitables, which `AsyncCommands` awaits."""
 
     def __init__(self, sandbox: _Facade) -> None:
         self._sbx = sandbox
@@ -174,7 +176,8 @@ class Commands:
     def run(self, cmd: str, background: bool | None = None, envs: dict[str, str] | None = None,
             user: str | None = None, cwd: str | None = None, on_stdout: OnOutput = None,
             on_stderr: OnOutput = None, stdin: bool | bytes | str | None = None, timeout: float | None = 60,
-            request_timeout: float | None = None, *, env: dict[str, str] | None = None) -> Any:
+            request_timeout: float | None = None, *, env: dict[str, str] | None = None
+            ) -> CommandResult | CommandHandle:
         """Run `sh -c cmd`: its CommandResult (CommandExitError if it exits non-zero), or with
         `background` its CommandHandle at once. `envs` are added to the sandbox's own (`create(envs=)`),
         `user` runs it as that user (None: the template's default), `cwd` None: "/". `stdin` True
@@ -202,13 +205,13 @@ class Commands:
         """The processes the sandbox's agent started and still holds, by pid."""
         return self._sbx._rt.processes(self._sbx.id)
 
-    def connect(self, pid: int, timeout: float | None = 60, request_timeout: float | None = None) -> Any:
+    def connect(self, pid: int, timeout: float | None = 60, request_timeout: float | None = None) -> CommandHandle:
         """A CommandHandle on process `pid` (from `list` or a handle's `pid`), here or in a fork or
         restore of the sandbox that started it, with its earlier and new output."""
         sbx = self._sbx
         return sbx._then(sbx._rt.connect_command(sbx.id, pid), lambda cid: sbx._handle(sbx._rt, cid, timeout))
 
-    def kill(self, pid: int, request_timeout: float | None = None) -> Any:
+    def kill(self, pid: int, request_timeout: float | None = None) -> bool:
         """SIGKILL process `pid`: True, or False if there is none."""
         try:
             handle = self.connect(pid)
@@ -223,3 +226,39 @@ class Commands:
     def close_stdin(self, pid: int, request_timeout: float | None = None) -> None:
         return self._sbx._rt.send_stdin(self._sbx.id, pid, b"", True)
 
+
+
+def _awaited(value: object) -> Awaitable[Any]:
+    """A `Commands` answer on an asyncio facade: an awaitable, whatever the sync hint says."""
+    return value  # type: ignore[return-value]
+
+
+class AsyncCommands:
+    """`AsyncSandbox.commands`: `Commands`' calls as coroutines (see `Commands` for each)."""
+
+    def __init__(self, sandbox: _Facade) -> None:
+        self._calls = Commands(sandbox)
+
+    async def run(self, cmd: str, background: bool | None = None, envs: dict[str, str] | None = None,
+                  user: str | None = None, cwd: str | None = None, on_stdout: OnOutput = None,
+                  on_stderr: OnOutput = None, stdin: bool | bytes | str | None = None, timeout: float | None = 60,
+                  request_timeout: float | None = None, *, env: dict[str, str] | None = None
+                  ) -> CommandResult | AsyncCommandHandle:
+        return await _awaited(self._calls.run(cmd, background, envs, user, cwd, on_stdout, on_stderr, stdin, timeout,
+                                              request_timeout, env=env))
+
+    async def list(self, request_timeout: float | None = None) -> list[ProcessInfo]:
+        return await _awaited(self._calls.list(request_timeout))
+
+    async def connect(self, pid: int, timeout: float | None = 60,
+                      request_timeout: float | None = None) -> AsyncCommandHandle:
+        return await _awaited(self._calls.connect(pid, timeout, request_timeout))
+
+    async def kill(self, pid: int, request_timeout: float | None = None) -> bool:
+        return await _awaited(self._calls.kill(pid, request_timeout))
+
+    async def send_stdin(self, pid: int, data: str | bytes, request_timeout: float | None = None) -> None:
+        return await _awaited(self._calls.send_stdin(pid, data, request_timeout))
+
+    async def close_stdin(self, pid: int, request_timeout: float | None = None) -> None:
+        return await _awaited(self._calls.close_stdin(pid, request_timeout))
