@@ -142,7 +142,6 @@ def test_signatures_follow_e2b(ours, theirs):
         assert theirs_d is inspect.Parameter.empty or d == theirs_d, (n, d, theirs_d)
 
 
-@pytest.mark.embedded
 def test_handle_iteration_disconnect_kill_and_pid(sbx):
     h = sbx.commands.run("echo out; echo err >&2; sleep 1000", background=True)
     assert isinstance(h.pid, int) and h.pid > 0
@@ -158,12 +157,15 @@ def test_handle_iteration_disconnect_kill_and_pid(sbx):
     assert sbx.commands.kill(h.pid) is False
 
 
-@pytest.mark.embedded
 def test_run_as_user_with_open_stdin(sbx):
     assert sbx.commands.run("id -u", user="1000").stdout == "1000\n"
-    h = sbx.commands.run("read x; echo got:$x", background=True, stdin=True)
+    sbx.files.write("/tmp/mine", "x", user="1000")
+    assert sbx.files.get_info("/tmp/mine", user="1000").uid == 1000
+    h = sbx.commands.run("read x; echo got:$x; cat", background=True, stdin=True)
     sbx.commands.send_stdin(h.pid, "abc\n")
-    assert h.wait(on_stderr=print).stdout == "got:abc\n"
+    sbx.commands.send_stdin(h.pid, b"rest")
+    sbx.commands.close_stdin(h.pid)
+    assert h.wait(on_stderr=print).stdout == "got:abc\nrest"
 
 
 def test_read_formats_write_files_and_stream(sbx):
@@ -236,7 +238,6 @@ def test_aliases_of_the_earlier_k3sys_names(sbx):
     kid.kill()
 
 
-@pytest.mark.embedded
 def test_async_sandbox_has_the_same_surface(rt):
     async def main() -> list:
         sbx = await AsyncSandbox.create(envs={"E": "a"}, runtime=rt)

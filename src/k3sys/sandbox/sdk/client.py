@@ -188,11 +188,13 @@ class _Routes(EnvdCalls):
                                                     "timeout": _STREAM_TIMEOUT}
 
     def _files(self, method: str, sid: str, path: str, parse: Callable[[httpx.Response], Any] = _none,
-               content: bytes | Iterable[bytes] | None = None) -> Any:
+               content: bytes | Iterable[bytes] | None = None, user: str | None = None) -> Any:
+        """envd's /files; `user` its `username` query (as envd reads it: never a header)."""
         h = {SANDBOX_HEADER: sid, **({API_KEY_HEADER: self.api_key} if self.api_key else {})}
         if content is not None:
             h["content-type"] = "application/octet-stream"
-        return self._do(_Call(method, "/files", params={"path": path}, content=content, headers=h, parse=parse,
+        params = {"path": path, **({} if user is None else {"username": user})}
+        return self._do(_Call(method, "/files", params=params, content=content, headers=h, parse=parse,
                               errors=http_error_of))
 
     def _follow(self, sid: str, method: str, msg: dict[str, Any], timeout: float | None) -> CommandResult:
