@@ -154,7 +154,7 @@ STATUS = {
     "CommandTimeoutError": 408, "AuthError": 401, "CapacityError": 429, "QuotaError": 429, "SandboxLimitError": 429,
     "UnavailableError": 503, "RuntimeLockedError": 503, "DriverError": 500, "StoreError": 500, "CorruptStoreError": 500,
     "WrongFileTypeError": 422, "PermissionDeniedError": 403, "AgentError": 500, "AgentInterruptedError": 503,
-    "AgentTimeoutError": 504,
+    "AgentTimeoutError": 504, "CommandExitError": 500,  # raised by the SDK itself; never an answer
 }
 
 

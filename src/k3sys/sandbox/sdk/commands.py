@@ -19,14 +19,11 @@ so every class's hints say what it returns.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from k3sys.sandbox.errors import CommandExitError, InvalidArgumentError, NotFoundError
 from k3sys.sandbox.spec import CommandResult
 from k3sys.sandbox.types import ProcessInfo
-
-if TYPE_CHECKING:
-    from k3sys.sandbox.sdk.api import _Facade
 
 OnOutput = Callable[[str], Any] | None
 Event = tuple[str | None, str | None, bytes | None]  # E2B's (stdout, stderr, pty): one of them set
@@ -170,7 +167,7 @@ class Commands:
     """`sbx.commands`: run shell commands in the sandbox. Each call is described here once; through
     an `AsyncSandbox` the same description gives awaitables, which `AsyncCommands` awaits."""
 
-    def __init__(self, sandbox: _Facade) -> None:
+    def __init__(self, sandbox: Any) -> None:  # api.py's _Facade (api.py imports this module)
         self._sbx = sandbox
 
     def run(self, cmd: str, background: bool | None = None, envs: dict[str, str] | None = None,
@@ -236,7 +233,7 @@ def _awaited(value: object) -> Awaitable[Any]:
 class AsyncCommands:
     """`AsyncSandbox.commands`: `Commands`' calls as coroutines (see `Commands` for each)."""
 
-    def __init__(self, sandbox: _Facade) -> None:
+    def __init__(self, sandbox: Any) -> None:  # api.py's _Facade (api.py imports this module)
         self._calls = Commands(sandbox)
 
     async def run(self, cmd: str, background: bool | None = None, envs: dict[str, str] | None = None,

@@ -17,13 +17,10 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, BinaryIO, Literal
+from typing import Any, BinaryIO, Literal
 
 from k3sys.sandbox.errors import InvalidArgumentError
 from k3sys.sandbox.types import EntryInfo
-
-if TYPE_CHECKING:
-    from k3sys.sandbox.sdk.api import _Facade
 
 WriteData = bytes | str | BinaryIO
 _FORMATS = ("text", "bytes", "stream")
@@ -57,7 +54,7 @@ class Files:
     """`sbx.files` (see the module docstring). Each call is described here once; through an
     `AsyncSandbox` the same description gives awaitables, which `AsyncFiles` awaits."""
 
-    def __init__(self, sandbox: _Facade) -> None:
+    def __init__(self, sandbox: Any) -> None:  # api.py's _Facade (api.py imports this module)
         self._sbx = sandbox
 
     def read(self, path: str, format: Literal["text", "bytes", "stream"] = "text", user: str | None = None,
@@ -135,7 +132,7 @@ def _awaited(value: object) -> Awaitable[Any]:
 class AsyncFiles:
     """`AsyncSandbox.files`: `Files`' calls as coroutines (see `Files` for each)."""
 
-    def __init__(self, sandbox: _Facade) -> None:
+    def __init__(self, sandbox: Any) -> None:  # api.py's _Facade (api.py imports this module)
         self._calls = Files(sandbox)
 
     async def read(self, path: str, format: Literal["text", "bytes", "stream"] = "text", user: str | None = None,
