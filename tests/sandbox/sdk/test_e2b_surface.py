@@ -192,6 +192,9 @@ def test_create_metadata_envs_connect_list_pause_snapshot_fork(rt):
         listed = Sandbox.list(runtime=rt)
         assert sbx in listed and listed.has_next
         assert sbx.sandbox_id in {i.sandbox_id for i in listed.next_items()} and not listed.has_next
+        e2b = pytest.importorskip("e2b")
+        assert Sandbox.list(e2b.SandboxQuery(metadata={"owner": "me"}), runtime=rt) == [sbx]
+        assert Sandbox.list(e2b.SandboxQuery(metadata={"owner": "you"}), runtime=rt) == []
         assert sbx.pause() is True and sbx.get_info().state == "paused"
         back = Sandbox.connect(sbx.sandbox_id, runtime=rt)
         assert back.get_info().state == "running"
@@ -212,8 +215,7 @@ def test_create_metadata_envs_connect_list_pause_snapshot_fork(rt):
         assert sbx.kill() is True
 
 
-@pytest.mark.embedded
-def test_create_keeps_metadata_embedded(rt):
+def test_create_keeps_metadata(rt):
     with Sandbox.create(metadata={"owner": "me"}, runtime=rt) as sbx:
         assert sbx.get_info().metadata == {"owner": "me"}
         assert Sandbox.get(sbx.id, runtime=rt).get_info().template_id == "busybox"

@@ -226,11 +226,23 @@ class _Facade:
         return cls._then(rt.info(id), lambda info: cls._of(rt, info))
 
     @classmethod
-    def list(cls, **conn: Unpack[ConnectionOpts]) -> Any:
+    def list(cls, query: Any = None, limit: int | None = None, next_token: str | None = None,
+             **conn: Unpack[ConnectionOpts]) -> Any:
         """Every sandbox of the runtime (including hibernated and lost ones), oldest first: a list of
-        sandboxes that is also E2B's paginator (`has_next`, `next_items()`: their SandboxInfos)."""
+        sandboxes that is also E2B's paginator (`has_next`, `next_items()`: their SandboxInfos).
+        `query`: E2B's SandboxQuery (or an object with its fields): only sandboxes whose metadata
+        holds `query.metadata`, in one of `query.state`, of `query.template`. All in one page:
+        `limit` and `next_token` are accepted for E2B's signature."""
         rt = cls._connect(conn)
-        return cls._then(rt.list(), lambda infos: SandboxList([cls._of(rt, i) for i in infos], infos))
+        meta = dict(getattr(query, "metadata", None) or {})
+        states = {getattr(x, "value", x) for x in getattr(query, "state", None) or ()}
+        template = getattr(query, "template", None)
+
+        def page(infos: list[SandboxInfo]) -> SandboxList:
+            infos = [i for i in infos if meta.items() <= i.spec.metadata.items() and (not states or i.state in states)
+                     and template in (None, i.spec.template)]
+            return SandboxList([cls._of(rt, i) for i in infos], infos)
+        return cls._then(rt.list(), page)
 
     def get_info(self) -> Any:
         """The sandbox's SandboxInfo now (E2B's name; `info` is k3sys's earlier one)."""
