@@ -1,7 +1,8 @@
 """The sandbox SDK: `Sandbox` with `.commands` and `.files`, and `Checkpoint`.
 
     with Sandbox.create(template="busybox", memory_mb=256) as sbx:
-        r = sbx.commands.run("echo hi")            # CommandResult(stdout='hi\\n', stderr='', exit_code=0)
+        r = sbx.commands.run("echo hi")            # CommandResult(stdout='hi\\n', stderr='', exit_code=0);
+                                                   # a non-zero exit raises CommandExitError (E2B's rule)
         sbx.files.write("/tmp/x", b"data")
         ck = sbx.checkpoint()                      # Checkpoint(id=..., bytes_total=..., bytes_new=...)
         kids = sbx.fork(2)                         # two more running copies
@@ -15,9 +16,11 @@ itself holds nothing but the backend and an id, so every call reads the same whi
 
 The facade is written once for both SDKs: `AsyncSandbox` (aio.py) is `_Facade` over a backend whose
 methods return awaitables. Each method hands the backend's answer to `_then`, which applies the
-wrapping step at once here (`_now`) and after an `await` there (`_later`); so in `AsyncSandbox`,
-`AsyncCheckpoint` and `AsyncCommandHandle` every method below returns an awaitable of what it
-returns here.
+wrapping step at once here (`_now`) and after an `await` there (`_later`) (`_chain` for a step that
+makes a second call, `_gather` to join several); so in `AsyncSandbox` and `AsyncCheckpoint` every
+method below returns an awaitable of what it returns here. `.commands` and `.files` are E2B's
+(commands.py, files.py): there the asyncio side has typed coroutine siblings, `AsyncCommands` and
+`AsyncFiles`, over the same call descriptions.
 """
 
 from __future__ import annotations
