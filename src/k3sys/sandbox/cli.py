@@ -246,8 +246,8 @@ def cp(src: Annotated[str, typer.Argument(help="SID:/path or a host path ('-': s
 
 def _each(verb: str, sids: list[str], api_url: str | None, api_key: str | None, data_dir: Path | None) -> None:
     with _backend(api_url, api_key, data_dir) as rt, _busy(f"{verb} {' '.join(sids)}"):
-        for sid in sids:
-            getattr(Sandbox(rt, sid), verb)()
+        for sid in sids:  # the backend's call, which raises for an unknown id (the SDK's kill answers False)
+            getattr(rt, verb)(sid)
 
 
 Sids = Annotated[list[str], typer.Argument(help="Sandbox ids.")]

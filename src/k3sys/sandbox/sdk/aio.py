@@ -14,12 +14,10 @@ per event loop, no threads; embedded, each runtime call runs in a worker thread 
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Awaitable
 from dataclasses import dataclass
 
-from k3sys.sandbox.errors import NotFoundError
-from k3sys.sandbox.sdk.api import _CheckpointBase, _Facade, _gather_later, _later, _later_chain
+from k3sys.sandbox.sdk.api import _CheckpointBase, _Facade, _found_later, _gather_later, _later, _later_chain
 from k3sys.sandbox.sdk.commands import AsyncCommandHandle, AsyncCommands
 from k3sys.sandbox.sdk.connection import ConnectionConfig
 from k3sys.sandbox.sdk.files import AsyncFiles
@@ -32,6 +30,7 @@ class _Awaiting:
     _then = staticmethod(_later)
     _chain = staticmethod(_later_chain)
     _gather = staticmethod(_gather_later)
+    _found = staticmethod(_found_later)
     _connect = staticmethod(lambda conn: ConnectionConfig(**conn).async_backend())
 
 
@@ -62,5 +61,4 @@ class AsyncSandbox(_Awaiting, _Facade):
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        with contextlib.suppress(NotFoundError):
-            await self.kill()
+        await self.kill()

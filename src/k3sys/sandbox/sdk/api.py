@@ -26,7 +26,6 @@ method below returns an awaitable of what it returns here. `.commands` and `.fil
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import inspect
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -67,6 +66,24 @@ async def _gather_later(values: list[Awaitable[Any]]) -> list[Any]:
     return list(await asyncio.gather(*values))
 
 
+def _found_now(call: Callable[[], T]) -> bool:
+    """The blocking facades' E2B-style answer of a call on something that may be gone: True, or
+    False on NotFoundError."""
+    try:
+        call()
+    except NotFoundError:
+        return False
+    return True
+
+
+async def _found_later(call: Callable[[], Awaitable[T]]) -> bool:
+    try:
+        await call()
+    except NotFoundError:
+        return False
+    return True
+
+
 class _Blocking:
     """How the blocking facades reach their backend (aio.py's `_Awaiting` is the asyncio twin):
     `_then` applies a step to an answer, `_chain` a step that makes another call, `_gather` joins
@@ -75,6 +92,7 @@ class _Blocking:
     _then = staticmethod(_now)
     _chain = staticmethod(_now)
     _gather = staticmethod(list)
+    _found = staticmethod(_found_now)
     _connect = staticmethod(lambda conn: ConnectionConfig(**conn).backend())
 
 
@@ -141,6 +159,7 @@ class _Facade:
     _then: ClassVar[Callable[..., Any]]
     _chain: ClassVar[Callable[..., Any]]
     _gather: ClassVar[Callable[..., Any]]
+    _found: ClassVar[Callable[..., Any]]
     _connect: ClassVar[Callable[[ConnectionOpts], Any]]
     _checkpoint: ClassVar[type[_CheckpointBase]]
     _handle: ClassVar[type[Any]]
@@ -313,9 +332,9 @@ class _Facade:
         return self._rt.prefetch(self.id, ttl_s)
 
     def kill(self) -> Any:
-        """Stop the sandbox and release everything it held (its checkpoints stay in the store); True
-        (NotFoundError if there is no such sandbox)."""
-        return self._then(self._rt.kill(self.id), lambda _: True)
+        """Stop the sandbox and release everything it held (its checkpoints stay in the store): True,
+        or False if there was no such sandbox (E2B's answer)."""
+        return self._found(lambda: self._rt.kill(self.id))
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, type(self)) and other.id == self.id and other._rt is self._rt
@@ -374,5 +393,4 @@ class Sandbox(_Blocking, _Facade):
         return self
 
     def __exit__(self, *exc: object) -> None:
-        with contextlib.suppress(NotFoundError):
-            self.kill()
+        self.kill()

@@ -210,11 +210,8 @@ class Commands:
 
     def kill(self, pid: int, request_timeout: float | None = None) -> bool:
         """SIGKILL process `pid`: True, or False if there is none."""
-        try:
-            handle = self.connect(pid)
-        except NotFoundError:
-            return False
-        return self._sbx._chain(handle, lambda h: h.kill())
+        sbx, rt = self._sbx, self._sbx._rt
+        return sbx._found(lambda: sbx._chain(rt.connect_command(sbx.id, pid), rt.kill_command))
 
     def send_stdin(self, pid: int, data: str | bytes, request_timeout: float | None = None) -> None:
         """Write to the stdin of a command started with `stdin=True` (embedded runtime)."""
