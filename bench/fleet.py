@@ -56,7 +56,7 @@ CALLS: dict[str, Callable[[Sandbox], object]] = {
     "info": lambda s: s.info,
     "exec": lambda s: s.commands.run("true"),
     "write_64k": lambda s: s.files.write("/root/blob", PAYLOAD),
-    "read_64k": lambda s: s.files.read("/root/blob"),
+    "read_64k": lambda s: s.files.read("/root/blob", format="bytes"),
     "pause+resume": lambda s: (s.pause(), s.resume()),
 }
 

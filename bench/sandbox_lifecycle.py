@@ -217,7 +217,7 @@ def agent_rows(rt: Runtime, s: Sandbox, repeats: int, rec: Recorder) -> None:
         data = os.urandom(size)
         for _ in range(max(3, repeats // 2) if size > MIB else repeats):
             rec.add(f"write_{tag}", timed(lambda data=data: s.files.write("/root/blob", data))[0])
-            ms, got = timed(lambda: s.files.read("/root/blob"))
+            ms, got = timed(lambda: s.files.read("/root/blob", format="bytes"))
             assert got == data
             rec.add(f"read_{tag}", ms)
     s.files.write("/root/blob", b"")

@@ -37,7 +37,7 @@ def test_spread_places_evenly_and_every_call_routes(fleet, gateway):
             assert b.commands.run(f"echo hi {b.id}").stdout == f"hi {b.id}\n"
         b = boxes[0]
         b.files.write("/tmp/x.txt", b"payload" * 1000)
-        assert b.files.read("/tmp/x.txt") == b"payload" * 1000
+        assert b.files.read("/tmp/x.txt", format="bytes") == b"payload" * 1000
         assert any(e.name == "x.txt" for e in b.files.list("/tmp"))
         h = b.commands.run("for i in 1 2 3; do echo $i; sleep 0.05; done", background=True)
         assert "".join(text for kind, text in h.stream() if kind == "stdout") == "1\n2\n3\n"

@@ -190,3 +190,14 @@ def debian(rt):
     from k3sys.sandbox.runtime.templates import template_rootfs
 
     return template_rootfs("debian")
+
+
+def run_any(sbx, cmd: str, **kw):
+    """`sbx.commands.run(cmd, **kw)`'s CommandResult whatever its exit code: the SDK raises
+    CommandExitError on a non-zero one (E2B's rule); these tests want the code itself."""
+    from k3sys.sandbox import CommandExitError, CommandResult
+
+    try:
+        return sbx.commands.run(cmd, **kw)
+    except CommandExitError as e:
+        return CommandResult(e.stdout, e.stderr, e.exit_code, error=e.error)

@@ -37,7 +37,13 @@ from k3sys.rollout.report import RolloutReport
 from k3sys.rollout.slots import Slots
 from k3sys.rollout.tasks import Task
 from k3sys.rollout.usage import UsageSampler
-from k3sys.sandbox.errors import CommandTimeoutError, InvalidArgumentError, InvalidStateError, SandboxError
+from k3sys.sandbox.errors import (
+    CommandExitError,
+    CommandTimeoutError,
+    InvalidArgumentError,
+    InvalidStateError,
+    SandboxError,
+)
 from k3sys.sandbox.sdk.api import Backend, Sandbox
 
 PAUSE_POLICIES = ("none", "pause", "hibernate", "auto")
@@ -227,6 +233,8 @@ class RolloutEngine:
                 try:
                     r = ep.sandbox.commands.run(action.command, timeout=self.action_timeout_s)
                     code, out_text = r.exit_code, r.stdout + r.stderr
+                except CommandExitError as e:
+                    code, out_text = e.exit_code, e.stdout + e.stderr
                 except CommandTimeoutError as e:
                     code, out_text = 124, f"{e.stdout}{e.stderr}[killed after {self.action_timeout_s:g} s]"
                 action_s = self._now() - t_act

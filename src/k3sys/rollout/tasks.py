@@ -16,7 +16,7 @@ import shlex
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from k3sys.sandbox.errors import InvalidArgumentError
+from k3sys.sandbox.errors import CommandExitError, InvalidArgumentError
 from k3sys.sandbox.sdk.api import Sandbox
 
 Setup = Callable[[Sandbox], None]
@@ -62,10 +62,11 @@ def start_service(sbx: Sandbox, resident_mb: int, poll_ms: int) -> None:
     # base64 of 3n/4 random bytes: exactly n bytes of text (n = resident_mb MiB is a multiple of 4).
     body = (f"x=$(head -c {(resident_mb << 20) * 3 // 4} /dev/urandom | base64 -w 0); : > /tmp/.service-ready; "
             f"while :; do {loop}; done")
-    r = sbx.commands.run(f"mkdir -p /work; sh -c {shlex.quote(body)} </dev/null >/dev/null 2>&1 & "
+    try:
+        sbx.commands.run(f"mkdir -p /work; sh -c {shlex.quote(body)} </dev/null >/dev/null 2>&1 & "
                          "until [ -e /tmp/.service-ready ]; do sleep 0.01; done", timeout=60)
-    if r.exit_code != 0:
-        raise RuntimeError(f"agent service did not start in {sbx.id}: exit {r.exit_code}: {r.stderr.strip()}")
+    except CommandExitError as e:
+        raise RuntimeError(f"agent service did not start in {sbx.id}: exit {e.exit_code}: {e.stderr.strip()}") from None
 
 
 def _with_service(setup: Setup, resident_mb: int, poll_ms: int) -> Setup:
@@ -77,7 +78,7 @@ def _with_service(setup: Setup, resident_mb: int, poll_ms: int) -> Setup:
 
 
 def _read(sbx: Sandbox, path: str) -> bytes | None:
-    return sbx.files.read(path) if sbx.files.exists(path) else None
+    return sbx.files.read(path, format="bytes") if sbx.files.exists(path) else None
 
 
 # --- write a file ---------------------------------------------------------------------------------
@@ -137,7 +138,13 @@ def fix_test_task(seed: int = 0) -> Task:
 
     def reward(sbx: Sandbox) -> float:
         untouched = hashlib.sha256(_read(sbx, "/work/test_calc.py") or b"").hexdigest() == digest
-        return float(untouched and sbx.commands.run(run_test, timeout=60).exit_code == 0)
+        if not untouched:
+            return 0.0
+        try:
+            sbx.commands.run(run_test, timeout=60)
+        except CommandExitError:
+            return 0.0
+        return 1.0
 
     return Task(
         name="fix-test", template="debian",

@@ -11,39 +11,53 @@ incremental checkpoint, fork, hibernate, restore. Imports no torch. Three rooms:
   content-addressed checkpoint store (store/).
 
 Shared by all three: errors.py (the exception tree, each class with its HTTP status and CLI exit
-code), spec.py (`SandboxSpec`, `CommandResult`), egress.py (`EgressPolicy`), types.py
-(`SandboxInfo`, `CheckpointInfo`, `EntryInfo`), _wire.py (the service's JSON and error bodies).
+code, and E2B's exception names for its classes), spec.py (`SandboxSpec`, `CommandResult`),
+egress.py (`EgressPolicy`), types.py (`SandboxInfo`, `CheckpointInfo`, `EntryInfo`), _wire.py (the
+service's JSON and error bodies).
 `Runtime` is imported on first use, so `import k3sys.sandbox` for a remote client loads neither the
 runtime nor the store.
 """
 
 from k3sys.sandbox.egress import EgressPolicy
 from k3sys.sandbox.errors import (
+    AuthenticationException,
     AuthError,
     CapacityError,
     CheckpointExistsError,
     CheckpointNotFoundError,
+    CommandExitError,
+    CommandExitException,
     CommandTimeoutError,
     CorruptStoreError,
     DriverError,
+    FileNotFoundException,
     InvalidArgumentError,
+    InvalidArgumentException,
     InvalidStateError,
+    NotEnoughSpaceException,
     NotFoundError,
+    NotFoundException,
     PathEscapeError,
     QuotaError,
+    RateLimitException,
     RuntimeLockedError,
     SandboxError,
+    SandboxException,
     SandboxFileNotFoundError,
     SandboxLimitError,
+    SandboxNotFoundException,
+    SandboxNotRunningException,
+    ServiceBusyException,
     StoreError,
     StoreInputError,
+    TimeoutException,
     TooLargeError,
     UnavailableError,
     UnknownTemplateError,
     WrongFileTypeError,
 )
 from k3sys.sandbox.sdk.aio import AsyncCheckpoint, AsyncCommandHandle, AsyncSandbox
-from k3sys.sandbox.sdk.api import Backend, Checkpoint, CommandHandle, Sandbox, default_runtime
+from k3sys.sandbox.sdk.api import Backend, Checkpoint, CommandHandle, Sandbox, SandboxList, WriteInfo, default_runtime
 from k3sys.sandbox.sdk.client import AsyncHTTPBackend, HTTPBackend
 from k3sys.sandbox.sdk.connection import ConnectionConfig
 from k3sys.sandbox.spec import CommandResult, SandboxSpec
@@ -55,12 +69,15 @@ __all__ = [
     "AsyncHTTPBackend",
     "AsyncSandbox",
     "AuthError",
+    "AuthenticationException",
     "Backend",
     "CapacityError",
     "Checkpoint",
     "CheckpointExistsError",
     "CheckpointInfo",
     "CheckpointNotFoundError",
+    "CommandExitError",
+    "CommandExitException",
     "CommandHandle",
     "CommandResult",
     "CommandTimeoutError",
@@ -69,27 +86,39 @@ __all__ = [
     "DriverError",
     "EgressPolicy",
     "EntryInfo",
+    "FileNotFoundException",
     "FilesystemEvent",
     "HTTPBackend",
     "InvalidArgumentError",
+    "InvalidArgumentException",
     "InvalidStateError",
+    "NotEnoughSpaceException",
     "NotFoundError",
+    "NotFoundException",
     "PathEscapeError",
     "ProcessInfo",
     "QuotaError",
+    "RateLimitException",
     "Runtime",
     "RuntimeLockedError",
     "Sandbox",
     "SandboxError",
+    "SandboxException",
     "SandboxFileNotFoundError",
     "SandboxInfo",
     "SandboxLimitError",
+    "SandboxList",
+    "SandboxNotFoundException",
+    "SandboxNotRunningException",
     "SandboxSpec",
+    "ServiceBusyException",
     "StoreError",
     "StoreInputError",
+    "TimeoutException",
     "TooLargeError",
     "UnavailableError",
     "UnknownTemplateError",
+    "WriteInfo",
     "WrongFileTypeError",
     "default_runtime",
 ]

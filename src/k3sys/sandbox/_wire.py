@@ -107,9 +107,11 @@ def sandbox_json(info: SandboxInfo) -> dict[str, Any]:
 
 
 def sandbox_info(d: Mapping[str, Any]) -> SandboxInfo:
-    """The SandboxInfo of an E2B sandbox body from the service (its `sandboxID` and `k3sys` members)."""
+    """The SandboxInfo of an E2B sandbox body from the service (its `sandboxID` and `k3sys` members;
+    E2B's `metadata`, which the service keeps beside the spec, where the body carries it)."""
     k = d["k3sys"]
-    return SandboxInfo(d["sandboxID"], k["state"], SandboxSpec.from_json(snake(k["spec"])), k["created"], k["head"],
+    spec = snake(k["spec"]) | ({"metadata": d["metadata"]} if isinstance(d.get("metadata"), dict) else {})
+    return SandboxInfo(d["sandboxID"], k["state"], SandboxSpec.from_json(spec), k["created"], k["head"],
                        k["reason"], k["deadline"], k.get("thenHibernate") is True)
 
 

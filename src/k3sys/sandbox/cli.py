@@ -41,6 +41,7 @@ from rich.table import Table
 from k3sys.sandbox.cli_keys import app as keys_app
 from k3sys.sandbox.egress import EgressPolicy
 from k3sys.sandbox.errors import (
+    CommandExitError,
     CommandTimeoutError,
     RuntimeLockedError,
     SandboxError,
@@ -115,8 +116,8 @@ def create(template: Annotated[str, typer.Option(help="Template name.")] = "busy
     """Start a sandbox; prints its id."""
     with _backend(api_url, api_key, data_dir) as rt, _busy("creating"):
         egress = EgressPolicy(tuple(allow_out or ()), tuple(deny_out or ())) if allow_out or deny_out else None
-        s = Sandbox.create(template, cpu, memory_mb, pids, network, timeout_s, on_timeout, id=id, egress=egress,
-                           runtime=rt)
+        s = Sandbox.create(template, cpu=cpu, memory_mb=memory_mb, pids=pids, network=network, timeout_s=timeout_s,
+                           on_timeout=on_timeout, id=id, egress=egress, runtime=rt)
     print(s.id)
 
 
@@ -181,6 +182,8 @@ def exec_(sid: Annotated[str, typer.Argument(help="Sandbox id.")],
         try:
             result = _run_streaming(s, " ".join(cmd), timeout, cwd, variables) if stream else \
                 s.commands.run(" ".join(cmd), timeout=timeout, cwd=cwd, env=variables)
+        except CommandExitError as e:  # a non-zero exit: the CLI exits with it
+            result = e
         except CommandTimeoutError as e:
             sys.stdout.write(e.stdout)
             sys.stderr.write(e.stderr)
@@ -208,7 +211,9 @@ def _run_streaming(s: Sandbox, cmd: str, timeout: float, cwd: str | None, env: d
         for name, text in h.stream():
             (sys.stdout if name == "stdout" else sys.stderr).write(text)
             (sys.stdout if name == "stdout" else sys.stderr).flush()
-        result = h.wait(timeout)
+        result = h.wait(timeout=timeout)
+    except CommandExitError as e:
+        result = e
     finally:
         timer.cancel()
     if timed_out.is_set():
@@ -233,10 +238,10 @@ def cp(src: Annotated[str, typer.Argument(help="SID:/path or a host path ('-': s
     with _host_errors(), _backend(api_url, api_key, data_dir) as rt:
         if s_dst is not None:
             with contextlib.nullcontext(sys.stdin.buffer) if src == "-" else open(src, "rb") as f:
-                n = Sandbox(rt, s_dst[0]).files.write(s_dst[1], f)
+                n = rt.write_file(s_dst[0], s_dst[1], f)
             err.print(f"{n} bytes -> {dst}")
         else:
-            data = Sandbox(rt, s_src[0]).files.read(s_src[1])
+            data = Sandbox(rt, s_src[0]).files.read(s_src[1], format="bytes")
             if dst == "-":
                 sys.stdout.buffer.write(data)
             else:
@@ -256,8 +261,8 @@ def _host_errors() -> Iterator[None]:
 
 def _each(verb: str, sids: list[str], api_url: str | None, api_key: str | None, data_dir: Path | None) -> None:
     with _backend(api_url, api_key, data_dir) as rt, _busy(f"{verb} {' '.join(sids)}"):
-        for sid in sids:
-            getattr(Sandbox(rt, sid), verb)()
+        for sid in sids:  # the backend's call, which raises for an unknown id (the SDK's kill answers False)
+            getattr(rt, verb)(sid)
 
 
 Sids = Annotated[list[str], typer.Argument(help="Sandbox ids.")]

@@ -10,6 +10,7 @@
     │   └── TooLargeError                 a request body, or a `run`'s output, over its size limit
     ├── SandboxFileNotFoundError (FileNotFoundError)  no such file inside the sandbox
     ├── CommandTimeoutError (TimeoutError)  a command ran past its timeout and was killed
+    ├── CommandExitError                  the SDK's `commands.run` / `wait`: the command exited non-zero
     ├── RuntimeLockedError                another live process holds the runtime directory
     ├── DriverError                       runc / CRIU / the kernel refused; carries the tool's log tail
     ├── PermissionDeniedError (PermissionError)  the sandbox itself refused (EPERM, EACCES inside it)
@@ -123,6 +124,19 @@ class CommandTimeoutError(SandboxError, TimeoutError):
         super().__init__(message)
         self.stdout = stdout
         self.stderr = stderr
+
+
+class CommandExitError(SandboxError):
+    """A command the SDK ran (`commands.run`, `CommandHandle.wait`) exited with a non-zero code, as
+    E2B's SDK raises it (its `CommandExitException`): `stdout`, `stderr`, `exit_code` (128 + N when
+    signal N ended it) and `error` are the command's `CommandResult`. Raised on the client side only."""
+
+    code = "command_exit"
+
+    def __init__(self, message: str = "", stdout: str = "", stderr: str = "", exit_code: int = 1,
+                 error: str | None = None) -> None:
+        super().__init__(message or f"command exited with code {exit_code}" + (f": {stderr}" if stderr else ""))
+        self.stdout, self.stderr, self.exit_code, self.error = stdout, stderr, exit_code, error
 
 
 class TooLargeError(InvalidArgumentError):
@@ -271,3 +285,24 @@ def _subclasses(cls: type[SandboxError]) -> list[type[SandboxError]]:
 
 
 _BY_CODE: dict[str, type[SandboxError]] = {c.code: c for c in error_classes()}
+
+
+# E2B's exception names (its `e2b/exceptions.py`), so `except TimeoutException` in code written for
+# `e2b` catches what k3sys raises for the same failure. Each names the k3sys class nearest in meaning:
+# E2B's TimeoutException is chiefly a command's deadline, its NotEnoughSpaceException a sandbox's
+# disk (one of its own limits), its RateLimitException any 429 of the API, ServiceBusy its 503.
+SandboxException = SandboxError
+TimeoutException = CommandTimeoutError
+InvalidArgumentException = InvalidArgumentError
+NotEnoughSpaceException = SandboxLimitError
+NotFoundException = NotFoundError
+SandboxNotFoundException = NotFoundError
+FileNotFoundException = SandboxFileNotFoundError
+SandboxNotRunningException = InvalidStateError
+CommandExitException = CommandExitError
+AuthenticationException = AuthError
+RateLimitException = CapacityError
+ServiceBusyException = UnavailableError
+E2B_NAMES = ("SandboxException", "TimeoutException", "InvalidArgumentException", "NotEnoughSpaceException",
+             "NotFoundException", "SandboxNotFoundException", "FileNotFoundException", "SandboxNotRunningException",
+             "CommandExitException", "AuthenticationException", "RateLimitException", "ServiceBusyException")

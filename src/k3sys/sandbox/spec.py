@@ -6,7 +6,7 @@ from __future__ import annotations
 import codecs
 import math
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from k3sys.sandbox.egress import EgressPolicy
@@ -49,7 +49,8 @@ class SandboxSpec:
     route may reach (None: everything but the host and the metadata range); `timeout_s` the sandbox's
     lifetime in seconds (None: until killed); `on_timeout` what happens then: "kill", or "hibernate"
     (its time starts again on `resume`); None: the runtime's default; `disk_mb` the size of its
-    writable layer in MiB (a file system of its own: writes past it get ENOSPC).
+    writable layer in MiB (a file system of its own: writes past it get ENOSPC). `metadata` is the
+    caller's, kept with the sandbox (E2B's); `envs` are added to every command the SDK starts in it.
     """
 
     template: str = "busybox"
@@ -61,6 +62,8 @@ class SandboxSpec:
     on_timeout: str | None = None
     disk_mb: int = 2048
     egress: EgressPolicy | None = None
+    metadata: dict[str, str] = field(default_factory=dict, compare=False)
+    envs: dict[str, str] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.template, str) or not self.template:
@@ -75,6 +78,12 @@ class SandboxSpec:
         check_number("disk_mb", self.disk_mb, 64, MAX_DISK_MB, "MiB", integer=True)
         if self.on_timeout not in ON_TIMEOUT + (None,):
             raise InvalidArgumentError(f"on_timeout: expected one of {ON_TIMEOUT} or None, got {self.on_timeout!r}")
+        for name in ("metadata", "envs"):
+            pairs = getattr(self, name)
+            if not isinstance(pairs, dict) or not all(isinstance(k, str) and k and isinstance(v, str)
+                                                      for k, v in pairs.items()):
+                raise InvalidArgumentError(f"{name}: expected a dict of non-empty str to str, got {pairs!r}")
+        check_command("true", None, self.envs)
         if self.egress is not None:  # a dict from JSON (from_json, the service's create body)
             object.__setattr__(self, "egress", EgressPolicy.from_json(self.egress))
             if not self.network:
@@ -101,6 +110,7 @@ class CommandResult:
     stderr: str
     exit_code: int
     dropped: int = 0
+    error: str | None = None  # E2B's field: why the command could not run, when known (else None)
 
 
 class OutputPieces:

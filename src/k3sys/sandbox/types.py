@@ -28,6 +28,19 @@ class SandboxInfo:
     deadline: float | None = field(default=None, compare=False)
     then_hibernate: bool = field(default=False, compare=False)
 
+    @property
+    def sandbox_id(self) -> str:
+        """E2B's name of `id`."""
+        return self.id
+
+    @property
+    def template_id(self) -> str:
+        return self.spec.template
+
+    @property
+    def metadata(self) -> dict[str, str]:
+        return self.spec.metadata
+
 
 @dataclass(frozen=True)
 class CheckpointInfo:

@@ -38,7 +38,7 @@ class Kind:
 
     def output(self, rt: Runtime, sid: str) -> bytes:
         if self.name == "detached":
-            return Sandbox.get(sid, runtime=rt).files.read("/root/det.log")
+            return Sandbox.get(sid, runtime=rt).files.read("/root/det.log", format="bytes")
         out, _, _ = rt.read_command_output(rt.connect_command(sid, self.pid))  # reconnect each time
         return out.replace(b"\r", b"")
 

@@ -175,7 +175,7 @@ def test_the_checkpoint_is_exactly_the_paused_state(private_root):
         at_pause = upper.read_bytes()  # the host's view of the frozen sandbox's file
         wait_state(s, "hibernated")
         rt.resume(s.id, memory=False)  # its files as the checkpoint has them
-        assert s.files.read("/tmp/fast") == at_pause and len(at_pause.splitlines()) > 10
+        assert s.files.read("/tmp/fast", format="bytes") == at_pause and len(at_pause.splitlines()) > 10
         s.kill()
 
 

@@ -71,12 +71,13 @@ def test_forks_are_independent(sbx):
     try:
         kids[0].files.write("/shared", b"changed in kid 0")
         kids[1].commands.run("echo kid1 > /only-kid1")
-        assert sbx.files.read("/shared") == b"original"
-        assert kids[1].files.read("/shared") == b"original"
-        assert kids[2].files.read("/shared") == b"original"
+        assert sbx.files.read("/shared", format="bytes") == b"original"
+        assert kids[1].files.read("/shared", format="bytes") == b"original"
+        assert kids[2].files.read("/shared", format="bytes") == b"original"
         assert not sbx.files.exists("/only-kid1") and not kids[2].files.exists("/only-kid1")
         sbx.files.write("/shared", b"changed in source")
-        assert [k.files.read("/shared") for k in kids] == [b"changed in kid 0", b"original", b"original"]
+        assert [k.files.read("/shared", format="bytes") for k in kids] == [b"changed in kid 0", b"original",
+                                                                         b"original"]
         # Processes are separate too: one fork's pid namespace does not see another's commands.
         kids[0].commands.run("sleep 1000 >/dev/null 2>&1 &")
         assert "sleep 1000" not in kids[1].commands.run("ps -o args").stdout

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from waiting import wait_until
+from sandbox_fixtures import run_any
 
 from k3sys.sandbox import PathEscapeError, Sandbox
 
@@ -18,11 +19,11 @@ def test_host_files_are_not_visible(sbx, tmp_path):
     secret = Path("/tmp") / f"k3sys-host-secret-{os.getpid()}"
     secret.write_text("host only")
     try:
-        r = sbx.commands.run(f"cat {secret}")
+        r = run_any(sbx, f"cat {secret}")
         assert r.exit_code != 0 and "host only" not in r.stdout
         # The sandbox's / is the template, not the host's root.
         assert sbx.commands.run("ls /").stdout.split() != sorted(os.listdir("/"))
-        assert sbx.commands.run("test -e /work || test -e /opt/k3sys").exit_code == 1
+        assert run_any(sbx, "test -e /work || test -e /opt/k3sys").exit_code == 1
     finally:
         secret.unlink()
 
@@ -45,7 +46,7 @@ def test_network_is_loopback_only(sbx):
 def test_memory_hog_is_killed_inside_and_host_is_fine(rt):
     with Sandbox.create(runtime=rt, memory_mb=64) as s:
         # ~200 MiB of anonymous memory in one shell variable.
-        r = s.commands.run("x=$(head -c 200000000 /dev/zero | tr '\\0' a); echo survived ${#x}", timeout=60)
+        r = run_any(s, "x=$(head -c 200000000 /dev/zero | tr '\\0' a); echo survived ${#x}", timeout=60)
         assert r.exit_code == 137 and "survived" not in r.stdout
         assert s.memory_bytes() <= 64 << 20
         # The sandbox itself (its init) is still alive and usable.
@@ -87,14 +88,14 @@ def test_paths_cannot_escape_the_root(sbx):
     # A relative link climbing out stops at the sandbox's root, as it does for the sandbox itself
     # (the agent resolves it inside): it reads the sandbox's files, never the host's.
     sbx.commands.run("ln -s ../../../../../ /tmp/up")
-    assert sbx.files.read("/tmp/up/etc/passwd") == sbx.commands.run("cat /etc/passwd").stdout.encode()
-    assert sbx.files.read("/tmp/up/etc/passwd") != Path("/etc/passwd").read_bytes()
+    assert sbx.files.read("/tmp/up/etc/passwd", format="bytes") == sbx.commands.run("cat /etc/passwd").stdout.encode()
+    assert sbx.files.read("/tmp/up/etc/passwd", format="bytes") != Path("/etc/passwd").read_bytes()
     assert {e.name for e in sbx.files.list("/tmp/up")} == set(sbx.commands.run("ls -A /").stdout.split())
     # An absolute link means the sandbox's own root, as the sandbox itself sees it.
     sbx.commands.run("ln -s /etc /tmp/abs && ln -s /etc/passwd /tmp/pw")
-    assert sbx.files.read("/tmp/abs/passwd") == sbx.commands.run("cat /etc/passwd").stdout.encode()
-    assert sbx.files.read("/tmp/pw").startswith(b"root:x:0:0:root:/root:/bin/sh")
-    assert sbx.files.read("/tmp/pw") != Path("/etc/passwd").read_bytes()
+    assert sbx.files.read("/tmp/abs/passwd", format="bytes") == sbx.commands.run("cat /etc/passwd").stdout.encode()
+    assert sbx.files.read("/tmp/pw", format="bytes").startswith(b"root:x:0:0:root:/root:/bin/sh")
+    assert sbx.files.read("/tmp/pw", format="bytes") != Path("/etc/passwd").read_bytes()
     # Writing through an absolute link lands inside the sandbox, never on the host.
     sbx.commands.run("ln -s /root/target /tmp/wlink")
     sbx.files.write("/tmp/wlink", b"inside")
@@ -103,7 +104,7 @@ def test_paths_cannot_escape_the_root(sbx):
     sbx.files.remove("/tmp/abs")
     assert sbx.commands.run("test -f /etc/passwd").exit_code == 0
     # `..` that stays inside is fine.
-    assert sbx.files.read("/etc/../etc/passwd").startswith(b"root:")
+    assert sbx.files.read("/etc/../etc/passwd", format="bytes").startswith(b"root:")
 
 
 def test_network_true_has_a_namespace_of_its_own(rt):

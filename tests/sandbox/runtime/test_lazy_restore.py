@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from counting import wait_for
+from sandbox_fixtures import run_any
 
 from k3sys.sandbox import DriverError, Runtime, Sandbox
 from k3sys.sandbox.runtime.drivers.lazypages import LazyPages, guard, release
@@ -55,7 +56,7 @@ SHARED = holder("m = mmap.mmap(-1, 8 << 20, mmap.MAP_SHARED)\nm[:] = random.rand
 def memory_sum(s: Sandbox, tag: str = "") -> str:
     """The SHA-256 the holder tagged `tag` computes of its bytes now."""
     assert s.commands.run(f"rm -f /tmp/{tag}sum; touch /tmp/{tag}check").exit_code == 0
-    wait_for(lambda: s.commands.run(f"test -e /tmp/{tag}sum").exit_code == 0, timeout=60, step=0.05)
+    wait_for(lambda: run_any(s, f"test -e /tmp/{tag}sum").exit_code == 0, timeout=60, step=0.05)
     return s.files.read_text(f"/tmp/{tag}sum")
 
 

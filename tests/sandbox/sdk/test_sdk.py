@@ -11,6 +11,7 @@ from waiting import wait_until
 import k3sys.sandbox as sandbox_pkg
 from k3sys.sandbox import (
     Checkpoint,
+    CommandExitError,
     CommandHandle,
     CommandResult,
     CommandTimeoutError,
@@ -20,6 +21,7 @@ from k3sys.sandbox import (
     Runtime,
     Sandbox,
     SandboxFileNotFoundError,
+    WriteInfo,
 )
 
 pytestmark = pytest.mark.timeout(120)
@@ -37,8 +39,10 @@ def test_exports():
 
 
 def test_run_returns_stdout_stderr_exit_code(sbx):
-    r = sbx.commands.run("echo out; echo err >&2; exit 3")
-    assert r == CommandResult("out\n", "err\n", 3)
+    assert sbx.commands.run("echo out; echo err >&2") == CommandResult("out\n", "err\n", 0)
+    with pytest.raises(CommandExitError) as e:  # E2B's rule: a non-zero exit raises, with the result
+        sbx.commands.run("echo out; echo err >&2; exit 3")
+    assert (e.value.stdout, e.value.stderr, e.value.exit_code, e.value.error) == ("out\n", "err\n", 3, None)
 
 
 def test_run_cwd_env_stdin(sbx):
@@ -76,9 +80,10 @@ def test_background_command_wait_output_and_kill(sbx):
     wait_until(lambda: h.output()[0] == "begin\n", 10, "the background command's first line")
     assert h.output() == ("begin\n", "")
     assert h.running
-    h.kill()
-    r = h.wait(10)
-    assert r.exit_code != 0
+    assert h.kill() is True
+    with pytest.raises(CommandExitError) as e:
+        h.wait(10)
+    assert e.value.exit_code == 128 + 9
     wait_until(lambda: not_running(sbx, "sleep 100"), 10, "the killed command's sleep ending")
 
 
@@ -91,8 +96,8 @@ def test_background_wait_timeout(sbx):
 
 def test_files_round_trip(sbx):
     payload = bytes(range(256)) * 1000
-    assert sbx.files.write("/data/nested/blob.bin", payload) == len(payload)
-    assert sbx.files.read("/data/nested/blob.bin") == payload
+    assert sbx.files.write("/data/nested/blob.bin", payload) == WriteInfo("blob.bin", "file", "/data/nested/blob.bin")
+    assert sbx.files.read("/data/nested/blob.bin", format="bytes") == payload
     # The sandbox's processes see the same bytes.
     assert sbx.commands.run("md5sum /data/nested/blob.bin").stdout.split()[0] == hashlib.md5(payload).hexdigest()
     sbx.commands.run("echo from-inside > /data/inside.txt")
@@ -106,7 +111,8 @@ def test_files_round_trip(sbx):
     assert not sbx.files.exists("/data")
     with pytest.raises(SandboxFileNotFoundError):
         sbx.files.read("/data/inside.txt")
-    assert sbx.commands.run("test -e /data").exit_code == 1
+    with pytest.raises(CommandExitError):
+        sbx.commands.run("test -e /data")
 
 
 def test_reading_a_file_that_grows_meanwhile(sbx):
@@ -117,7 +123,7 @@ def test_reading_a_file_that_grows_meanwhile(sbx):
     h = sbx.commands.run("while :; do echo more >> /tmp/grow; done", background=True)
     try:
         for _ in range(5):
-            got = sbx.files.read("/tmp/grow")
+            got = sbx.files.read("/tmp/grow", format="bytes")
             assert got.startswith(head) and set(got[len(head):].split()) <= {b"more"}
     finally:
         h.kill()
@@ -211,8 +217,7 @@ def test_get_list_kill_and_context_manager(rt):
         Sandbox.get("named-sandbox", runtime=rt)
     with pytest.raises(NotFoundError):
         s.commands.run("true")
-    with pytest.raises(NotFoundError):
-        s.kill()
+    assert s.kill() is False  # E2B's answer for a sandbox that is gone
 
 
 def test_sandbox_timeout_kills_it(rt):
@@ -274,14 +279,16 @@ def test_commands_list_and_connect_in_a_fork(sbx):
         kh = kid.commands.connect(h.pid)
         assert kh.running and kh.pid == h.pid and kh.output() == ("before\n", "")
         kh.kill()
-        assert kh.wait(10).exit_code == 128 + 9
+        with pytest.raises(CommandExitError, match="code 137"):
+            kh.wait(10)
         assert h.running
         with pytest.raises(NotFoundError):
             kid.commands.connect(99999)
     finally:
         kid.kill()
     h.kill()
-    assert h.wait(10).exit_code == 128 + 9
+    with pytest.raises(CommandExitError, match="code 137"):
+        h.wait(10)
 
 
 def test_restore_and_fork_give_new_sandboxes(sbx):

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+from sandbox_fixtures import run_any
 from waiting import wait_until
 
 from k3sys.sandbox import InvalidArgumentError, Sandbox
@@ -58,7 +59,7 @@ def test_fork_bomb_hits_pids_limit(arena, record_property):
 def test_memory_hog_killed_at_memory_mb(arena, record_property):
     record_property("attack", "memory hog")
     s = arena.create(memory_mb=64)
-    r = s.commands.run("x=$(head -c 200000000 /dev/zero | tr '\\0' a); echo survived ${#x}", timeout=60)
+    r = run_any(s, "x=$(head -c 200000000 /dev/zero | tr '\\0' a); echo survived ${#x}", timeout=60)
     assert r.exit_code == 137 and "survived" not in r.stdout
     assert s.memory_bytes() <= 64 << 20
     assert s.commands.run("echo fine").stdout == "fine\n"
@@ -80,7 +81,7 @@ def test_proc_kcore_and_kernel_files(arena, record_property):
     record_property("attack", "/proc/kcore, /proc/sysrq-trigger, /sys/firmware")
     s = arena.create(memory_mb=64)
     assert s.commands.run("head -c 64 /proc/kcore | wc -c").stdout.strip() == "0"
-    assert s.commands.run("echo b > /proc/sysrq-trigger").exit_code != 0
+    assert run_any(s, "echo b > /proc/sysrq-trigger").exit_code != 0
     assert s.commands.run("ls /sys/firmware").stdout == ""
     record_property("figure", "kcore reads 0 bytes; sysrq-trigger read-only; /sys/firmware empty")
 
@@ -96,7 +97,7 @@ print(call(165, b"none", b"/mnt", b"tmpfs", 0, 0), call(175, 0, 0, b""), call(31
       call(167, b"/x", 0), call(304, -100, 0, 0), call(250, 0, 0, 0))
 """)
     assert out.split() == ["1"] * 9, out  # EPERM each
-    assert s.commands.run("mount -t tmpfs none /mnt").exit_code != 0
+    assert run_any(s, "mount -t tmpfs none /mnt").exit_code != 0
     record_property("figure", "9 of 9 calls refused with EPERM (seccomp)")
 
 
@@ -117,9 +118,9 @@ def test_mknod_refused(arena, host, record_property):
     s = arena.create(memory_mb=64)
     dev = Path(host.loop)
     major, minor = divmod(dev.stat().st_rdev, 256)
-    r = s.commands.run(f"mknod /tmp/disk b {major} {minor} && dd if=/dev/zero of=/tmp/disk bs=4k count=1")
+    r = run_any(s, f"mknod /tmp/disk b {major} {minor} && dd if=/dev/zero of=/tmp/disk bs=4k count=1")
     assert r.exit_code != 0 and "Operation not permitted" in r.stderr
-    assert s.commands.run("mknod /tmp/null c 1 3").exit_code != 0
+    assert run_any(s, "mknod /tmp/null c 1 3").exit_code != 0
     record_property("figure", f"mknod b {major}:{minor} and c 1:3 refused (no CAP_MKNOD); the host loop device intact")
 
 
@@ -130,7 +131,7 @@ def test_new_user_namespace_refused_and_checkpoint_still_works(arena, debian_tem
     out = _py(s, "print(call(272, 0x10000000), call(272, 0x00020000), call(56, 0x10000000 | 17, 0, 0, 0, 0), "
                  "call(435, 0, 0))")
     assert out.split() == ["1", "1", "1", "38"], out  # EPERM, EPERM, EPERM, ENOSYS
-    assert s.commands.run("unshare -Urm mount -t tmpfs none /mnt").exit_code != 0
+    assert run_any(s, "unshare -Urm mount -t tmpfs none /mnt").exit_code != 0
     kid = s.fork(1)[0]
     arena.track([kid])
     status = kid.commands.run("grep -E 'Seccomp:|NoNewPrivs' /proc/self/status").stdout.split()
@@ -186,7 +187,7 @@ time.sleep(60)
     s.commands.run("for i in $(seq 24); do python3 /root/fds.py & done", timeout=30)
 
     def all_counts() -> list[str]:
-        counts = s.commands.run("cat /tmp/n.* 2>/dev/null").stdout.split()
+        counts = run_any(s, "cat /tmp/n.* 2>/dev/null").stdout.split()
         return counts if len(counts) == 24 else []
 
     counts = wait_until(all_counts, 90, "the 24 processes' counts", step=0.5)
@@ -208,7 +209,7 @@ open("/root/ready", "w").write(str(os.getpid()))
 while True:
     time.sleep(0.2)
 ' &""", timeout=10)
-    wait_until(lambda: s.commands.run("test -e /root/ready").exit_code == 0, 30, "the ghost's holder ready", step=0.1)
+    wait_until(lambda: run_any(s, "test -e /root/ready").exit_code == 0, 30, "the ghost's holder ready", step=0.1)
     size = "ls -l /proc/$(cat /root/ready)/fd | grep -c 'ghost (deleted)'"
     ck = s.checkpoint()
     kid = s.fork(1)[0]
@@ -233,7 +234,7 @@ def test_disk_filled_past_disk_mb(arena, record_property):
     s = arena.create(memory_mb=64, disk_mb=64)
     image = arena.rt.table.dirs(s.id).root / "disk.img"
     assert s.commands.run("df -m / | tail -1").stdout.split()[1] in {str(n) for n in range(56, 65)}
-    r = s.commands.run("dd if=/dev/zero of=/root/big bs=1M count=200", timeout=60)
+    r = run_any(s, "dd if=/dev/zero of=/root/big bs=1M count=200", timeout=60)
     assert r.exit_code != 0 and "No space left on device" in r.stderr
     s.commands.run("sync")  # what dd wrote reaches the image, so its size below is all of it
     held = image.stat().st_blocks * 512
@@ -242,7 +243,7 @@ def test_disk_filled_past_disk_mb(arena, record_property):
     s.commands.run("rm /root/big && sync")
     after_rm = image.stat().st_blocks * 512
     # A checkpoint of a full disk, then kill and checkpoint delete: nothing of it stays on the host.
-    s.commands.run("dd if=/dev/zero of=/root/big bs=1M count=200", timeout=60)
+    run_any(s, "dd if=/dev/zero of=/root/big bs=1M count=200", timeout=60)  # refused at the quota again
     ck = s.checkpoint()
     layer = arena.rt._layer_dir(ck.id)
     s.kill()
@@ -260,12 +261,12 @@ def test_network_sandbox_keeps_seccomp_and_capabilities(arena, record_property):
     assert status["Seccomp"] == "2" and status["NoNewPrivs"] == "1"
     allowed = sum(1 << n for n in (0, 1, 3, 4, 5, 6, 7, 10, 18))  # the nine of confine.CAPABILITIES
     assert int(status["CapBnd"], 16) == allowed
-    assert "Operation not permitted" in s.commands.run("unshare -U true").stderr
-    assert "Operation not permitted" in s.commands.run("mknod /tmp/n c 1 3").stderr
+    assert "Operation not permitted" in run_any(s, "unshare -U true").stderr
+    assert "Operation not permitted" in run_any(s, "mknod /tmp/n c 1 3").stderr
     # Its network namespace belongs to its user namespace now, but root inside has no CAP_NET_ADMIN:
     # the address the host's rules expect, the route and the NAT rule inside stay as the host set them.
     for change in ("ip link set eth0 down", "ip addr add 10.201.0.6/32 dev eth0", "ip route del default"):
-        assert "Operation not permitted" in s.commands.run(change).stderr, change
+        assert "Operation not permitted" in run_any(s, change).stderr, change
     s.checkpoint()
     record_property("figure", f"Seccomp 2, NoNewPrivs 1, CapBnd {status['CapBnd']}; unshare, mknod and changes "
                               "to eth0 / routes refused; checkpoint works")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from sandbox_fixtures import leftovers
+from sandbox_fixtures import leftovers, run_any
 from service_process import ServiceProcess, add_key
 
 from k3sys.sandbox import Checkpoint, QuotaError, Runtime, Sandbox
@@ -45,7 +45,7 @@ def held_mib(rt, s) -> float:
 
 def second_write_refused(s) -> str:
     """Write another MB MiB: it must fail with ENOSPC, leaving at most DISK_MB visible."""
-    r = s.commands.run(WRITE.format(mb=MB, name="b"), timeout=120)
+    r = run_any(s, WRITE.format(mb=MB, name="b"), timeout=120)
     assert r.exit_code != 0 and "No space left on device" in r.stderr, (r.exit_code, r.stderr)
     seen = visible_mib(s)
     assert seen <= DISK_MB, seen

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from sandbox_fixtures import MISSING
+from sandbox_fixtures import MISSING, run_any
 from waiting import wait_until
 
 from k3sys.sandbox import Runtime, Sandbox
@@ -375,7 +375,7 @@ def test_remote_create_with_egress(outside, service, record_property):
     policy = EgressPolicy(allow_out=(OUT_B,), deny_out=(ALL_TRAFFIC,))
     with Sandbox.create(network=True, memory_mb=128, egress=policy, api_url=service.url, api_key=service.key) as s:
         assert s.info.spec.egress == policy
-        got = [s.commands.run(f"nc -w 2 {ip} 7000 </dev/null 2>/dev/null").stdout.strip() for ip in (OUT_A, OUT_B)]
+        got = [run_any(s, f"nc -w 2 {ip} 7000 </dev/null 2>/dev/null").stdout.strip() for ip in (OUT_A, OUT_B)]
         assert got == ["", OUT_HOST]
     # Bad policies over HTTP: a typed 422 naming the value, and no sandbox.
     with httpx.Client(base_url=service.url, headers={"authorization": f"Bearer {service.key}"}, timeout=60) as http:

@@ -24,6 +24,7 @@ from k3sys.sandbox import (
     AsyncSandbox,
     AuthError,
     CapacityError,
+    CommandExitError,
     CommandTimeoutError,
     HTTPBackend,
     InvalidArgumentError,
@@ -153,7 +154,7 @@ STATUS = {
     "CommandTimeoutError": 408, "AuthError": 401, "CapacityError": 429, "QuotaError": 429, "SandboxLimitError": 429,
     "UnavailableError": 503, "RuntimeLockedError": 503, "DriverError": 500, "StoreError": 500, "CorruptStoreError": 500,
     "WrongFileTypeError": 422, "PermissionDeniedError": 403, "AgentError": 500, "AgentInterruptedError": 503,
-    "AgentTimeoutError": 504,
+    "AgentTimeoutError": 504, "CommandExitError": 500,  # raised by the SDK itself; never an answer
 }
 
 
@@ -263,10 +264,10 @@ def test_files_stream_both_ways(rsbx, tmp_path):
     src = tmp_path / "up.bin"
     src.write_bytes(data)
     with open(src, "rb") as f:
-        assert rsbx.files.write("/root/big.bin", f) == len(data)
+        assert rsbx.files.write("/root/big.bin", f).path == "/root/big.bin"
     assert rsbx.commands.run("md5sum /root/big.bin").stdout.split()[0] == hashlib.md5(data).hexdigest()
-    assert rsbx.files.read("/root/big.bin") == data
-    assert rsbx.files.write("/root/small", io.BytesIO(b"abc")) == 3
+    assert rsbx.files.read("/root/big.bin", format="bytes") == data
+    assert rsbx.files.write("/root/small", io.BytesIO(b"abc")).name == "small"
 
 
 def test_oversized_bodies(tmp_path):
@@ -282,8 +283,8 @@ def test_oversized_bodies(tmp_path):
         assert not s.files.exists("/a") and not s.files.exists("/b")
         with pytest.raises(TooLargeError):
             s.files.write("/c", big)
-        assert s.files.write("/d", big[:-1]) == 1 << 20  # exactly the limit is fine
-        assert s.files.read("/d") == big[:-1]
+        assert s.files.write("/d", big[:-1]).path == "/d"  # exactly the limit is fine
+        assert s.files.read("/d", format="bytes") == big[:-1]
 
 
 # --- limits -----------------------------------------------------------------------------------------
@@ -353,7 +354,9 @@ def test_background_output_streams_as_connect_frames(http, rsbx):
     pieces = list(h.stream())
     assert {n for n, _ in pieces} == {"stdout", "stderr"}
     assert ["".join(t for n, t in pieces if n == name) for name in ("stdout", "stderr")] == ["1\n2\n3\né", "x\n"]
-    assert h.wait(10).exit_code == 3
+    with pytest.raises(CommandExitError) as e:
+        h.wait(10)
+    assert e.value.exit_code == 3
 
 
 # --- spec, metrics, configuration ---------------------------------------------------------------------
@@ -452,7 +455,7 @@ def test_async_sandbox(rt):
             results = await asyncio.gather(*(s.commands.run(f"echo {i}") for i, s in enumerate(sbxs)))
             assert [r.stdout for r in results] == ["0\n", "1\n", "2\n"]
             s = sbxs[0]
-            assert await s.files.write("/root/f", "v1") == 2
+            assert (await s.files.write("/root/f", "v1")).path == "/root/f"
             assert await s.files.read_text("/root/f") == "v1" and await s.files.exists("/root/f")
             assert [e.name for e in await s.files.list("/root")] == ["f"]
             h = await s.commands.run("echo a; sleep 0.3; echo b", background=True)

@@ -14,13 +14,13 @@ per event loop, no threads; embedded, each runtime call runs in a worker thread 
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Awaitable
 from dataclasses import dataclass
 
-from k3sys.sandbox.errors import NotFoundError
-from k3sys.sandbox.sdk.api import _CheckpointBase, _CommandHandleBase, _Facade, _later
+from k3sys.sandbox.sdk.api import _CheckpointBase, _Facade, _found_later, _gather_later, _later, _later_chain
+from k3sys.sandbox.sdk.commands import AsyncCommandHandle, AsyncCommands
 from k3sys.sandbox.sdk.connection import ConnectionConfig
+from k3sys.sandbox.sdk.files import AsyncFiles
 from k3sys.sandbox.types import SandboxInfo
 
 
@@ -28,6 +28,9 @@ class _Awaiting:
     """How the asyncio facades reach their backend: every backend call returns an awaitable."""
 
     _then = staticmethod(_later)
+    _chain = staticmethod(_later_chain)
+    _gather = staticmethod(_gather_later)
+    _found = staticmethod(_found_later)
     _connect = staticmethod(lambda conn: ConnectionConfig(**conn).async_backend())
 
 
@@ -37,28 +40,25 @@ class AsyncCheckpoint(_Awaiting, _CheckpointBase):
     `await ck.delete()`. `AsyncSandbox.restore` and `Sandbox.restore` take either kind."""
 
 
-class AsyncCommandHandle(_CommandHandleBase):
-    """A command started with `background=True` (see `CommandHandle`); `stream()` is an async iterator."""
-
-    def running(self) -> Awaitable[bool]:
-        return self._rt.command_running(self.id)
-
-
 class AsyncSandbox(_Awaiting, _Facade):
     """`Sandbox` for asyncio: construct with `await AsyncSandbox.create(...)` (or restore, get, list, fork)."""
 
     _checkpoint = AsyncCheckpoint
     _handle = AsyncCommandHandle
+    _commands = AsyncCommands
+    _files = AsyncFiles
+    commands: AsyncCommands
+    files: AsyncFiles
 
     def info(self) -> Awaitable[SandboxInfo]:
+        """k3sys's earlier name of `get_info()`."""
         return self._rt.info(self.id)
 
     async def state(self) -> str:
-        return (await self.info()).state
+        return (await self.get_info()).state
 
     async def __aenter__(self) -> AsyncSandbox:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        with contextlib.suppress(NotFoundError):
-            await self.kill()
+        await self.kill()

@@ -1,7 +1,8 @@
 """The sandbox SDK: `Sandbox` with `.commands` and `.files`, and `Checkpoint`.
 
     with Sandbox.create(template="busybox", memory_mb=256) as sbx:
-        r = sbx.commands.run("echo hi")            # CommandResult(stdout='hi\\n', stderr='', exit_code=0)
+        r = sbx.commands.run("echo hi")            # CommandResult(stdout='hi\\n', stderr='', exit_code=0);
+                                                   # a non-zero exit raises CommandExitError (E2B's rule)
         sbx.files.write("/tmp/x", b"data")
         ck = sbx.checkpoint()                      # Checkpoint(id=..., bytes_total=..., bytes_new=...)
         kids = sbx.fork(2)                         # two more running copies
@@ -15,28 +16,34 @@ itself holds nothing but the backend and an id, so every call reads the same whi
 
 The facade is written once for both SDKs: `AsyncSandbox` (aio.py) is `_Facade` over a backend whose
 methods return awaitables. Each method hands the backend's answer to `_then`, which applies the
-wrapping step at once here (`_now`) and after an `await` there (`_later`); so in `AsyncSandbox`,
-`AsyncCheckpoint` and `AsyncCommandHandle` every method below returns an awaitable of what it
-returns here.
+wrapping step at once here (`_now`) and after an `await` there (`_later`) (`_chain` for a step that
+makes a second call, `_gather` to join several); so in `AsyncSandbox` and `AsyncCheckpoint` every
+method below returns an awaitable of what it returns here. `.commands` and `.files` are E2B's
+(commands.py, files.py): there the asyncio side has typed coroutine siblings, `AsyncCommands` and
+`AsyncFiles`, over the same call descriptions.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Awaitable, Callable, Iterator
+import asyncio
+import inspect
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO, ClassVar, TypeVar, Unpack
+from typing import Any, ClassVar, TypeVar, Unpack
 
 from k3sys.sandbox.egress import EgressPolicy
-from k3sys.sandbox.errors import NotFoundError
+from k3sys.sandbox.errors import InvalidArgumentError, NotFoundError
 from k3sys.sandbox.sdk.backend import Backend
+from k3sys.sandbox.sdk.commands import CommandHandle, Commands
 from k3sys.sandbox.sdk.connection import ConnectionConfig, ConnectionOpts, default_runtime
-from k3sys.sandbox.spec import CommandResult, SandboxSpec
-from k3sys.sandbox.types import CheckpointInfo, EntryInfo, ProcessInfo, SandboxInfo
+from k3sys.sandbox.sdk.files import Files, WriteInfo
+from k3sys.sandbox.spec import SandboxSpec
+from k3sys.sandbox.types import CheckpointInfo, SandboxInfo
 
 T = TypeVar("T")
 R = TypeVar("R")
-__all__ = ["Backend", "Checkpoint", "CommandHandle", "Commands", "Files", "Sandbox", "default_runtime"]
+__all__ = ["Backend", "Checkpoint", "CommandHandle", "Commands", "Files", "Sandbox", "SandboxList", "WriteInfo",
+           "default_runtime"]
 
 
 def _now(value: T, then: Callable[[T], R]) -> R:
@@ -49,10 +56,43 @@ async def _later(value: Awaitable[T], then: Callable[[T], R]) -> R:
     return then(await value)
 
 
+async def _later_chain(value: Awaitable[T], then: Callable[[T], Any]) -> Any:
+    """`_later` where the step itself may give an awaitable (a second call that needs the first's answer)."""
+    step = then(await value)
+    return await step if inspect.isawaitable(step) else step
+
+
+async def _gather_later(values: list[Awaitable[Any]]) -> list[Any]:
+    return list(await asyncio.gather(*values))
+
+
+def _found_now(call: Callable[[], T]) -> bool:
+    """The blocking facades' E2B-style answer of a call on something that may be gone: True, or
+    False on NotFoundError."""
+    try:
+        call()
+    except NotFoundError:
+        return False
+    return True
+
+
+async def _found_later(call: Callable[[], Awaitable[T]]) -> bool:
+    try:
+        await call()
+    except NotFoundError:
+        return False
+    return True
+
+
 class _Blocking:
-    """How the blocking facades reach their backend (aio.py's `_Awaiting` is the asyncio twin)."""
+    """How the blocking facades reach their backend (aio.py's `_Awaiting` is the asyncio twin):
+    `_then` applies a step to an answer, `_chain` a step that makes another call, `_gather` joins
+    answers to a list."""
 
     _then = staticmethod(_now)
+    _chain = staticmethod(_now)
+    _gather = staticmethod(list)
+    _found = staticmethod(_found_now)
     _connect = staticmethod(lambda conn: ConnectionConfig(**conn).backend())
 
 
@@ -72,6 +112,16 @@ class _CheckpointBase:
     template: str = ""
     timings: dict[str, float] = field(default_factory=dict, compare=False, repr=False)
     runtime: Any = field(default=None, compare=False, repr=False)
+
+    @property
+    def snapshot_id(self) -> str:
+        """E2B's name of `id` (what `Sandbox.create(template=)` takes to restore it)."""
+        return self.id
+
+    @property
+    def names(self) -> list[str]:
+        """E2B's snapshot names: a checkpoint has only its id."""
+        return [self.id]
 
     @classmethod
     def _of(cls, info: CheckpointInfo, runtime: Any) -> Any:
@@ -103,142 +153,82 @@ class Checkpoint(_Blocking, _CheckpointBase):
     """
 
 
-class _CommandHandleBase:
-    def __init__(self, runtime: Any, cid: str) -> None:
-        self._rt = runtime
-        self.id = cid
-
-    def wait(self, timeout: float | None = None) -> CommandResult:
-        """Block until the command ends (CommandTimeoutError, and the command killed, after `timeout` s)."""
-        return self._rt.wait_command(self.id, timeout)
-
-    def kill(self) -> None:
-        """SIGKILL the command and what it started."""
-        return self._rt.kill_command(self.id)
-
-    def output(self) -> tuple[str, str]:
-        """(stdout, stderr) written so far."""
-        return self._rt.command_output(self.id)
-
-    @property
-    def pid(self) -> Any:
-        """The command's pid inside the sandbox (what `commands.connect` takes in a fork or restore)."""
-        return self._rt.command_pid(self.id)
-
-    def stream(self) -> Iterator[tuple[str, str]]:
-        """`("stdout" | "stderr", text)` pieces as the command writes them, from its start until it
-        ends; `wait` gives the exit code afterwards."""
-        return self._rt.stream_command(self.id)
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.id!r})"
-
-
-class CommandHandle(_CommandHandleBase):
-    """A command started with `background=True`."""
-
-    @property
-    def running(self) -> bool:
-        return self._rt.command_running(self.id)
-
-
-class Commands:
-    """`sbx.commands`: run shell commands in the sandbox."""
-
-    def __init__(self, sandbox: _Facade) -> None:
-        self._sbx = sandbox
-
-    def run(self, cmd: str, timeout: float | None = 60, cwd: str | None = None, env: dict[str, str] | None = None,
-            background: bool = False, stdin: bytes | str | None = None) -> Any:
-        """Run `sh -c cmd`. Returns a CommandResult, or a CommandHandle with `background=True`.
-
-        `timeout` in seconds (None: no limit; ignored with `background`, see `CommandHandle.wait`);
-        on timeout the command is killed and CommandTimeoutError raised. A non-zero exit is not an
-        error: check `exit_code` (128+N when a signal N ended it).
-        """
-        data = stdin.encode() if isinstance(stdin, str) else stdin
-        sbx = self._sbx
-        rt = sbx._rt
-        if background:
-            return sbx._then(rt.start_command(sbx.id, cmd, cwd, env, data), lambda cid: sbx._handle(rt, cid))
-        return rt.run(sbx.id, cmd, timeout, cwd, env, data)
-
-    def list(self) -> list[ProcessInfo]:
-        """The processes the sandbox's agent started and still holds (running, or ended and not yet
-        collected), by pid."""
-        return self._sbx._rt.processes(self._sbx.id)
-
-    def connect(self, pid: int) -> Any:
-        """A CommandHandle on process `pid` (from `list` or a handle's `pid`): a background command
-        seen again in a fork or a restored sandbox, with its earlier and new output."""
-        sbx = self._sbx
-        return sbx._then(sbx._rt.connect_command(sbx.id, pid), lambda cid: sbx._handle(sbx._rt, cid))
-
-
-class Files:
-    """`sbx.files`: the sandbox's file system. Paths are the sandbox's own; none can leave its root."""
-
-    def __init__(self, sandbox: _Facade) -> None:
-        self._sbx = sandbox
-
-    def read(self, path: str) -> bytes:
-        return self._sbx._rt.read_file(self._sbx.id, path)
-
-    def read_text(self, path: str) -> str:
-        return self._sbx._then(self.read(path), bytes.decode)
-
-    def write(self, path: str, data: bytes | str | BinaryIO) -> int:
-        """Create or replace a file (missing parent directories are created); returns bytes written.
-        `data` may be a binary file object: it is streamed, never held in memory whole."""
-        return self._sbx._rt.write_file(self._sbx.id, path, data)
-
-    def list(self, path: str = "/") -> list[EntryInfo]:
-        return self._sbx._rt.list_dir(self._sbx.id, path)
-
-    def remove(self, path: str) -> None:
-        """Remove a file, symlink or directory tree."""
-        return self._sbx._rt.remove(self._sbx.id, path)
-
-    def make_dir(self, path: str) -> None:
-        return self._sbx._rt.make_dir(self._sbx.id, path)
-
-    def exists(self, path: str) -> bool:
-        return self._sbx._rt.exists(self._sbx.id, path)
-
-    def watch_dir(self, path: str, recursive: bool = False) -> Any:
-        """Watch a directory (with `recursive`, its whole tree) for changes, as E2B's SDK does: the
-        handle's `get_new_events()` gives the `FilesystemEvent`s since the last call, `stop()` ends
-        it. Over HTTP the service keeps the watch (envd's CreateWatcher) and `get_new_events()` asks
-        it; `dropped` and `overflows` are embedded only."""
-        return self._sbx._rt.watch_dir(self._sbx.id, path, recursive)
-
-
 class _Facade:
     """What `Sandbox` and `AsyncSandbox` share: constructors, life cycle, `.commands`, `.files`."""
 
     _then: ClassVar[Callable[..., Any]]
+    _chain: ClassVar[Callable[..., Any]]
+    _gather: ClassVar[Callable[..., Any]]
+    _found: ClassVar[Callable[..., Any]]
     _connect: ClassVar[Callable[[ConnectionOpts], Any]]
     _checkpoint: ClassVar[type[_CheckpointBase]]
-    _handle: ClassVar[type[_CommandHandleBase]]
+    _handle: ClassVar[type[Any]]
+    _commands: ClassVar[type[Any]]  # Commands or AsyncCommands
+    _files: ClassVar[type[Any]]  # Files or AsyncFiles
 
-    def __init__(self, runtime: Any, id: str) -> None:
+    def __init__(self, runtime: Any, id: str, envs: dict[str, str] | None = None) -> None:
         self._rt = runtime
         self.id = id
-        self.commands = Commands(self)
-        self.files = Files(self)
+        self._env = None if envs is None else dict(envs)
+        self.commands = self._commands(self)
+        self.files = self._files(self)
 
     @classmethod
-    def create(cls, template: str = "busybox", cpu: float = 1.0, memory_mb: int = 512, pids: int = 256,
-               network: bool = False, timeout_s: float | None = None, on_timeout: str | None = None,
-               disk_mb: int = 2048, *, id: str | None = None, egress: EgressPolicy | None = None,
-               **conn: Unpack[ConnectionOpts]) -> Any:
-        """Start a sandbox (see `SandboxSpec` for the arguments; `id` optional, chosen by the caller).
+    def _of(cls, rt: Any, info: SandboxInfo) -> Any:
+        return cls(rt, info.id, info.spec.envs)
+
+    @property
+    def sandbox_id(self) -> str:
+        """E2B's name of `id`."""
+        return self.id
+
+    def _envs(self) -> dict[str, str]:
+        """The sandbox's own environment variables (`create(envs=)`), added to every command's."""
+        return self._env or {}
+
+    @classmethod
+    def create(cls, template: str | None = None, timeout: float | None = None, metadata: dict[str, str] | None = None,
+               envs: dict[str, str] | None = None, secure: bool | None = None,
+               allow_internet_access: bool | None = None, *, network: bool | dict[str, Any] | None = None,
+               cpu: float = 1.0, memory_mb: int = 512, pids: int = 256, timeout_s: float | None = None,
+               on_timeout: str | None = None, disk_mb: int = 2048, id: str | None = None,
+               egress: EgressPolicy | None = None, **conn: Unpack[ConnectionOpts]) -> Any:
+        """Start a sandbox from `template` (None: "busybox"; a checkpoint id such as E2B's
+        `create_snapshot().snapshot_id`: a restore of it). E2B's arguments: `timeout` its lifetime
+        in s (None: until killed; k3sys's `timeout_s`), `metadata`, `envs` (every command's
+        environment), `allow_internet_access` (k3sys's `network` bool; the default stays off), and
+        `network` either that bool or E2B's `{"allow_out": [...], "deny_out": [...]}` (an egress
+        policy). `secure` is accepted: every call is already authenticated. The rest are
+        `SandboxSpec`'s; `id` is chosen by the caller (optional).
 
         `conn`: where (`runtime=`, or `api_url=`/`api_key=`; see `ConnectionConfig`).
         """
+        if timeout is not None and timeout_s is not None:
+            raise InvalidArgumentError("timeout: give either timeout= or its old name timeout_s=, not both")
+        lifetime = (timeout or None) if timeout is not None else timeout_s
+        if isinstance(network, dict):
+            egress = EgressPolicy(allow_out=tuple(network.get("allow_out") or ()),
+                                  deny_out=tuple(network.get("deny_out") or ()))
+            network = True
+        online = bool(network if network is not None else allow_internet_access or egress is not None)
+        if template is not None and template.startswith("ck-"):
+            return cls.restore(template, id=id, timeout_s=lifetime, **conn)
         rt = cls._connect(conn)
-        spec = SandboxSpec(template, cpu, memory_mb, pids, network, timeout_s, on_timeout, disk_mb, egress)
-        return cls._then(rt.create(spec, id), lambda info: cls(rt, info.id))
+        spec = SandboxSpec(template or "busybox", cpu, memory_mb, pids, online, lifetime, on_timeout, disk_mb, egress,
+                           metadata=dict(metadata or {}), envs=dict(envs or {}))
+        return cls._then(rt.create(spec, id), lambda info: cls._of(rt, info))
+
+    @classmethod
+    def connect(cls, sandbox_id: str, timeout: float | None = None, **conn: Unpack[ConnectionOpts]) -> Any:
+        """The running sandbox `sandbox_id`, resumed first when paused or hibernated (E2B's connect);
+        `timeout` s: its new lifetime from now."""
+        rt = cls._connect(conn)
+
+        def ready(info: SandboxInfo) -> Any:
+            steps = [rt.resume(info.id)] if info.state in ("paused", "hibernated") else []
+            steps += [rt.set_timeout(info.id, timeout)] if timeout else []
+            return cls._then(cls._gather(steps), lambda _: cls._of(rt, info))
+        return cls._chain(rt.info(sandbox_id), ready)
 
     @classmethod
     def restore(cls, checkpoint: _CheckpointBase | str, *, id: str | None = None, timeout_s: float | None = None,
@@ -249,18 +239,43 @@ class _Facade:
         if conn.get("runtime") is None and conn.get("api_url") is None and isinstance(checkpoint, _CheckpointBase):
             conn = {**conn, "runtime": checkpoint.runtime}
         rt = cls._connect(conn)
-        return cls._then(rt.restore(ck, id, timeout_s), lambda info: cls(rt, info.id))
+        return cls._then(rt.restore(ck, id, timeout_s), lambda info: cls._of(rt, info))
 
     @classmethod
     def get(cls, id: str, **conn: Unpack[ConnectionOpts]) -> Any:
+        """The sandbox `id` in whatever state it is (`connect` also resumes it)."""
         rt = cls._connect(conn)
-        return cls._then(rt.info(id), lambda info: cls(rt, info.id))
+        return cls._then(rt.info(id), lambda info: cls._of(rt, info))
 
     @classmethod
-    def list(cls, **conn: Unpack[ConnectionOpts]) -> Any:
-        """Every sandbox of the runtime (including hibernated and lost ones), oldest first."""
+    def list(cls, query: Any = None, limit: int | None = None, next_token: str | None = None,
+             **conn: Unpack[ConnectionOpts]) -> Any:
+        """Every sandbox of the runtime (including hibernated and lost ones), oldest first: a list of
+        sandboxes that is also E2B's paginator (`has_next`, `next_items()`: their SandboxInfos).
+        `query`: E2B's SandboxQuery (or an object with its fields): only sandboxes whose metadata
+        holds `query.metadata`, in one of `query.state`, of `query.template`. All in one page:
+        `limit` and `next_token` are accepted for E2B's signature."""
         rt = cls._connect(conn)
-        return cls._then(rt.list(), lambda infos: [cls(rt, i.id) for i in infos])
+        meta = dict(getattr(query, "metadata", None) or {})
+        states = {getattr(x, "value", x) for x in getattr(query, "state", None) or ()}
+        template = getattr(query, "template", None)
+
+        def page(infos: list[SandboxInfo]) -> SandboxList:
+            infos = [i for i in infos if meta.items() <= i.spec.metadata.items() and (not states or i.state in states)
+                     and template in (None, i.spec.template)]
+            return SandboxList([cls._of(rt, i) for i in infos], infos)
+        return cls._then(rt.list(), page)
+
+    def get_info(self) -> Any:
+        """The sandbox's SandboxInfo now (E2B's name; `info` is k3sys's earlier one)."""
+        return self._rt.info(self.id)
+
+    def is_running(self, request_timeout: float | None = None) -> Any:
+        return self._then(self._rt.info(self.id), lambda info: info.state == "running")
+
+    def set_timeout(self, timeout: float) -> Any:
+        """The sandbox's lifetime: `timeout` s from now."""
+        return self._rt.set_timeout(self.id, timeout)
 
     def memory_bytes(self) -> int:
         """Memory charged to the sandbox's processes now, in bytes."""
@@ -270,12 +285,13 @@ class _Facade:
         """CPU seconds charged to the sandbox's cgroup so far (restarts at 0 after a hibernation)."""
         return self._rt.cpu_seconds(self.id)
 
-    def pause(self, hibernate: bool = False) -> None:
-        """Freeze every process (no CPU; memory kept). Commands and files are refused until `resume`.
-        `hibernate`: and hibernate it in the background (E2B's pause): state "paused" (`info.then_hibernate`),
+    def pause(self, keep_memory: bool | None = None, *, hibernate: bool = False) -> Any:
+        """Freeze every process (no CPU; memory kept); True. Commands and files are refused until
+        `resume` (or E2B's `connect`). `keep_memory` is E2B's and changes nothing (memory is always
+        kept). `hibernate`: and hibernate it in the background: state "paused" (`then_hibernate`),
         then "hibernating", then "hibernated" (memory released, checkpoint durable); `resume` before
         that is a thaw, after it a restore."""
-        return self._rt.pause(self.id, hibernate)
+        return self._then(self._rt.pause(self.id, hibernate), lambda _: True)
 
     def resume(self) -> None:
         """Thaw a paused sandbox, or bring a hibernated one back (same id, same processes)."""
@@ -285,10 +301,25 @@ class _Facade:
         """Snapshot processes, memory and files into the store; the sandbox keeps running."""
         return self._then(self._rt.checkpoint(self.id), lambda info: self._checkpoint._of(info, self._rt))
 
-    def fork(self, n: int = 1) -> Any:
-        """`n` new running sandboxes, each with this one's processes, memory and files as of now.
-        Nothing is added to the store (`checkpoint` first to keep this state)."""
-        return self._then(self._rt.fork(self.id, n), lambda kids: [type(self)(self._rt, k.id) for k in kids])
+    def create_snapshot(self, name: str | None = None) -> Any:
+        """E2B's name of `checkpoint`: the Checkpoint's `snapshot_id` makes new sandboxes with
+        `Sandbox.create(template=snapshot_id)`. `name` is accepted; checkpoints are named by id."""
+        return self.checkpoint()
+
+    def fork(self, n: int | None = None, *, count: int | None = None, timeout: float | None = None) -> Any:
+        """`n` (E2B's `count`; default 1) new running sandboxes, each with this one's processes,
+        memory and files as of now, each living `timeout` s (None: until killed). Nothing is added
+        to the store (`checkpoint` first to keep this state). The count comes first, as k3sys had
+        it: E2B's positional first argument is the timeout, so pass E2B's by name."""
+        if n is not None and count is not None:
+            raise InvalidArgumentError("count: give either fork(n) or fork(count=n), not both")
+        rt, cls = self._rt, type(self)
+
+        def kids(infos: list[SandboxInfo]) -> Any:
+            made = [cls._of(rt, k) for k in infos]
+            return cls._then(cls._gather([rt.set_timeout(k.id, timeout) for k in made] if timeout else []),
+                             lambda _: made)
+        return self._chain(rt.fork(self.id, n if n is not None else count or 1), kids)
 
     def hibernate(self) -> Any:
         """Checkpoint, then stop: memory and CPU released, state "hibernated"; `resume` restores it."""
@@ -300,9 +331,10 @@ class _Facade:
         hibernated); they are dropped after `ttl_s` seconds unless a resume used them."""
         return self._rt.prefetch(self.id, ttl_s)
 
-    def kill(self) -> None:
-        """Stop the sandbox and release everything it held (its checkpoints stay in the store)."""
-        return self._rt.kill(self.id)
+    def kill(self) -> Any:
+        """Stop the sandbox and release everything it held (its checkpoints stay in the store): True,
+        or False if there was no such sandbox (E2B's answer)."""
+        return self._found(lambda: self._rt.kill(self.id))
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, type(self)) and other.id == self.id and other._rt is self._rt
@@ -314,15 +346,39 @@ class _Facade:
         return f"{type(self).__name__}({self.id!r})"
 
 
+class SandboxList(list):  # type: ignore[type-arg]
+    """`Sandbox.list()`'s answer: the sandboxes, and E2B's paginator over their SandboxInfos (one
+    page: `has_next` until `next_items()` has given it)."""
+
+    def __init__(self, sandboxes: list[Any], infos: list[SandboxInfo]) -> None:
+        super().__init__(sandboxes)
+        self._infos = infos
+        self.has_next = True
+
+    def next_items(self) -> list[SandboxInfo]:
+        self.has_next = False
+        return list(self._infos)
+
+
 class Sandbox(_Blocking, _Facade):
     """A handle on one sandbox. Construct with `create`, `restore`, `get`, `list` or `fork`."""
 
     _checkpoint = Checkpoint
     _handle = CommandHandle
+    _commands = Commands
+    _files = Files
+    commands: Commands
+    files: Files
 
     @property
     def info(self) -> SandboxInfo:
+        """k3sys's earlier name of `get_info()`."""
         return self._rt.info(self.id)
+
+    def _envs(self) -> dict[str, str]:
+        if self._env is None:  # made from an id alone: ask once
+            self._env = dict(self.get_info().spec.envs)
+        return self._env
 
     @property
     def state(self) -> str:
@@ -337,5 +393,4 @@ class Sandbox(_Blocking, _Facade):
         return self
 
     def __exit__(self, *exc: object) -> None:
-        with contextlib.suppress(NotFoundError):
-            self.kill()
+        self.kill()

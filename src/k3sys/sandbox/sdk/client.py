@@ -136,7 +136,7 @@ class _Routes(EnvdCalls):
     def create(self, spec: SandboxSpec, id: str | None = None) -> SandboxInfo:
         body = {"templateID": spec.template, "timeout": spec.timeout_s, "sandboxID": id, "cpu": spec.cpu,
                 "memoryMB": spec.memory_mb, "diskSizeMB": spec.disk_mb, "pids": spec.pids,
-                "allow_internet_access": spec.network}
+                "allow_internet_access": spec.network, "metadata": spec.metadata, "envVars": spec.envs}
         if spec.egress is not None:
             e = spec.egress
             body["network"] = {"allowOut": list(e.allow_out), "denyOut": list(e.deny_out)} | (
@@ -155,6 +155,9 @@ class _Routes(EnvdCalls):
 
     def kill(self, sid: str) -> None:
         return self._do(_Call("DELETE", f"/sandboxes/{sid}"))
+
+    def set_timeout(self, sid: str, timeout_s: float) -> None:
+        return self._do(_Call("POST", f"/sandboxes/{sid}/timeout", json={"timeout": timeout_s}))
 
     def memory_bytes(self, sid: str) -> int:
         return self._do(_Call("GET", f"/sandboxes/{sid}/memory", parse=lambda r: r.json()["bytes"]))
@@ -185,11 +188,13 @@ class _Routes(EnvdCalls):
                                                     "timeout": _STREAM_TIMEOUT}
 
     def _files(self, method: str, sid: str, path: str, parse: Callable[[httpx.Response], Any] = _none,
-               content: bytes | Iterable[bytes] | None = None) -> Any:
+               content: bytes | Iterable[bytes] | None = None, user: str | None = None) -> Any:
+        """envd's /files; `user` its `username` query (as envd reads it: never a header)."""
         h = {SANDBOX_HEADER: sid, **({API_KEY_HEADER: self.api_key} if self.api_key else {})}
         if content is not None:
             h["content-type"] = "application/octet-stream"
-        return self._do(_Call(method, "/files", params={"path": path}, content=content, headers=h, parse=parse,
+        params = {"path": path, **({} if user is None else {"username": user})}
+        return self._do(_Call(method, "/files", params=params, content=content, headers=h, parse=parse,
                               errors=http_error_of))
 
     def _follow(self, sid: str, method: str, msg: dict[str, Any], timeout: float | None) -> CommandResult:

@@ -49,6 +49,11 @@ def rooted(path: Any) -> Any:
     return "/" + path if isinstance(path, str) and path and not path.startswith("/") else path
 
 
+def as_user(user: str | None) -> dict[str, str]:
+    """envd's way of naming the user a call acts as: `Authorization: Basic base64("user:")`."""
+    return {} if user is None else {"authorization": "Basic " + base64.b64encode(f"{user}:".encode()).decode()}
+
+
 def cid_of(sid: str, pid: int) -> str:
     """A command's id over the wire: its sandbox and its pid there."""
     return f"{sid}/{pid}"
@@ -102,23 +107,32 @@ class EnvdCalls:
         raise NotImplementedError
 
     def _files(self, method: str, sid: str, path: str, parse: Callable[[httpx.Response], Any] = no_answer,
-               content: bytes | Iterable[bytes] | None = None) -> Any:
+               content: bytes | Iterable[bytes] | None = None, user: str | None = None) -> Any:
         raise NotImplementedError
 
     def _follow(self, sid: str, method: str, msg: dict[str, Any], timeout: float | None) -> Any:
         raise NotImplementedError
 
     @staticmethod
-    def _start_msg(cmd: str, cwd: str | None, env: dict[str, str] | None, stdin: bytes | None) -> dict[str, Any]:
+    def _start_msg(cmd: str, cwd: str | None, env: dict[str, str] | None, stdin: bool | bytes | None
+                   ) -> dict[str, Any]:
         env = check_command(cmd, cwd, env)  # as embedded: envd itself would take a relative cwd from $HOME
         msg: dict[str, Any] = {"process": {"cmd": "/bin/sh", "args": ["-c", cmd], "envs": env, "cwd": cwd or "/"},
                                "k3sysShell": cmd}
-        if stdin is not None:
+        if stdin is True:  # a pipe kept open for send_stdin
+            msg["stdin"] = True
+        elif stdin:
             msg["k3sysStdin"] = base64.b64encode(stdin).decode()
         return msg
 
     def start_command(self, sid: str, cmd: str, cwd: str | None = None, env: dict[str, str] | None = None,
                       stdin: bytes | None = None) -> str:
+        return self.start_process(sid, cmd, cwd, env, None, stdin)
+
+    def start_process(self, sid: str, cmd: str, cwd: str | None = None, env: dict[str, str] | None = None,
+                      user: str | None = None, stdin: bool | bytes | None = None) -> str:
+        """`start_command` as `user` (None: the template's default); `stdin` True keeps a pipe open
+        for `send_stdin`."""
         def parse(r: httpx.Response) -> str:
             stream = ProcessStream()
             stream.feed(r.content)
@@ -126,7 +140,14 @@ class EnvdCalls:
                 raise UnavailableError(f"sandbox service at {self.api_url}: Start in {sid} sent no pid")
             return cid_of(sid, stream.pid)
         return self._envd(sid, "process.Process/Start", self._start_msg(cmd, cwd, env, stdin), parse, stream=True,
-                          headers={FOLLOW_HEADER: "0", KEEP_HEADER: "1"})
+                          headers={FOLLOW_HEADER: "0", KEEP_HEADER: "1", **as_user(user)})
+
+    def send_stdin(self, sid: str, pid: int, data: bytes, close: bool = False) -> None:
+        """Write `data` to the stdin of process `pid` (started with `stdin=True`); `close`: end it."""
+        if close:
+            return self._envd(sid, "process.Process/CloseStdin", {"process": {"pid": pid}}, no_answer)
+        return self._envd(sid, "process.Process/SendInput",
+                          {"process": {"pid": pid}, "input": {"stdin": base64.b64encode(data).decode()}}, no_answer)
 
     def run(self, sid: str, cmd: str, timeout: float | None = 60, cwd: str | None = None,
             env: dict[str, str] | None = None, stdin: bytes | None = None) -> CommandResult:
@@ -179,38 +200,58 @@ class EnvdCalls:
         return self._envd(sid, "process.Process/List", {},
                           lambda r: [process_of(p) for p in r.json().get("processes", [])], headers={ALL_HEADER: "1"})
 
-    def read_file(self, sid: str, path: str) -> bytes:
-        return self._files("GET", sid, rooted(path), lambda r: r.content)
+    def read_file(self, sid: str, path: str, user: str | None = None) -> bytes:
+        return self._files("GET", sid, rooted(path), lambda r: r.content, user=user)
 
-    def write_file(self, sid: str, path: str, data: bytes | str | BinaryIO) -> int:
-        """Upload `data`; a file object is streamed in chunks."""
+    def write_file(self, sid: str, path: str, data: bytes | str | BinaryIO, user: str | None = None) -> int:
+        """Upload `data` (a file object is streamed in chunks); the bytes sent (envd's answer names
+        the file, not its size)."""
         if isinstance(data, str):
             data = data.encode()
-        content = _chunks(data) if hasattr(data, "read") else bytes(data)
-        return self._files("POST", sid, rooted(path), lambda r: r.json()[0]["size"], content)
+        sent = [0]
 
-    def list_dir(self, sid: str, path: str = "/") -> list[EntryInfo]:
-        return self._envd(sid, "filesystem.Filesystem/ListDir", {"path": rooted(path), "depth": 1},
-                          lambda r: sorted(map(entry_of, r.json().get("entries", [])), key=lambda e: e.name))
+        def counted(f: BinaryIO) -> Iterable[bytes]:
+            for chunk in _chunks(f):
+                sent[0] += len(chunk)
+                yield chunk
+        content = counted(data) if hasattr(data, "read") else bytes(data)
+        if isinstance(content, bytes):
+            sent[0] = len(content)
+        return self._files("POST", sid, rooted(path), lambda r: sent[0], content, user=user)
 
-    def remove(self, sid: str, path: str) -> None:
+    def stat(self, sid: str, path: str, user: str | None = None) -> EntryInfo:
+        return self._envd(sid, "filesystem.Filesystem/Stat", {"path": rooted(path)},
+                          lambda r: entry_of(r.json()["entry"]), headers=as_user(user))
+
+    def move(self, sid: str, src: str, dst: str, user: str | None = None) -> None:
+        return self._envd(sid, "filesystem.Filesystem/Move", {"source": rooted(src), "destination": rooted(dst)},
+                          no_answer, headers=as_user(user))
+
+    def list_dir(self, sid: str, path: str = "/", depth: int = 1, user: str | None = None) -> list[EntryInfo]:
+        return self._envd(sid, "filesystem.Filesystem/ListDir", {"path": rooted(path), "depth": depth},
+                          lambda r: sorted(map(entry_of, r.json().get("entries", [])), key=lambda e: e.path),
+                          headers=as_user(user))
+
+    def remove(self, sid: str, path: str, user: str | None = None) -> None:
         return self._envd(sid, "filesystem.Filesystem/Remove", {"path": rooted(path)}, no_answer,
-                          headers={STRICT_HEADER: "1"})
+                          headers={STRICT_HEADER: "1", **as_user(user)})
 
-    def make_dir(self, sid: str, path: str) -> None:
+    def make_dir(self, sid: str, path: str, user: str | None = None) -> None:
         def parse(r: httpx.Response) -> None:  # made, or there already (mkdir -p)
             if r.status_code >= 400 and r.status_code != 409:
                 raise http_error_of(r.status_code, r.content, r.headers)
-        return self._envd(sid, "filesystem.Filesystem/MakeDir", {"path": rooted(path)}, parse, raw=True)
+        return self._envd(sid, "filesystem.Filesystem/MakeDir", {"path": rooted(path)}, parse, raw=True,
+                          headers=as_user(user))
 
-    def exists(self, sid: str, path: str) -> bool:
+    def exists(self, sid: str, path: str, user: str | None = None) -> bool:
         def parse(r: httpx.Response) -> bool:
             if r.status_code < 400:
                 return True
             if isinstance(err := http_error_of(r.status_code, r.content, r.headers), SandboxFileNotFoundError):
                 return False
             raise err
-        return self._envd(sid, "filesystem.Filesystem/Stat", {"path": rooted(path)}, parse, raw=True)
+        return self._envd(sid, "filesystem.Filesystem/Stat", {"path": rooted(path)}, parse, raw=True,
+                          headers=as_user(user))
 
     def watch_dir(self, sid: str, path: str, recursive: bool = False) -> RemoteWatch:
         """Watch directory `path` (see `RemoteWatch`); in `AsyncHTTPBackend` its calls are coroutines."""
