@@ -10,7 +10,7 @@ A command's id is `<sandbox id>/<pid>`: nothing about it is kept on either side,
 from __future__ import annotations
 
 import base64
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, BinaryIO
 
 import httpx
@@ -38,9 +38,16 @@ def no_answer(r: httpx.Response) -> None:
     return None
 
 
-def _chunks(f: BinaryIO) -> Iterable[bytes]:
-    while chunk := f.read(_CHUNK):
-        yield chunk
+class _Counted:
+    """`f`'s chunks, counting the bytes sent (envd's upload answer says no size)."""
+
+    def __init__(self, f: BinaryIO) -> None:
+        self.f, self.n = f, 0
+
+    def __iter__(self) -> Iterator[bytes]:
+        while chunk := self.f.read(_CHUNK):
+            self.n += len(chunk)
+            yield chunk
 
 
 def rooted(path: Any) -> Any:
@@ -186,8 +193,9 @@ class EnvdCalls:
         """Upload `data`; a file object is streamed in chunks."""
         if isinstance(data, str):
             data = data.encode()
-        content = _chunks(data) if hasattr(data, "read") else bytes(data)
-        return self._files("POST", sid, rooted(path), lambda r: r.json()[0]["size"], content)
+        content = _Counted(data) if hasattr(data, "read") else bytes(data)
+        self._files("POST", sid, rooted(path), no_answer, content)
+        return content.n if isinstance(content, _Counted) else len(content)
 
     def list_dir(self, sid: str, path: str = "/") -> list[EntryInfo]:
         return self._envd(sid, "filesystem.Filesystem/ListDir", {"path": rooted(path), "depth": 1},
