@@ -28,10 +28,11 @@ test: setup
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests bench
 
-# E2B's own SDK tests (a copy of github e2b-dev/E2B in E2B_REPO; fetched, never vendored) against a
-# fresh `k3sys sandbox serve`: per-file tables in .cache/e2b-report and .cache/e2b-js-report
-# (docs/sandbox_e2b.md). The JS suite needs Node.js and npm (its packages go to .cache/e2b-js-deps).
-E2B_REPO ?= .cache/e2b
+# E2B's own SDK tests (packages/python-sdk/tests and packages/js-sdk of github e2b-dev/E2B, fetched
+# into E2B_REPO, never vendored; docs/sandbox_e2b.md says how) against a fresh `k3sys sandbox serve`:
+# per-file tables in .cache/e2b-report and .cache/e2b-js-report. The JS suite needs Node.js and npm
+# (its packages go to .cache/e2b-js-deps).
+E2B_REPO ?= .cache/e2b-tests
 E2B_TESTS ?= $(E2B_REPO)/packages/python-sdk/tests
 E2B_JS ?= $(E2B_REPO)/packages/js-sdk
 e2b-tests: $(STAMP)
