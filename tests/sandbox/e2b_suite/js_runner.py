@@ -8,9 +8,14 @@ browser and Cloudflare runners), are installed once into `.cache/e2b-js-deps` an
 `node_modules`; `vitest.k3sys.mts` (E2B's vitest config less the browser and Cloudflare projects) is
 copied in beside E2B's. The service is the Python runner's (runner.py: a free port, a new runtime
 directory, a generated key, every sandbox killed at the end); the SDK finds it by the same
-E2B_API_URL, E2B_SANDBOX_URL and E2B_API_KEY (`src/connectionConfig.ts`). Prints the per-file
-table; vitest's JSON report and the service's log stay in the report folder. Extra arguments go to
-vitest (file filters, `-t name`).
+E2B_API_URL, E2B_SANDBOX_URL and E2B_API_KEY (`src/connectionConfig.ts`).
+
+Two passes: the files that mock E2B's API with msw answer only at E2B's own URL
+(`https://api.e2b.app`, tests/setup.ts `apiUrl`) and fail any other request, so they run second
+without E2B_API_URL and E2B_SANDBOX_URL (no request leaves: msw refuses the unhandled); every other
+file runs first, against the service. Prints the per-file table of both; vitest's JSON reports and
+the service's log stay in the report folder. Extra arguments go to vitest (file filters,
+`--testNamePattern=...`).
 
     python tests/sandbox/e2b_suite/js_runner.py <folder> [--report DIR] [vitest args...]
 """
@@ -85,20 +90,31 @@ def main(argv: list[str]) -> int:
     report.mkdir(parents=True, exist_ok=True)
     home = Path(tempfile.mkdtemp(prefix="k3sys-e2b-js-"))
     key = "e2b_" + secrets.token_hex(20)  # the shape of E2B's keys (the SDK checks it)
+    mocked = sorted(str(f.relative_to(sdk)) for f in (sdk / "tests").rglob("*.test.ts") if "from 'msw" in f.read_text())
+    filters = [a for a in vitest_args if not a.startswith("-")]
+    mine = [f for f in mocked if not filters or any(x in f for x in filters)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("E2B_")}
+    vitest = [str(sdk / "node_modules" / ".bin" / "vitest"), "run", "--config", CONFIG, "--passWithNoTests",
+              "--reporter=default", "--reporter=json"]
+    for old in report.glob("results-*.json"):
+        old.unlink()
     try:
         with service(home, key, report / "service.log") as url:
-            env = {k: v for k, v in os.environ.items() if not k.startswith("E2B_")}
-            env |= {"E2B_API_URL": url, "E2B_SANDBOX_URL": url, "E2B_API_KEY": key}
-            cmd = [str(sdk / "node_modules" / ".bin" / "vitest"), "run", "--config", CONFIG, "--reporter=default",
-                   "--reporter=json", f"--outputFile.json={report / 'results.json'}", *vitest_args]
-            rc = subprocess.run(cmd, env=env, cwd=sdk).returncode
+            served = env | {"E2B_API_URL": url, "E2B_SANDBOX_URL": url, "E2B_API_KEY": key,
+                            "K3SYS_E2B_JS_EXCLUDE": ",".join(mocked)}
+            rc = subprocess.run([*vitest, f"--outputFile.json={report / 'results-served.json'}", *vitest_args],
+                                env=served, cwd=sdk).returncode
     finally:
         shutil.rmtree(home, ignore_errors=True)
-    results = report / "results.json"
-    if results.exists():
-        (report / "table.md").write_text(md := table(json.loads(results.read_text()), sdk))
+    if mine:
+        opts = [a for a in vitest_args if a.startswith("-")]
+        rc |= subprocess.run([*vitest, f"--outputFile.json={report / 'results-mocked.json'}", *opts, *mine],
+                             env=env | {"E2B_API_KEY": key}, cwd=sdk).returncode
+    runs = [json.loads(f.read_text()) for f in sorted(report.glob("results-*.json"))]
+    if runs:
+        (report / "table.md").write_text(md := table({"testResults": [f for r in runs for f in r["testResults"]]}, sdk))
         print(md)
-        print(f"(per-test outcomes and messages: {results})")
+        print(f"(per-test outcomes and messages: {report}/results-*.json)")
     return rc
 
 
