@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.k3sys-installed
 
-.PHONY: setup system demo test lint bench e2b-tests
+.PHONY: setup system demo test lint bench e2b-tests e2b-js-tests
 
 # Python side: a venv with the local CPU torch wheel pinned first, so pip never pulls a CUDA build.
 $(STAMP): pyproject.toml
@@ -28,8 +28,15 @@ test: setup
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests bench
 
-# E2B's own Python SDK tests (github e2b-dev/E2B packages/python-sdk/tests; fetched, never vendored)
-# against a fresh `k3sys sandbox serve`: per-file table in .cache/e2b-report (docs/sandbox_e2b.md).
-E2B_TESTS ?= .cache/e2b-tests/packages/python-sdk/tests
+# E2B's own SDK tests (packages/python-sdk/tests and packages/js-sdk of github e2b-dev/E2B, fetched
+# into E2B_REPO, never vendored; docs/sandbox_e2b.md says how) against a fresh `k3sys sandbox serve`:
+# per-file tables in .cache/e2b-report and .cache/e2b-js-report. The JS suite needs Node.js and npm
+# (its packages go to .cache/e2b-js-deps).
+E2B_REPO ?= .cache/e2b-tests
+E2B_TESTS ?= $(E2B_REPO)/packages/python-sdk/tests
+E2B_JS ?= $(E2B_REPO)/packages/js-sdk
 e2b-tests: $(STAMP)
 	$(PY) tests/sandbox/e2b_suite/runner.py $(E2B_TESTS) $(E2B_ARGS)
+
+e2b-js-tests: $(STAMP)
+	$(PY) tests/sandbox/e2b_suite/js_runner.py $(E2B_JS) $(E2B_ARGS)

@@ -65,5 +65,8 @@ void xattrs_fields(struct obuf *o, const char *path, int follow);
 
 /* Run one file request (read, write, setxattr, stat, list, mkdir, move, remove) on the connection `fd`. */
 int file_op(int fd, const char *op, const struct fields *req);
+/* Before a worker becomes the requested user: make a write's (a mkdir's) missing directories as root
+ * and give them to uid:gid, as E2B's envd does (files.c). */
+void user_dirs(const char *op, const struct fields *req, uid_t uid, gid_t gid);
 
 #endif

@@ -183,6 +183,37 @@ static int op_mkdir(struct obuf *o, const char *path)
 	return 0;
 }
 
+/* E2B's envd makes a write's missing parent directories (a mkdir's missing directories) as root and
+ * gives them to the user, so the user can write /app/state.json on a fresh sandbox. Run by the worker
+ * before it becomes the user; directories that exist are left as they are. Walked from / with
+ * O_NOFOLLOW: at a symlink, or any error, it stops, and the user's own pass (file_op) goes on with
+ * the user's rights and reports what it meets; a directory made here is chowned through its own fd. */
+void user_dirs(const char *op, const struct fields *req, uid_t uid, gid_t gid)
+{
+	const char *path = field_get(req, "path", NULL);
+	int write = !strcmp(op, "write") && field_num(req, "parents", 0) != 0;
+	char p[PATH_MAX], *save = NULL;
+
+	if ((!write && strcmp(op, "mkdir")) || !path || path[0] != '/' || strlen(path) >= sizeof(p))
+		return;
+	memcpy(p, path, strlen(path) + 1);
+	if (write)
+		*strrchr(p, '/') = 0;
+	int dir = open("/", O_PATH | O_DIRECTORY | O_CLOEXEC);
+	for (char *name = strtok_r(p, "/", &save); name && dir >= 0; name = strtok_r(NULL, "/", &save)) {
+		int made = mkdirat(dir, name, 0755) == 0;
+		int next = made || errno == EEXIST ? openat(dir, name, O_PATH | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC) : -1;
+		close(dir);
+		dir = next;
+		if (dir >= 0 && made && fchownat(dir, "", uid, gid, AT_EMPTY_PATH) < 0) {
+			close(dir);
+			dir = -1;
+		}
+	}
+	if (dir >= 0)
+		close(dir);
+}
+
 /* `path` with symlinks in its last component followed (as open(O_CREAT) would), into `out`. */
 static int follow_links(const char *path, char out[PATH_MAX])
 {

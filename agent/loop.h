@@ -87,6 +87,7 @@ void proc_free(struct proc *p);
 int drain(struct proc *p, int *fd, char stream, size_t budget, int hold);
 void readers_resume(void);
 int become(const char *user, char *home, size_t home_len);
+int user_ids(const char *user, uid_t *uid, gid_t *gid);
 void child_reset(const int *keep, int n);
 void op_start(struct conn *c);
 void reaped(pid_t pid, int status);

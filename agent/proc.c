@@ -203,6 +203,14 @@ int become(const char *user, char *home, size_t home_len)
 	return 0;
 }
 
+/* `user`'s uid and gid in the sandbox's /etc/passwd: 0, or -1 if it has none. */
+int user_ids(const char *user, uid_t *uid, gid_t *gid)
+{
+	char home[512];
+
+	return lookup_user(user, uid, gid, home, sizeof(home));
+}
+
 /* A forked child's fresh start: default signals, nothing of the agent's open but `keep` fds
  * (moved to 3, 4, ...). */
 void child_reset(const int *keep, int n)

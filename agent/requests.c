@@ -111,6 +111,10 @@ static void spawn_worker(struct conn *c, int in_fd)
 		 * without a result and reports a timeout. */
 		signal(SIGALRM, worker_alarm);
 		setitimer(ITIMER_REAL, &t, NULL);
+		uid_t uid;
+		gid_t gid;
+		if (user && *user && user_ids(user, &uid, &gid) == 0)
+			user_dirs(op, &c->f, uid, gid);
 		if (user && *user && become(user, home, sizeof(home)) < 0) {
 			ob_error(&o, errno, "cannot become user %s: %s", user, strerror(errno));
 			flush_blocking(fd, &o);

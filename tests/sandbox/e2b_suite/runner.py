@@ -94,6 +94,9 @@ def main(argv: list[str]) -> int:
         if not need.exists():
             raise SystemExit(f"E2B_TESTS={args.tests}: no {need}; fetch github e2b-dev/E2B and give its "
                              "packages/python-sdk/tests (with pytest.ini beside it)")
+    if (tests.parent / "e2b").is_dir():  # pytest would import it (rootdir on sys.path), not the wheel
+        raise SystemExit(f"{tests.parent / 'e2b'}: the SDK's source beside its tests would be tested instead of "
+                         "the installed `e2b`; fetch only packages/python-sdk/tests and pytest.ini")
     _ensure_deps()
     args.report.mkdir(parents=True, exist_ok=True)
     home = Path(tempfile.mkdtemp(prefix="k3sys-e2b-"))

@@ -110,12 +110,13 @@ async def create_sandbox(svc: Svc, scope: Caller, body: NewSandbox) -> dict[str,
     keep = body.autoPauseMemory is not False
     attrs = SandboxAttrs(body.templateID, body.metadata or {}, body.envVars or {}, keep, keep)
     if (ck := await svc.call("lookup", _snapshot_of, svc, scope, body.templateID, io=True)) is not None:
-        fixed = ("cpu", "memoryMB", "diskSizeMB", "pids", "allow_internet_access", "network")
+        fixed = ("cpu", "memoryMB", "diskSizeMB", "pids", "network")
         if given := [n for n in fixed if getattr(body, n) is not None]:
             raise InvalidArgumentError(f"{', '.join(given)}: {body.templateID!r} is a snapshot: a sandbox made "
                                        f"from it has the size and network of the one it was taken of")
+        # allow_internet_access is checked against the snapshot's own (E2B's JS SDK always sends one).
         info = await svc.call("restore", svc.restore, ck, body.sandboxID, body.timeout, scope,
-                              _ON_TIMEOUT[body.autoPause])
+                              _ON_TIMEOUT[body.autoPause], body.allow_internet_access)
     else:
         sized = {k: v for k, v in (("cpu", body.cpu), ("memory_mb", body.memoryMB), ("disk_mb", body.diskSizeMB),
                                    ("pids", body.pids)) if v is not None}

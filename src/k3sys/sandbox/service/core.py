@@ -203,10 +203,17 @@ class Service:
         return info
 
     def restore(self, ck: str, id: str | None, timeout_s: float | None, scope: Scope,
-                on_timeout: str | None = None) -> SandboxInfo:
+                on_timeout: str | None = None, network: bool | None = None) -> SandboxInfo:
+        """`network`: E2B's allow_internet_access, if sent: it must be the snapshot's own (a restored
+        sandbox keeps the network namespace, or none, of the one the snapshot was taken of)."""
         scope.checkpoint(ck)
         scope.check_new_id(id)
         spec = SandboxSpec.from_json(self.rt.store.get(ck).meta.get("spec", {}))
+        if network is not None and network != spec.network:
+            raise InvalidArgumentError(
+                f"allow_internet_access: {network} asked, but snapshot {ck!r} was taken of a sandbox "
+                f"{'with' if spec.network else 'without'} internet access, which a sandbox made from it "
+                f"keeps: send {spec.network}, or none")
         with self.admission.admit(1, spec, scope):
             if on_timeout is None:
                 info = self.rt.restore(ck, id, timeout_s)

@@ -192,8 +192,9 @@ async def upload(request: Request) -> Response:
             if not name:
                 raise InvalidArgumentError("path: none given (the `path` parameter, or a part's file name)")
             name = await _absolute(request, name)
-            n = await svc.call("envd.write_file", svc.rt.write_file, sid, name, data, user, xattrs, io=True)
-            out.append({"name": name.rstrip("/").rpartition("/")[2], "type": "file", "path": name, "size": n,
+            await svc.call("envd.write_file", svc.rt.write_file, sid, name, data, user, xattrs, io=True)
+            # envd's EntryInfo exactly (E2B's signing tests compare it whole): no size of ours.
+            out.append({"name": name.rstrip("/").rpartition("/")[2], "type": "file", "path": name,
                         **({"metadata": meta} if meta else {})})
         return JSONResponse(out)
     except Exception as e:

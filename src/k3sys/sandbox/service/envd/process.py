@@ -29,11 +29,17 @@ from k3sys.sandbox.errors import (
     InvalidArgumentError,
     NotFoundError,
     SandboxError,
-    UnavailableError,
 )
 from k3sys.sandbox.runtime.agent_protocol import Exit
 from k3sys.sandbox.runtime.follow import OutputFollower
-from k3sys.sandbox.service.envd.rpc import Rpc, absolute, cap_deadline, past_deadline, selector_pid
+from k3sys.sandbox.service.envd.rpc import (
+    Rpc,
+    SandboxGoneError,
+    absolute,
+    cap_deadline,
+    past_deadline,
+    selector_pid,
+)
 
 
 def _b64(field: str, value: Any) -> bytes:
@@ -58,14 +64,14 @@ def _input(msg: dict[str, Any]) -> bytes:
     return _b64("input", inp.get("stdin", inp.get("pty", "")))
 
 
-def _gone(rpc: Rpc) -> UnavailableError | None:
-    """The error a stream ends with when its sandbox was killed under it (else None). Its message
-    does not say "not found", so the e2b SDK probes /health, learns the sandbox is gone, and raises
-    its SandboxNotRunningException ("killed or reached its end of life")."""
+def _gone(rpc: Rpc) -> SandboxGoneError | None:
+    """The error that cuts a stream when its sandbox was killed under it (else None): the e2b SDKs
+    see the connection dropped, probe /health, learn the sandbox is gone, and say it was "killed or
+    reached its end of life" (Python: SandboxNotRunningException; JS: TimeoutError)."""
     try:
         rpc.svc.rt.info(rpc.sid)
     except NotFoundError:
-        return UnavailableError(f"sandbox {rpc.sid}: the stream ended with the sandbox (killed)")
+        return SandboxGoneError(f"sandbox {rpc.sid}: the stream ended with the sandbox (killed)")
     return None
 
 

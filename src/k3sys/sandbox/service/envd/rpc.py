@@ -19,6 +19,7 @@ from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Send
 
 from k3sys.sandbox._connect import (
     ERROR_TYPE,
@@ -31,7 +32,7 @@ from k3sys.sandbox._connect import (
     error_json,
     frame,
 )
-from k3sys.sandbox.errors import InvalidArgumentError, SandboxError, TooLargeError
+from k3sys.sandbox.errors import InvalidArgumentError, SandboxError, TooLargeError, UnavailableError
 from k3sys.sandbox.service.core import Service
 
 MAX_REQUEST = 4 << 20  # bytes of one request message (the SDK's own default read limit)
@@ -229,8 +230,28 @@ def client_stream(handler: Callable[[Rpc, AsyncIterator[dict[str, Any]]], Awaita
     return endpoint
 
 
+class SandboxGoneError(UnavailableError):
+    """A stream's sandbox was killed under it: the stream is cut, not ended (`_CutOnGone`)."""
+
+
+class _CutOnGone(StreamingResponse):
+    """A Connect stream that a `SandboxGoneError` cuts: the connection closes mid-body, without the
+    end frame, as E2B's proxy drops it when the sandbox dies. Both E2B SDKs then probe /health (502:
+    gone) and report the kill; the JS SDK probes only on a dropped connection ("terminated"), so an
+    end frame saying `unavailable` made it report a sandbox timeout instead."""
+
+    async def stream_response(self, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        try:
+            async for chunk in self.body_iterator:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except SandboxGoneError:
+            return  # the server closes a response left incomplete (uvicorn logs one line)
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
 def _stream_response(body: AsyncIterator[bytes]) -> StreamingResponse:
-    return StreamingResponse(body, media_type=STREAM_CONTENT_TYPE)
+    return _CutOnGone(body, media_type=STREAM_CONTENT_TYPE)
 
 
 async def _only_end(exc: BaseException) -> AsyncIterator[bytes]:
@@ -241,6 +262,8 @@ async def _frames(messages: AsyncIterator[dict[str, Any]]) -> AsyncIterator[byte
     try:
         async for msg in messages:
             yield frame(msg)
+    except SandboxGoneError:
+        raise  # no end frame: the connection is cut
     except Exception as e:
         yield end_frame(e)
         return
