@@ -45,7 +45,13 @@ struct names {
 	char **v;
 	size_t n, cap;
 };
-void names_push(struct names *s, const char *name);
+/* Append a copy of `name`: 0, or -1 with errno ENOMEM (the list is unchanged). */
+int names_push(struct names *s, const char *name);
+/* Free every name and the list. */
+void names_free(struct names *s);
+/* `dir`/`name` into `out` (PATH_MAX bytes): 0, or -1 with errno ENAMETOOLONG when it would not fit.
+ * A path is refused, never cut: a cut one names another file. */
+int path_join(char *out, const char *dir, const char *name);
 
 /* Stream changes under directory `path` to the connection `fd` until the client leaves (watch.c). */
 int op_watch(int fd, struct obuf *o, const char *path, int recursive);

@@ -320,15 +320,38 @@ static int op_write(int fd, struct obuf *o, const char *path, long long mode, in
 	return 0;
 }
 
-void names_push(struct names *s, const char *name)
+int names_push(struct names *s, const char *name)
 {
 	if (s->n == s->cap) {
-		s->cap = s->cap ? s->cap * 2 : 64;
-		s->v = realloc(s->v, s->cap * sizeof(*s->v));
-		if (!s->v)
-			abort();
+		size_t cap = s->cap ? s->cap * 2 : 64;
+		char **v = realloc(s->v, cap * sizeof(*v));
+		if (!v)
+			return -1;
+		s->v = v;
+		s->cap = cap;
 	}
-	s->v[s->n++] = strdup(name);
+	char *copy = strdup(name);
+	if (!copy)
+		return -1;
+	s->v[s->n++] = copy;
+	return 0;
+}
+
+void names_free(struct names *s)
+{
+	for (size_t i = 0; i < s->n; i++)
+		free(s->v[i]);
+	free(s->v);
+	*s = (struct names){0};
+}
+
+int path_join(char *out, const char *dir, const char *name)
+{
+	if (snprintf(out, PATH_MAX, "%s/%s", strcmp(dir, "/") ? dir : "", name) >= PATH_MAX) {
+		errno = ENAMETOOLONG;
+		return -1;
+	}
+	return 0;
 }
 
 /* Remove the tree under the directory `dirfd` (consumed), without recursion: descend into one
@@ -337,7 +360,7 @@ void names_push(struct names *s, const char *name)
 static int remove_tree(int dirfd, const char *path, struct obuf *o)
 {
 	struct names stack = {0};
-	int cur = dirfd;
+	int cur = dirfd, r = -1;
 
 	for (;;) {
 		DIR *d = fdopendir(dup(cur));
@@ -345,7 +368,7 @@ static int remove_tree(int dirfd, const char *path, struct obuf *o)
 		char sub[NAME_MAX + 1] = "";
 		if (!d) {
 			ob_error(o, errno, "remove %s: %s", path, strerror(errno));
-			return -1;
+			goto out;
 		}
 		while ((e = readdir(d))) {
 			if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, ".."))
@@ -357,7 +380,7 @@ static int remove_tree(int dirfd, const char *path, struct obuf *o)
 			} else if (unlinkat(cur, e->d_name, 0) < 0 && errno != ENOENT) {
 				ob_error(o, errno, "remove %s/.../%s: %s", path, e->d_name, strerror(errno));
 				closedir(d);
-				return -1;
+				goto out;
 			}
 		}
 		closedir(d);
@@ -365,9 +388,13 @@ static int remove_tree(int dirfd, const char *path, struct obuf *o)
 			int next = openat(cur, sub, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
 			if (next < 0) {
 				ob_error(o, errno, "remove %s: %s", path, strerror(errno));
-				return -1;
+				goto out;
 			}
-			names_push(&stack, sub);
+			if (names_push(&stack, sub) < 0) {
+				ob_error(o, ENOMEM, "remove %s: no memory for its depth", path);
+				close(next);
+				goto out;
+			}
 			close(cur);
 			cur = next;
 			continue;
@@ -377,20 +404,23 @@ static int remove_tree(int dirfd, const char *path, struct obuf *o)
 		int up = openat(cur, "..", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
 		if (up < 0) {
 			ob_error(o, errno, "remove %s: %s", path, strerror(errno));
-			return -1;
+			goto out;
 		}
 		close(cur);
 		cur = up;
 		char *name = stack.v[--stack.n];
-		if (unlinkat(cur, name, AT_REMOVEDIR) < 0 && errno != ENOENT) {
+		int gone = unlinkat(cur, name, AT_REMOVEDIR) == 0 || errno == ENOENT;
+		if (!gone)
 			ob_error(o, errno, "remove %s/.../%s: %s", path, name, strerror(errno));
-			return -1;
-		}
 		free(name);
+		if (!gone)
+			goto out;
 	}
+	r = 0;
+out:
 	close(cur);
-	free(stack.v);
-	return 0;
+	names_free(&stack);
+	return r;
 }
 
 static int op_remove(struct obuf *o, const char *path)
@@ -463,7 +493,8 @@ static int op_list(int fd, struct obuf *o, const char *path, long long depth, in
 		ob_error(o, err, "list %s: %s", path, strerror(err));
 		return -1;
 	}
-	names_push(&queue, path);
+	if (names_push(&queue, path) < 0)
+		goto nomem;
 	for (int level = 1; level <= depth && head < queue.n; level++) {
 		size_t level_end = queue.n;
 		for (; head < level_end; head++) {
@@ -474,7 +505,7 @@ static int op_list(int fd, struct obuf *o, const char *path, long long depth, in
 			if (!d) {
 				if (head == 0) {
 					ob_error(o, errno, "list %s: %s", dir, strerror(errno));
-					return -1;
+					goto fail;
 				}
 				continue; /* an unreadable subdirectory is listed, not entered */
 			}
@@ -485,7 +516,12 @@ static int op_list(int fd, struct obuf *o, const char *path, long long depth, in
 					continue;
 				if (fstatat(dirfd(d), e->d_name, &st, AT_SYMLINK_NOFOLLOW) < 0)
 					continue;
-				snprintf(child, sizeof(child), "%s/%s", strcmp(dir, "/") ? dir : "", e->d_name);
+				if (path_join(child, dir, e->d_name) < 0) {
+					ob_error(o, ENAMETOOLONG, "list %.200s...: the path of its entry %.100s... is over PATH_MAX (%d bytes)",
+						 path, e->d_name, PATH_MAX);
+					closedir(d);
+					goto fail;
+				}
 				ob_fields_begin(o, F_INFO, &mark);
 				ob_field(o, "name", "%s", e->d_name);
 				entry_fields(o, dirfd(d), e->d_name, child, &st);
@@ -493,19 +529,28 @@ static int op_list(int fd, struct obuf *o, const char *path, long long depth, in
 					xattrs_fields(o, child, 0);
 				ob_fields_end(o, mark);
 				count++;
-				if (S_ISDIR(st.st_mode) && level < depth)
-					names_push(&queue, child);
-				if (o->len > CHUNK && flush_blocking(fd, o) < 0)
-					return -1;
+				if ((S_ISDIR(st.st_mode) && level < depth && names_push(&queue, child) < 0) ||
+				    (o->len > CHUNK && flush_blocking(fd, o) < 0)) {
+					closedir(d);
+					if (errno == ENOMEM)
+						goto nomem;
+					goto fail;
+				}
 			}
 			closedir(d);
 		}
 	}
+	names_free(&queue);
 	size_t mark;
 	ob_fields_begin(o, F_RESULT, &mark);
 	ob_field(o, "count", "%zu", count);
 	ob_fields_end(o, mark);
 	return 0;
+nomem:
+	ob_error(o, ENOMEM, "list %s: no memory for its directories", path);
+fail:
+	names_free(&queue);
+	return -1;
 }
 
 int file_op(int fd, const char *op, const struct fields *req)
@@ -514,8 +559,15 @@ int file_op(int fd, const char *op, const struct fields *req)
 	const char *path = field_get(req, "path", NULL);
 	int r, xattrs = 0, want_xattrs = field_num(req, "xattrs", 0) != 0;
 
+	const char *to = field_get(req, "to", NULL);
+
 	if (!path || path[0] != '/') {
 		ob_error(&o, EINVAL, "%s: path must be absolute, got %s", op, path ? path : "(none)");
+		r = -1;
+	} else if (strlen(path) >= PATH_MAX || (to && strlen(to) >= PATH_MAX)) {
+		/* refused, never cut: every copy below assumes a path fits in PATH_MAX */
+		ob_error(&o, ENAMETOOLONG, "%s: a path of %zu bytes is over PATH_MAX (%d bytes)", op,
+			 strlen(path) >= PATH_MAX ? strlen(path) : strlen(to), PATH_MAX);
 		r = -1;
 	} else if (xattrs_check(&o, req, &xattrs) < 0) /* before a write takes any data */
 		r = -1;
@@ -532,7 +584,7 @@ int file_op(int fd, const char *op, const struct fields *req)
 	else if (!strcmp(op, "mkdir"))
 		r = op_mkdir(&o, path);
 	else if (!strcmp(op, "move"))
-		r = op_move(&o, path, field_get(req, "to", NULL));
+		r = op_move(&o, path, to);
 	else if (!strcmp(op, "remove"))
 		r = op_remove(&o, path);
 	else if (!strcmp(op, "watch"))

@@ -31,7 +31,7 @@ struct proc {
 	int pty, reaped, exited, status, release; /* a PTY one has exited once reaped and its relay ended */
 	int paused; /* its output pipes are not read (out of epoll): a follower has to catch up first */
 	uint64_t max; /* output bytes past which its group is killed (0: no limit) */
-	char tty[32]; /* a PTY's slave, opened briefly to resize it */
+	char tty[64]; /* a PTY's slave, opened briefly to resize it (op_start's slave_name: as long) */
 	time_t exit_time;
 	struct ring ring;
 	struct watch out_w, err_w;
@@ -83,7 +83,8 @@ void pump_followers(pid_t pid);
 
 /* proc.c */
 void proc_close_fd(struct proc *p, int *fd);
-void proc_free(struct proc *p);
+void proc_free(struct proc *p); /* unlisted now, its memory released by proc_free_gone after the batch */
+void proc_free_gone(void);
 int drain(struct proc *p, int *fd, char stream, size_t budget, int hold);
 void readers_resume(void);
 int become(const char *user, char *home, size_t home_len);

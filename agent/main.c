@@ -332,6 +332,10 @@ int main(int argc, char **argv)
 				int fd;
 				while ((fd = accept4(ls, NULL, NULL, SOCK_CLOEXEC | SOCK_NONBLOCK)) >= 0) {
 					struct conn *c = calloc(1, sizeof(*c));
+					if (!c) { /* the client sees its connection closed; PID 1 goes on */
+						close(fd);
+						continue;
+					}
 					c->fd = fd;
 					c->w = (struct watch){K_CONN, c};
 					c->events = EPOLLIN | EPOLLRDHUP;
@@ -378,6 +382,7 @@ int main(int argc, char **argv)
 			}
 		}
 		free_closed();
+		proc_free_gone();
 		housekeeping();
 		readers_resume(); /* followers moved on or left during the batch */
 	}

@@ -6,6 +6,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <grp.h>
+#include <limits.h>
 #include <poll.h>
 #include <signal.h>
 #include <stdio.h>
@@ -34,6 +35,11 @@ void proc_close_fd(struct proc *p, int *fd)
 	}
 }
 
+/* Processes freed during the current batch of events, their memory released after it (free_gone):
+ * a later event of the batch may still carry the address of one's output watch (`out_w`), and a
+ * process started later in the batch must not get that address. */
+static struct proc *gone;
+
 void proc_free(struct proc *p)
 {
 	for (struct proc **l = &procs; *l; l = &(*l)->next)
@@ -47,7 +53,17 @@ void proc_free(struct proc *p)
 	ring_free(&p->ring);
 	free(p->cmd);
 	free(p->tag);
-	free(p);
+	p->next = gone;
+	gone = p;
+}
+
+void proc_free_gone(void)
+{
+	while (gone) {
+		struct proc *p = gone;
+		gone = p->next;
+		free(p);
+	}
 }
 
 /* The process and its output have ended: tell its followers; free it if it was released. */
@@ -151,7 +167,8 @@ int drain(struct proc *p, int *fd, char stream, size_t budget, int hold)
 	return 1;
 }
 
-/* Look `user` (a name or a number) up in the sandbox's /etc/passwd: no NSS in a static binary. */
+/* Look `user` (a name or a number) up in the sandbox's /etc/passwd: no NSS in a static binary.
+ * -1 with errno EINVAL (no such user) or ENAMETOOLONG (a home longer than `home_len`: never cut). */
 static int lookup_user(const char *user, uid_t *uid, gid_t *gid, char *home, size_t home_len)
 {
 	char line[1024], *end;
@@ -175,15 +192,21 @@ static int lookup_user(const char *user, uid_t *uid, gid_t *gid, char *home, siz
 			if (numeric ? atol(fld[2]) == num : !strcmp(fld[0], user)) {
 				*uid = (uid_t)atol(fld[2]);
 				*gid = (gid_t)atol(fld[3]);
-				snprintf(home, home_len, "%s", fld[5]);
+				int long_home = snprintf(home, home_len, "%s", fld[5]) >= (int)home_len;
 				fclose(f);
+				if (long_home) {
+					errno = ENAMETOOLONG;
+					return -1;
+				}
 				return 0;
 			}
 		}
 		fclose(f);
 	}
-	if (!numeric)
+	if (!numeric) {
+		errno = EINVAL;
 		return -1;
+	}
 	*uid = (uid_t)num;
 	*gid = (gid_t)num;
 	return 0;
@@ -194,10 +217,8 @@ int become(const char *user, char *home, size_t home_len)
 	uid_t uid;
 	gid_t gid;
 
-	if (lookup_user(user, &uid, &gid, home, home_len) < 0) {
-		errno = EINVAL;
+	if (lookup_user(user, &uid, &gid, home, home_len) < 0)
 		return -1;
-	}
 	if (setgroups(1, &gid) < 0 || setresgid(gid, gid, gid) < 0 || setresuid(uid, uid, uid) < 0)
 		return -1;
 	return 0;
@@ -245,7 +266,7 @@ static void exec_child(const struct fields *f, int report)
 	const char *argv[1024];
 	int argc = 0;
 	const char *v, *it = NULL;
-	char home[512] = "/";
+	char home[PATH_MAX] = "/";
 	const char *user = field_get(f, "user", NULL);
 	int err;
 
@@ -281,37 +302,55 @@ fail:
 	_exit(127);
 }
 
+/* Close whichever of `n` descriptors are open (-1: not), leaving them -1. */
+static void close_fds(int *fds, int n)
+{
+	for (int i = 0; i < n; i++)
+		if (fds[i] >= 0) {
+			close(fds[i]);
+			fds[i] = -1;
+		}
+}
+
+/* A failed start: close what `op_start` opened (pipes, the PTY's master) and answer `err`. */
+static void start_failed(struct conn *c, int *fds, int n, int err, const char *what)
+{
+	char msg[256];
+
+	close_fds(fds, n);
+	snprintf(msg, sizeof(msg), "%s: %s", what, strerror(err));
+	reply_error(c, err, msg);
+}
+
 void op_start(struct conn *c)
 {
-	int out[2] = {-1, -1}, errp[2] = {-1, -1}, in[2] = {-1, -1}, report[2];
-	int master = -1, use_stdin = field_num(&c->f, "stdin", 0) != 0;
+	/* every descriptor op_start may open, so one call closes them on any failure */
+	int fds[9] = {-1, -1, -1, -1, -1, -1, -1, -1, -1};
+	int *out = fds, *errp = fds + 2, *in = fds + 4, *report = fds + 6, *master_fd = fds + 8;
+	int use_stdin = field_num(&c->f, "stdin", 0) != 0;
 	const char *pty = field_get(&c->f, "pty", NULL);
 	struct winsize ws = {.ws_row = 24, .ws_col = 80};
-	char msg[256], slave_name[64] = "";
+	char slave_name[64] = "";
 
 	if (pty) {
 		/* The child opens the slave itself, after setsid, so the terminal is its session's own
 		 * (CRIU refuses to dump a controlling terminal its session inherited); the master goes
 		 * to the relay (pty.c), forked after the child, and the agent keeps none of it. */
 		sscanf(pty, "%hux%hu", &ws.ws_row, &ws.ws_col);
-		master = posix_openpt(O_RDWR | O_NOCTTY | O_CLOEXEC);
-		if (master < 0 || grantpt(master) < 0 || unlockpt(master) < 0 ||
-		    ptsname_r(master, slave_name, sizeof(slave_name)) != 0 || ioctl(master, TIOCSWINSZ, &ws) < 0) {
-			int e = errno;
-			if (master >= 0)
-				close(master);
-			snprintf(msg, sizeof(msg), "cannot open a pty: %s", strerror(e));
-			reply_error(c, e, msg);
+		*master_fd = posix_openpt(O_RDWR | O_NOCTTY | O_CLOEXEC);
+		if (*master_fd < 0 || grantpt(*master_fd) < 0 || unlockpt(*master_fd) < 0 ||
+		    ptsname_r(*master_fd, slave_name, sizeof(slave_name)) != 0 ||
+		    ioctl(*master_fd, TIOCSWINSZ, &ws) < 0) {
+			start_failed(c, fds, 9, errno, "cannot open a pty");
 			return;
 		}
-	} else {
-		if (pipe2(out, O_CLOEXEC) < 0 || pipe2(errp, O_CLOEXEC) < 0 || (use_stdin && pipe2(in, O_CLOEXEC) < 0)) {
-			reply_error(c, errno, "cannot make pipes");
-			return;
-		}
+	} else if (pipe2(out, O_CLOEXEC) < 0 || pipe2(errp, O_CLOEXEC) < 0 ||
+		   (use_stdin && pipe2(in, O_CLOEXEC) < 0)) {
+		start_failed(c, fds, 9, errno, "cannot make pipes");
+		return;
 	}
 	if (pipe2(report, O_CLOEXEC) < 0) {
-		reply_error(c, errno, "cannot make a pipe");
+		start_failed(c, fds, 9, errno, "cannot make a pipe");
 		return;
 	}
 	pid_t pid = fork();
@@ -341,44 +380,44 @@ void op_start(struct conn *c)
 		fcntl(3, F_SETFD, FD_CLOEXEC); /* closed by a successful exec: the agent's sign */
 		exec_child(&c->f, 3);
 	}
-	close(report[1]);
-	if (out[1] >= 0)
-		close(out[1]);
-	if (errp[1] >= 0)
-		close(errp[1]);
-	if (in[0] >= 0)
-		close(in[0]);
+	int fork_err = errno;
+	/* the child's ends */
+	close_fds(&report[1], 1);
+	close_fds(&out[1], 1);
+	close_fds(&errp[1], 1);
+	close_fds(&in[0], 1);
 	int err = 0;
 	ssize_t got = pid < 0 ? 0 : read(report[0], &err, sizeof(err)); /* EOF: it exec'd */
-	close(report[0]);
 	if (pid < 0 || got == (ssize_t)sizeof(err)) {
-		int e = pid < 0 ? errno : err;
-		snprintf(msg, sizeof(msg), "cannot start the process: %s", strerror(e));
-		close(master);
-		close(out[0]);
-		close(errp[0]);
-		close(in[1]);
 		if (pid > 0)
 			waitpid(pid, NULL, 0);
-		reply_error(c, e, msg);
+		start_failed(c, fds, 9, pid < 0 ? fork_err : err, "cannot start the process");
 		return;
 	}
+	close_fds(&report[0], 1);
 	if (pty) {
-		int e = pty_relay(master, &out[0], &in[1]) < 0 ? errno : 0;
-		close(master);
+		int e = pty_relay(*master_fd, &out[0], &in[1]) < 0 ? errno : 0;
+		close_fds(master_fd, 1);
 		if (e) {
 			kill(-pid, SIGKILL); /* reaped by the loop, as an orphan would be */
-			snprintf(msg, sizeof(msg), "cannot start the terminal's relay: %s", strerror(e));
-			reply_error(c, e, msg);
+			start_failed(c, fds, 9, e, "cannot start the terminal's relay");
 			return;
 		}
 	}
-	struct proc *p = calloc(1, sizeof(*p));
-	p->pid = pid;
-	const char *cmd = field_get(&c->f, "cmd", NULL);
-	p->cmd = strdup(cmd ? cmd : field_get(&c->f, "arg", NULL));
+	const char *cmd = field_get(&c->f, "cmd", NULL), *arg = field_get(&c->f, "arg", NULL);
 	const char *tag = field_get(&c->f, "tag", NULL);
-	p->tag = strdup(tag ? tag : "");
+	struct proc *p = calloc(1, sizeof(*p));
+	if (p && (!(p->cmd = strdup(cmd ? cmd : arg ? arg : "")) || !(p->tag = strdup(tag ? tag : "")))) {
+		free(p->cmd);
+		free(p);
+		p = NULL;
+	}
+	if (!p) { /* started, but PID 1 cannot keep its record: end it rather than lose track of it */
+		kill(-pid, SIGKILL); /* reaped by the loop, as an orphan would be */
+		start_failed(c, fds, 9, ENOMEM, "cannot record the process");
+		return;
+	}
+	p->pid = pid;
 	p->pty = pty != NULL;
 	snprintf(p->tty, sizeof(p->tty), "%s", slave_name);
 	p->out_fd = out[0];

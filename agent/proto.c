@@ -134,6 +134,7 @@ static const char *errno_name(int err)
 	case EBUSY: return "EBUSY";
 	case ENOEXEC: return "ENOEXEC";
 	case E2BIG: return "E2BIG";
+	case ENOMEM: return "ENOMEM";
 	default: return "EIO";
 	}
 }

@@ -6,6 +6,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <grp.h>
+#include <limits.h>
 #include <poll.h>
 #include <signal.h>
 #include <stdio.h>
@@ -81,6 +82,31 @@ static void op_quiesce(struct conn *self)
 	ok(self);
 }
 
+/* Longest `timeout=` a request may give (ms, about 34 years): deadlines computed from it cannot
+ * overflow. */
+#define TIMEOUT_MAX_MS (1LL << 40)
+
+/* The request's `timeout=` (ms; `dflt` when absent or empty, 0 = none) into `*ms`: 0, or -1 with an
+ * EINVAL answer when it is not a number in [0, TIMEOUT_MAX_MS] (a negative one would otherwise mean
+ * no deadline at all: setitimer refuses it and the worker would run unbounded). */
+static int request_timeout(struct conn *c, long long dflt, long long *ms)
+{
+	const char *v = field_get(&c->f, "timeout", NULL);
+	char *end, msg[128];
+
+	*ms = dflt;
+	if (!v || !*v)
+		return 0;
+	errno = 0;
+	*ms = strtoll(v, &end, 10);
+	if (errno || *end || *ms < 0 || *ms > TIMEOUT_MAX_MS) {
+		snprintf(msg, sizeof(msg), "timeout=%.32s: not a number of ms from 0 (none) to %lld", v, TIMEOUT_MAX_MS);
+		reply_error(c, EINVAL, msg);
+		return -1;
+	}
+	return 0;
+}
+
 static void worker_alarm(int sig)
 {
 	static const char frame[] = "\0\0\0\x3bXcode=ETIMEDOUT\0errno=110\0msg=no answer within the timeout\0";
@@ -94,16 +120,19 @@ static void worker_alarm(int sig)
  * may block. The loop keeps its copy only to notice the client leaving (then kills the worker). */
 static void spawn_worker(struct conn *c, int in_fd)
 {
+	long long timeout;
+
+	if (request_timeout(c, 30000, &timeout) < 0)
+		return;
 	pid_t pid = fork();
 	if (pid == 0) {
 		int keep[] = {c->fd, in_fd};
 		child_reset(keep, in_fd >= 0 ? 2 : 1);
 		int fd = 3;
 		struct obuf o = {0};
-		char home[512];
+		char home[PATH_MAX];
 		const char *op = c->f.buf;
 		const char *user = field_get(&c->f, "user", NULL);
-		long long timeout = field_num(&c->f, "timeout", 30000);
 		struct itimerval t = {.it_value = {timeout / 1000, (timeout % 1000) * 1000}};
 
 		fcntl(fd, F_SETFL, 0); /* blocking */
@@ -159,11 +188,13 @@ static void dispatch(struct conn *c)
 		if (!(p = need_proc(c)))
 			return;
 		const char *from = field_get(&c->f, "from", NULL);
+		long long timeout;
+		if (request_timeout(c, 0, &timeout) < 0)
+			return;
 		c->state = C_STREAM;
 		c->pid = p->pid;
 		c->output = !strcmp(op, "connect");
 		c->pos = !from || !strcmp(from, "start") ? 0 : !strcmp(from, "now") ? p->ring.end : strtoull(from, NULL, 10);
-		long long timeout = field_num(&c->f, "timeout", 0);
 		c->deadline = timeout > 0 ? now_ms() + timeout : 0;
 		if (c->output && !field_num(&c->f, "follow", 1) && !p->exited) {
 			/* one look: what is there now, then where the next look starts */
@@ -267,6 +298,10 @@ void conn_read(struct conn *c)
 				return;
 			}
 			c->req = malloc(c->want + 1);
+			if (!c->req) {
+				reply_error(c, ENOMEM, "no memory for the request");
+				return;
+			}
 			c->got = 0;
 		} else if (c->req && c->got == c->want) {
 			c->req[c->want] = 0; /* the fields end with a NUL; this one guards a missing one */

@@ -34,6 +34,24 @@ static const char *watched(const struct watches *w, int wd)
 	return NULL;
 }
 
+/* Room for one more watch: 0, or -1 (no memory; `w` unchanged but perhaps with more room). */
+static int watches_grow(struct watches *w)
+{
+	if (w->n < w->cap)
+		return 0;
+	size_t cap = w->cap ? w->cap * 2 : 64;
+	int *wd = realloc(w->wd, cap * sizeof(*wd));
+	if (!wd)
+		return -1;
+	w->wd = wd;
+	char **path = realloc(w->path, cap * sizeof(*path));
+	if (!path)
+		return -1;
+	w->path = path;
+	w->cap = cap;
+	return 0;
+}
+
 static void watch_forget(struct watches *w, int wd)
 {
 	for (size_t i = 0; i < w->n; i++)
@@ -44,15 +62,15 @@ static void watch_forget(struct watches *w, int wd)
 }
 
 /* Watch `path` and, with `recursive`, every directory below it (iteratively, links not followed).
- * Returns the errno of watching `path` itself (0: watched); subdirectories that cannot be watched
- * are skipped. */
-static int watch_tree(int ino, struct watches *w, const char *path, int recursive)
+ * Returns the errno of watching `path` itself (0: watched), ENAMETOOLONG when a directory below has
+ * a path over PATH_MAX (`*bad`: that path, cut for the message only; a cut path would watch another
+ * directory), or ENOMEM; subdirectories that cannot be watched are skipped. */
+static int watch_tree(int ino, struct watches *w, const char *path, int recursive, char *bad)
 {
 	struct names queue = {0};
-	int err = 0;
+	int err = names_push(&queue, path) < 0 ? ENOMEM : 0;
 
-	names_push(&queue, path);
-	for (size_t i = 0; i < queue.n; i++) {
+	for (size_t i = 0; !err && i < queue.n; i++) {
 		const char *dir = queue.v[i];
 		int wd = inotify_add_watch(ino, dir, WATCH_MASK | (i ? IN_DONT_FOLLOW : 0));
 		if (wd < 0) {
@@ -66,45 +84,56 @@ static int watch_tree(int ino, struct watches *w, const char *path, int recursiv
 		size_t slot = 0;
 		while (slot < w->n && w->wd[slot] != wd)
 			slot++;
+		if (slot == w->n && watches_grow(w) < 0) {
+			inotify_rm_watch(ino, wd);
+			err = ENOMEM;
+			break;
+		}
 		if (slot == w->n) {
-			if (w->n == w->cap) {
-				w->cap = w->cap ? w->cap * 2 : 64;
-				w->wd = realloc(w->wd, w->cap * sizeof(*w->wd));
-				w->path = realloc(w->path, w->cap * sizeof(*w->path));
-				if (!w->wd || !w->path)
-					abort();
-			}
 			w->wd[w->n++] = wd;
-		} else
-			free(w->path[slot]);
-		w->path[slot] = strdup(dir);
+			w->path[slot] = NULL;
+		}
+		size_t len = strlen(dir) + 1;
+		char *copy = realloc(w->path[slot], len);
+		if (!copy) {
+			err = ENOMEM;
+			break;
+		}
+		w->path[slot] = memcpy(copy, dir, len);
 		DIR *d = recursive ? opendir(dir) : NULL;
 		struct dirent *e;
-		while (d && (e = readdir(d))) {
+		while (!err && d && (e = readdir(d))) {
 			char child[PATH_MAX];
 			if (e->d_type != DT_DIR || !strcmp(e->d_name, ".") || !strcmp(e->d_name, ".."))
 				continue;
-			snprintf(child, sizeof(child), "%s/%s", strcmp(dir, "/") ? dir : "", e->d_name);
-			names_push(&queue, child);
+			if (path_join(child, dir, e->d_name) < 0) {
+				snprintf(bad, PATH_MAX, "%s/%s", dir, e->d_name);
+				err = ENAMETOOLONG;
+			} else if (names_push(&queue, child) < 0) {
+				err = ENOMEM;
+			}
 		}
 		if (d)
 			closedir(d);
 	}
-	for (size_t i = 0; i < queue.n; i++)
-		free(queue.v[i]);
-	free(queue.v);
+	names_free(&queue);
 	return err;
 }
 
 /* Report why a watch could not start. The inotify limits that run out are the sandbox's own, per
  * user of its user namespace (EMFILE: instances, ENOSPC: watches; the host sets them, see
  * docs/sandbox-security.md): name the limit and its value, as /proc/sys/user has it. */
-static void watch_failed(struct obuf *o, const char *path, int err)
+static void watch_failed(struct obuf *o, const char *path, int err, const char *bad)
 {
 	const char *limit = err == EMFILE ? "max_inotify_instances" : err == ENOSPC ? "max_inotify_watches" : NULL;
 	char file[64], value[32] = "?";
 	FILE *f;
 
+	if (err == ENAMETOOLONG && *bad) {
+		ob_error(o, err, "watch %.200s...: the path of the directory %.200s... below is over PATH_MAX (%d bytes)",
+			 path, bad, PATH_MAX);
+		return;
+	}
 	if (!limit) {
 		ob_error(o, err, "watch %s: %s", path, strerror(err));
 		return;
@@ -142,13 +171,14 @@ static const char *event_type(uint32_t mask)
 int op_watch(int fd, struct obuf *o, const char *path, int recursive)
 {
 	static char buf[65536] __attribute__((aligned(__alignof__(struct inotify_event))));
+	static char bad[PATH_MAX];
 	struct watches w = {0};
 	size_t mark;
 	int ino = inotify_init1(IN_CLOEXEC);
-	int err = ino < 0 ? errno : watch_tree(ino, &w, path, recursive);
+	int err = ino < 0 ? errno : watch_tree(ino, &w, path, recursive, bad);
 
 	if (err) {
-		watch_failed(o, path, err);
+		watch_failed(o, path, err, bad);
 		return -1;
 	}
 	ob_fields_begin(o, F_INFO, &mark);
@@ -178,18 +208,24 @@ int op_watch(int fd, struct obuf *o, const char *path, int recursive)
 				watch_forget(&w, ev->wd);
 			if (!dir || !type)
 				continue;
-			if (ev->len)
-				snprintf(full, sizeof(full), "%s/%s", strcmp(dir, "/") ? dir : "", ev->name);
-			else
-				snprintf(full, sizeof(full), "%s", dir);
+			if (ev->len ? path_join(full, dir, ev->name) < 0 : snprintf(full, sizeof(full), "%s", dir) >= PATH_MAX) {
+				/* the watch ends with an error rather than report a cut path (another file's) */
+				ob_error(o, ENAMETOOLONG, "watch %.200s...: the path of a change in %.200s... is over PATH_MAX (%d bytes)",
+					 path, dir, PATH_MAX);
+				return -1;
+			}
 			ob_fields_begin(o, F_INFO, &mark);
 			ob_field(o, "type", "%s", type);
 			ob_field(o, "path", "%s", full);
 			if (ev->mask & IN_ISDIR)
 				ob_field(o, "dir", "1");
 			ob_fields_end(o, mark);
-			if (recursive && (ev->mask & IN_ISDIR) && (ev->mask & (IN_CREATE | IN_MOVED_TO)))
-				watch_tree(ino, &w, full, 1);
+			if (recursive && (ev->mask & IN_ISDIR) && (ev->mask & (IN_CREATE | IN_MOVED_TO)) &&
+			    ((err = watch_tree(ino, &w, full, 1, bad)) == ENAMETOOLONG || err == ENOMEM)) {
+				/* (any other error: the new directory went already, its removal comes next) */
+				watch_failed(o, full, err, bad);
+				return -1;
+			}
 		}
 	}
 }

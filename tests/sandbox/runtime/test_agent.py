@@ -1,15 +1,14 @@
 """k3sys-agent run by hand, as a plain process in a temporary directory, spoken to through its socket
 with the runtime's client (`k3sys.sandbox.runtime.agent`). Built from agent/ by scripts/install-agent.sh;
-needs gcc with a static libc, not root (the `user` tests do)."""
+needs gcc with a static libc, not root (the `user` tests do). Every test runs twice: on the static
+build and on one under AddressSanitizer + UBSan (agent_by_hand.py)."""
 
 from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import signal
 import socket
-import subprocess
 import tempfile
 import threading
 import time
@@ -17,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from agent_by_hand import SANITIZED, agent_build, agent_in
 from waiting import wait_until
 
 from k3sys.sandbox.errors import (
@@ -41,45 +41,17 @@ from k3sys.sandbox.runtime.agent_protocol import (
     xattrs_of,
 )
 
-REPO = Path(__file__).resolve().parents[3]
 
-
-@pytest.fixture(scope="module")
-def agent_bin(tmp_path_factory) -> Path:
-    if shutil.which("gcc") is None:
-        pytest.skip("gcc is needed to build k3sys-agent")
-    out = tmp_path_factory.mktemp("agent-bin") / "k3sys-agent"
-    subprocess.run(["bash", str(REPO / "scripts/install-agent.sh")], check=True, capture_output=True,
-                   env={**os.environ, "K3SYS_AGENT_OUT": str(out)})
-    if not out.exists():
-        pytest.skip("no static libc to build k3sys-agent with")
-    return out
-
-
-@contextlib.contextmanager
-def _agent_in(agent_bin: Path, root: Path, *args: str):
-    """An agent run by hand on `root` (1 MiB rings, and `args`), stopped at the end."""
-    root.mkdir()
-    proc = subprocess.Popen([str(agent_bin), "--socket", str(root / SOCKET), "--ring", str(1 << 20), *args])
-    a = Agent(root, pid=lambda: proc.pid, deadlines=Deadlines(10, 10))
-
-    def answers() -> bool:  # the socket file appears at bind(), before listen(): wait for an answer
-        try:
-            return bool(a.ping())
-        except AgentError:
-            assert proc.poll() is None, "the agent exited"
-            return False
-
-    wait_until(answers, 10, "the agent answering", step=0.005)
-    a.root_dir = root  # type: ignore[attr-defined]
-    yield a
-    proc.terminate()
-    assert proc.wait(5) == 0
+@pytest.fixture(scope="module", params=["static", "sanitized"])
+def agent_bin(request, tmp_path_factory) -> Path:
+    """The agent as every sandbox runs it, and again under AddressSanitizer + UBSan (every test here
+    then fails on a sanitizer report: agent_by_hand.agent_in)."""
+    return agent_build(request, tmp_path_factory, sanitize=request.param == "sanitized")
 
 
 @pytest.fixture
 def agent(agent_bin, tmp_path):
-    with _agent_in(agent_bin, tmp_path / "root") as a:
+    with agent_in(agent_bin, tmp_path / "root") as a:
         yield a
 
 
@@ -198,7 +170,7 @@ def test_a_slow_follower_holds_the_writer_and_gets_every_byte(agent):
 
 
 def test_unfollowed_rings_share_the_total_and_count_what_they_dropped(agent_bin, tmp_path):
-    with _agent_in(agent_bin, tmp_path / "root", "--ring-total", str(2 << 20)) as a:
+    with agent_in(agent_bin, tmp_path / "root", "--ring-total", str(2 << 20)) as a:
         pids = [a.start("head -c 3000000 /dev/zero") for _ in range(4)]  # 12 MB, nobody following
         ends = [a.wait(p, timeout=30) for p in pids]
         # read once all have ended: a ring goes on giving chunks to the others' output after its own exit
@@ -208,8 +180,9 @@ def test_unfollowed_rings_share_the_total_and_count_what_they_dropped(agent_bin,
         assert all(e.end == 3_000_000 for e in ends) and all(d > 0 for d in dropped)
         assert [k + d for k, d in zip(kept, dropped, strict=True)] == [3_000_000] * 4, "every byte kept or counted"
         assert sum(kept) <= (2 << 20) + 4 * (64 << 10), "within the total (and each ring's newest chunk)"
-        status = Path(f"/proc/{a._pid()}/status").read_text()
-        assert int(status.split("VmRSS:")[1].split()[0]) < 16 << 10, "the agent's memory follows its rings (KiB)"
+        if agent_bin.name != SANITIZED:  # (ASan's shadow memory and quarantine of freed chunks weigh more)
+            status = Path(f"/proc/{a._pid()}/status").read_text()
+            assert int(status.split("VmRSS:")[1].split()[0]) < 16 << 10, "the agent's memory follows its rings (KiB)"
 
 
 def test_what_the_agent_starts_is_the_oom_killers_first_choice(agent):

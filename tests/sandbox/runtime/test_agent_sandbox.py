@@ -13,8 +13,8 @@ from pathlib import Path
 from unittest import mock
 
 import pytest
-from waiting import wait_until
 from sandbox_fixtures import run_any
+from waiting import wait_until
 
 from k3sys.sandbox import Sandbox
 from k3sys.sandbox.errors import (

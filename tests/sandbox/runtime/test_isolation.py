@@ -7,8 +7,8 @@ import os
 from pathlib import Path
 
 import pytest
-from waiting import wait_until
 from sandbox_fixtures import run_any
+from waiting import wait_until
 
 from k3sys.sandbox import PathEscapeError, Sandbox
 
