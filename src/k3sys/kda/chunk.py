@@ -44,6 +44,7 @@ from dataclasses import dataclass
 import torch
 
 from k3sys.kda.activations import Prepared, kda_options, prepare, state_out
+from k3sys.kda.chunk_fused import fused_forward
 
 # Stands in for g = -inf (see `_two_phases`): every exponent that includes such a step is <= this, and
 # exp(-1e4) is 0 in fp32 and fp64; the blocks holding it are wider than any factorisation, so they take
@@ -391,6 +392,8 @@ def kda_chunk(
     S0 = p.S0 if p.S0 is not None else torch.zeros(dims.N, dims.HV, dims.K, dims.V, dtype=dt, device=device)
     if dims.B * dims.T == 0:  # no tokens: every state passes through
         o, S, h = v.new_zeros(v.shape), S0, S0.new_zeros(dims.B, 0, dims.HV, dims.K, dims.V)
+    elif (fused := fused_forward(p, S0, chunk_size, return_intermediate_states)) is not None:
+        (o, S), h = fused, None  # CPU fp32 without autograd: one C++ pass (chunk_fused.py)
     else:
         o, S, h = _two_phases(p, S0, chunk_size, return_intermediate_states)
     result = (o.to(v.dtype), state_out(S, opts) if output_final_state else None)
