@@ -2,9 +2,10 @@
 
 import pytest
 import torch
+from kda_inputs import GATES, OPTION_SETS, make_inputs, make_raw_inputs, rel_rms
 
 from k3sys.kda import chunk_fused, kda_chunk, kda_naive
-from kda_inputs import GATES, make_inputs, rel_rms
+from k3sys.kda.validate import NaNError
 
 pytestmark = pytest.mark.skipif(chunk_fused._library() is None, reason="no C++ compiler: the kernel cannot be built")
 
@@ -12,14 +13,13 @@ pytestmark = pytest.mark.skipif(chunk_fused._library() is None, reason="no C++ c
 @pytest.fixture
 def fused_calls(monkeypatch) -> list[bool]:
     """Records, per kda_chunk call, whether the fused kernel ran (True) or the torch path (False)."""
-    calls, real = [], chunk_fused.fused_forward
+    calls, real = [], chunk_fused.runs_fused
 
     def spy(*args, **kwargs):
-        out = real(*args, **kwargs)
-        calls.append(out is not None)
-        return out
+        calls.append(real(*args, **kwargs))
+        return calls[-1]
 
-    monkeypatch.setattr("k3sys.kda.chunk.fused_forward", spy)
+    monkeypatch.setattr("k3sys.kda.chunk.runs_fused", spy)
     return calls
 
 
@@ -67,3 +67,24 @@ def test_torch_path_where_the_kernel_cannot_serve(fused_calls):
     kda_chunk(*x, return_intermediate_states=True)
     assert fused_calls == [True, False, False, False, False]
     assert rel_rms(o_fused, o_grad.detach()) <= 1e-6 and leaves[0].grad is not None
+
+
+@pytest.mark.parametrize("option_set", sorted(OPTION_SETS))
+@pytest.mark.parametrize("flat_dt_bias", [True, False])
+def test_fused_in_op_activations(fused_calls, option_set, flat_dt_bias):
+    """fla's option sets with grouped value heads (HV = 2H): the kernel's own l2 norms, bounded gate and
+    sigmoid (the softplus gate applied in torch first) within the fp32 tolerance of the fp64 oracle."""
+    xs, opts = make_raw_inputs(1, 70, 2, 4, 32, 24, option_set, torch.float32, flat_dt_bias=flat_dt_bias)
+    S0 = torch.randn(1, 4, 24, 32) if opts.get("state_v_first") else torch.randn(1, 4, 32, 24)
+    o, S = kda_chunk(*xs, initial_state=S0, output_final_state=True, **opts)
+    o_ref, S_ref = kda_naive(*(t.double() for t in xs), initial_state=S0.double(), output_final_state=True, **opts)
+    assert fused_calls == [True]
+    assert rel_rms(o, o_ref) <= 1e-5 and rel_rms(S, S_ref) <= 1e-5
+
+
+def test_fused_gate_nan_is_named():
+    """A NaN gate input under the in-kernel bounded gate raises the same NaNError as the torch path."""
+    xs, opts = make_raw_inputs(1, 40, 2, 2, 16, 16, "safe_gate", torch.float32)
+    xs[3][0, 33, 1, 5] = float("nan")
+    with pytest.raises(NaNError, match="g must not be NaN"):
+        kda_chunk(*xs, **opts)

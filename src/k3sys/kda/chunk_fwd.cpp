@@ -213,43 +213,97 @@ inline void gather(float* dst, const float* src, int64_t n, int64_t len, int64_t
     for (int64_t r = 0; r < n; ++r) std::memcpy(dst + r * width, src + r * stride, len * sizeof(float));
 }
 
+// fla's in-op activations, applied to the gathered rows (kda/activations.py gives the formulas):
+// l2 norms of q and k, the bounded gate lower_bound * sigmoid(exp(A_log) (f + dt_bias)), sigmoid(beta).
+struct Activations {
+    int l2norm;           // q, k <- x / sqrt(sum x^2 + eps)
+    float eps;
+    int gate;             // g is the raw gate input f
+    const float* A_log;   // [HV] or null (a rate of 1)
+    const float* dt_bias; // [HV * K] or null
+    float lower_bound;
+    float beta_scale;     // 0: beta as given; 1: sigmoid(beta); 2: 2 sigmoid(beta) (allow_neg_eigval)
+};
+
+inline void l2norm_rows(float* x, int64_t n, int64_t Kp, float eps) {
+    for (int64_t r = 0; r < n; ++r) {
+        vec s{};
+        for (int64_t d = 0; d < Kp; d += C) s += load(x + r * Kp + d) * load(x + r * Kp + d);
+        float ss = 0;
+        for (int l = 0; l < C; ++l) ss += s[l];
+        const float inv = 1.0f / std::sqrt(ss + eps);
+        for (int64_t d = 0; d < Kp; d += C) store(x + r * Kp + d, load(x + r * Kp + d) * inv);
+    }
+}
+
+// g rows (n real ones) from the gate input; dtb [Kp] the head's dt_bias (zero-padded), rate exp(A_log).
+// Returns the number of g values that are NaN (the only way a bounded gate leaves its range).
+inline int64_t gate_rows(float* g, int64_t n, int64_t K, int64_t Kp, const float* dtb, float rate, float lb) {
+    int64_t bad = 0;
+    for (int64_t r = 0; r < n; ++r) {
+        for (int64_t d = 0; d < Kp; d += C) {
+            const vec z = rate * (load(g + r * Kp + d) + load(dtb + d));
+            for (int l = 0; l < C; ++l) bad += z[l] != z[l];  // before vexp, whose clamps would drop a NaN
+            store(g + r * Kp + d, lb / (1.0f + vexp(-z)));
+        }
+        for (int64_t d = K; d < Kp; ++d) g[r * Kp + d] = 0.0f;  // padding channels stay a zero step
+    }
+    return bad;
+}
+
 }  // namespace
 
 extern "C" {
-// q, k, g [BT, HV, K], v and o [BT, HV, V], beta [BT, HV] token-major and contiguous (activated, g <= 0
-// or -inf); state [N, HV, K, V], updated in place; cu [N + 1] token offsets of the sequences in BT.
-// Returns 0, or -1 when the workspace cannot be allocated (nothing written then).
+// q, k [BT, H, K], g [BT, HV, K], v and o [BT, HV, V], beta [BT, HV] token-major and contiguous (value
+// head h reads q/k head h / (HV / H)); activated where `act` says not to (then g <= 0 or -inf); state
+// [N, HV, K, V], updated in place; cu [N + 1] token offsets of the sequences in BT. Returns 0, -1 when
+// the workspace cannot be allocated (nothing written then), or the number of NaN gate values the in-op
+// gate produced (o and state are garbage then: the caller raises).
 int64_t kda_chunk_fwd_f32(const float* q, const float* k, const float* v, const float* g, const float* beta,
-                          float* state, float* o, const int64_t* cu, int64_t N, int64_t HV, int64_t K,
-                          int64_t V, double scale) {
+                          float* state, float* o, const int64_t* cu, int64_t N, int64_t H, int64_t HV, int64_t K,
+                          int64_t V, double scale, int l2norm, double eps, int gate, const float* A_log,
+                          const float* dt_bias, double lower_bound, double beta_scale) {
+    const Activations act{l2norm, static_cast<float>(eps), gate, A_log, dt_bias, static_cast<float>(lower_bound),
+                          static_cast<float>(beta_scale)};
+    int64_t bad = 0;
     Work w{};
     w.K = K, w.V = V, w.Kp = (K + C - 1) / C * C, w.Vp = (V + C - 1) / C * C;
     const int64_t kr = C * w.Kp, vr = C * w.Vp;
-    const int64_t sizes[] = {kr, kr, vr, kr, kr, kr, kr, kr, kr, kr, kr, vr, kr, vr, kr, kr, kr, w.Kp, w.Kp * w.Vp};
+    float* dtb;  // the head's dt_bias, zero-padded to Kp
+    const int64_t sizes[] = {kr, kr, vr, kr, kr, kr, kr, kr, kr, kr, kr, vr, kr, vr, kr, kr, kr, w.Kp, w.Kp * w.Vp, w.Kp};
     float** slots[] = {&w.q, &w.k, &w.v, &w.g, &w.G, &w.ku, &w.qu, &w.kn, &w.knT, &w.eG, &w.W, &w.U,
-                       &w.Qs, &w.Ou, &w.WT, &w.QsT, &w.KdT, &w.decay, &w.Sb};
+                       &w.Qs, &w.Ou, &w.WT, &w.QsT, &w.KdT, &w.decay, &w.Sb, &dtb};
     int64_t total = 0;
     for (int64_t s : sizes) total += s;
     float* arena = static_cast<float*>(std::aligned_alloc(64, total * sizeof(float)));
     if (!arena) return -1;
     float* at = arena;
-    for (int i = 0; i < 19; ++i) *slots[i] = at, at += sizes[i];  // every size is a multiple of 16 floats
+    for (int i = 0; i < 20; ++i) *slots[i] = at, at += sizes[i];  // every size is a multiple of 16 floats
     const float fscale = static_cast<float>(scale);
     for (int64_t n = 0; n < N; ++n)
         for (int64_t h = 0; h < HV; ++h) {
             float* S = state + (n * HV + h) * K * V;
+            std::memset(dtb, 0, w.Kp * sizeof(float));
+            if (act.dt_bias) std::memcpy(dtb, act.dt_bias + h * K, K * sizeof(float));
+            const float rate = act.A_log ? std::exp(act.A_log[h]) : 1.0f;
+            const int64_t qk_head = h / (HV / H);
             std::memset(w.Sb, 0, w.Kp * w.Vp * sizeof(float));
             for (int64_t i = 0; i < K; ++i)
                 for (int64_t j = 0; j < V; ++j) w.Sb[(j / C) * w.Kp * C + i * C + j % C] = S[i * V + j];
             for (int64_t t0 = cu[n]; t0 < cu[n + 1]; t0 += C) {
                 const int64_t rows = cu[n + 1] - t0 < C ? cu[n + 1] - t0 : C;
-                const int64_t kt = (t0 * HV + h) * K, vt = (t0 * HV + h) * V;
-                gather(w.q, q + kt, rows, K, HV * K, w.Kp);
-                gather(w.k, k + kt, rows, K, HV * K, w.Kp);
+                const int64_t qt = (t0 * H + qk_head) * K, kt = (t0 * HV + h) * K, vt = (t0 * HV + h) * V;
+                gather(w.q, q + qt, rows, K, H * K, w.Kp);
+                gather(w.k, k + qt, rows, K, H * K, w.Kp);
                 gather(w.v, v + vt, rows, V, HV * V, w.Vp);
                 gather(w.g, g + kt, rows, K, HV * K, w.Kp);
+                if (act.l2norm) l2norm_rows(w.q, rows, w.Kp, act.eps), l2norm_rows(w.k, rows, w.Kp, act.eps);
+                if (act.gate) bad += gate_rows(w.g, rows, K, w.Kp, dtb, rate, act.lower_bound);
                 for (int64_t r = 0; r < rows * w.Kp; ++r) w.g[r] = w.g[r] < RESET ? RESET : w.g[r];
-                for (int64_t r = 0; r < C; ++r) w.beta[r] = r < rows ? beta[(t0 + r) * HV + h] : 0.0f;
+                for (int64_t r = 0; r < C; ++r) {
+                    const float b = r < rows ? beta[(t0 + r) * HV + h] : 0.0f;
+                    w.beta[r] = act.beta_scale == 0.0f || r >= rows ? b : act.beta_scale / (1.0f + std::exp(-b));
+                }
                 intra(w, fscale);
                 inter(w, o + vt, rows, HV * V);
             }
@@ -257,6 +311,6 @@ int64_t kda_chunk_fwd_f32(const float* q, const float* k, const float* v, const 
                 for (int64_t j = 0; j < V; ++j) S[i * V + j] = w.Sb[(j / C) * w.Kp * C + i * C + j % C];
         }
     std::free(arena);
-    return 0;
+    return bad;
 }
 }
