@@ -30,6 +30,15 @@ inline vec splat(float x) { return vec{} + x; }
 inline vec vmin(vec a, vec b) { return a < b ? a : b; }
 inline vec vmax(vec a, vec b) { return a > b ? a : b; }
 
+// The sum of a vector's lanes as a tree (depth 4, not a chain of 15 dependent adds).
+inline float hsum(vec s) {
+    float a[C];
+    store(a, s);
+    for (int64_t w = C / 2; w > 0; w /= 2)
+        for (int64_t l = 0; l < w; ++l) a[l] += a[l + w];
+    return a[0];
+}
+
 // e^x, 16 lanes (Cephes' expf polynomial, ~1 ulp): glibc's vector expf needs -ffast-math, which would
 // also license reassociating every sum here. Below -87.3 the result is 0, as fp32's exp rounds it.
 inline vec vexp(vec x) {
@@ -129,9 +138,7 @@ void intra(Work& w, float scale) {
                     const vec kd = load(w.k + j * Kp + d) * vexp(sd);
                     akk += load(w.k + i * Kp + d) * kd, aqk += load(w.q + i * Kp + d) * kd;
                 }
-                float sk = 0, sq = 0;
-                for (int l = 0; l < C; ++l) sk += akk[l], sq += aqk[l];
-                w.Akk[i * C + j] = sk, w.Aqk[i * C + j] = sq;
+                w.Akk[i * C + j] = hsum(akk), w.Aqk[i * C + j] = hsum(aqk);
             }
         }
     }
@@ -229,9 +236,7 @@ inline void l2norm_rows(float* x, int64_t n, int64_t Kp, float eps) {
     for (int64_t r = 0; r < n; ++r) {
         vec s{};
         for (int64_t d = 0; d < Kp; d += C) s += load(x + r * Kp + d) * load(x + r * Kp + d);
-        float ss = 0;
-        for (int l = 0; l < C; ++l) ss += s[l];
-        const float inv = 1.0f / std::sqrt(ss + eps);
+        const float inv = 1.0f / std::sqrt(hsum(s) + eps);
         for (int64_t d = 0; d < Kp; d += C) store(x + r * Kp + d, load(x + r * Kp + d) * inv);
     }
 }
@@ -239,15 +244,17 @@ inline void l2norm_rows(float* x, int64_t n, int64_t Kp, float eps) {
 // g rows (n real ones) from the gate input; dtb [Kp] the head's dt_bias (zero-padded), rate exp(A_log).
 // Returns the number of g values that are NaN (the only way a bounded gate leaves its range).
 inline int64_t gate_rows(float* g, int64_t n, int64_t K, int64_t Kp, const float* dtb, float rate, float lb) {
-    int64_t bad = 0;
+    ivec nan{};
     for (int64_t r = 0; r < n; ++r) {
         for (int64_t d = 0; d < Kp; d += C) {
             const vec z = rate * (load(g + r * Kp + d) + load(dtb + d));
-            for (int l = 0; l < C; ++l) bad += z[l] != z[l];  // before vexp, whose clamps would drop a NaN
+            nan -= z != z;  // counted before vexp, whose clamps would drop a NaN
             store(g + r * Kp + d, lb / (1.0f + vexp(-z)));
         }
         for (int64_t d = K; d < Kp; ++d) g[r * Kp + d] = 0.0f;  // padding channels stay a zero step
     }
+    int64_t bad = 0;
+    for (int l = 0; l < C; ++l) bad += nan[l];
     return bad;
 }
 
@@ -300,9 +307,10 @@ int64_t kda_chunk_fwd_f32(const float* q, const float* k, const float* v, const 
                 if (act.l2norm) l2norm_rows(w.q, rows, w.Kp, act.eps), l2norm_rows(w.k, rows, w.Kp, act.eps);
                 if (act.gate) bad += gate_rows(w.g, rows, K, w.Kp, dtb, rate, act.lower_bound);
                 for (int64_t r = 0; r < rows * w.Kp; ++r) w.g[r] = w.g[r] < RESET ? RESET : w.g[r];
-                for (int64_t r = 0; r < C; ++r) {
-                    const float b = r < rows ? beta[(t0 + r) * HV + h] : 0.0f;
-                    w.beta[r] = act.beta_scale == 0.0f || r >= rows ? b : act.beta_scale / (1.0f + std::exp(-b));
+                for (int64_t r = 0; r < C; ++r) w.beta[r] = r < rows ? beta[(t0 + r) * HV + h] : 0.0f;
+                if (act.beta_scale != 0.0f) {  // sigmoid on all 16 lanes at once; padding rows keep beta = 0
+                    const vec sig = act.beta_scale / (1.0f + vexp(-load(w.beta)));
+                    for (int64_t r = 0; r < rows; ++r) w.beta[r] = sig[r];
                 }
                 intra(w, fscale);
                 inter(w, o + vt, rows, HV * V);
