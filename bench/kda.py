@@ -14,6 +14,11 @@ at $K3SYS_FLASHKDA_PATH, and fla's naive references (`pip install k3sys[bench]`:
 loops stop at T = 4096 (their backward graph would hold ~12 GB at 16384). Writes bench/results/kda.json.
 
     K3SYS_FLASHKDA_PATH=.cache/flashkda PYTHONPATH=src python bench/kda.py [--quick]
+    PYTHONPATH=src python bench/kda.py --lengths 4096 16384 65536 --methods chunk16 chunk16_act \
+        --threads 1 --cpu-time --forward-only --output kda_rate_after.json   # the fraction of peak (docs/kda.md)
+
+A partial run (`--methods` without chunk16, chunk16_act, naive and single16, or no T = 4096) records its
+rows without the claims.
 """
 
 from __future__ import annotations
