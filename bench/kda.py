@@ -14,6 +14,11 @@ at $K3SYS_FLASHKDA_PATH, and fla's naive references (`pip install k3sys[bench]`:
 loops stop at T = 4096 (their backward graph would hold ~12 GB at 16384). Writes bench/results/kda.json.
 
     K3SYS_FLASHKDA_PATH=.cache/flashkda PYTHONPATH=src python bench/kda.py [--quick]
+    PYTHONPATH=src python bench/kda.py --lengths 4096 16384 65536 --methods chunk16 chunk16_act \
+        --threads 1 --cpu-time --forward-only --output kda_rate_after.json   # the fraction of peak (docs/kda.md)
+
+A partial run (`--methods` without chunk16, chunk16_act, naive and single16, or no T = 4096) records its
+rows without the claims.
 """
 
 from __future__ import annotations
@@ -168,6 +173,33 @@ def round_robin_ms(thunks: dict[str, Callable[[], object]], repeats: int,
     return {name: [1e3 * t for t in ts] for name, ts in times.items()}
 
 
+def _claims(by: dict, lengths: list[int], peaks: dict[int, float], methods: dict) -> dict[str, object]:
+    """The module docstring's claims, from a full run's rows `by[(T, method)]`."""
+    at4k = by[(4096, "chunk16")]["fwd_ms"]
+    claims = {
+        "chunk16_fwd_T4096_ms": at4k,
+        "chunk16_fwd_T4096_within_target": at4k <= TARGET_MS,
+        "naive_fwd_T4096_ms": by[(4096, "naive")]["fwd_ms"],
+        "two_phase_beats_single_loop": all(by[(T, "chunk16")][p] < by[(T, "single16")][p]
+                                           for T in lengths for p in ("fwd_ms", "fwd_bwd_ms")
+                                           if by[(T, "chunk16")][p] is not None),
+        "matmul_peak_gflops": peaks,
+        "chunk16_fwd_fraction_of_peak": {T: by[(T, "chunk16")]["fwd_fraction_of_peak"] for T in lengths},
+        "chunk16_fwd_at_least_45pct_of_peak_from_4K": all(
+            by[(T, "chunk16")]["fwd_fraction_of_peak"] >= PEAK_FRACTION_TARGET for T in lengths if T >= 4096),
+        "in_op_activations_overhead": {T: {p: by[(T, "chunk16_act")][p] / by[(T, "chunk16")][p] - 1
+                                           for p in ("fwd_ms", "fwd_bwd_ms") if by[(T, "chunk16")][p] is not None}
+                                       for T in lengths},
+    }
+    if "flashkda_cpp" in methods:
+        claims["chunk16_over_flashkda_cpp"] = {
+            T: {p: by[(T, "flashkda_cpp")][p] / by[(T, "chunk16")][p] for p in ("fwd_ms", "fwd_bwd_ms")}
+            for T in lengths}
+        claims["at_least_3x_flashkda_cpp_fwd"] = all(
+            v["fwd_ms"] >= 3 for v in claims["chunk16_over_flashkda_cpp"].values())
+    return claims
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="T in {1024, 4096} only")
@@ -177,6 +209,9 @@ def main() -> None:
     parser.add_argument("--output", default="kda.json", help="results file under bench/results/")
     parser.add_argument("--cpu-time", action="store_true",
                         help="time CPU time of the process instead of wall time (a loaded machine)")
+    parser.add_argument("--forward-only", action="store_true", help="skip forward+backward (long T)")
+    parser.add_argument("--methods", nargs="+", default=None,
+                        help="the methods to run (default all; the claims need chunk16, chunk16_act, naive, single16)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -184,6 +219,11 @@ def main() -> None:
     console = Console(width=160)
     baselines, notes = baseline_methods(console)
     methods = {**our_methods(), **baselines}
+    if args.methods:
+        unknown = sorted(set(args.methods) - set(methods))
+        if unknown:
+            parser.error(f"unknown methods {unknown}; known: {sorted(methods)}")
+        methods = {name: fn for name, fn in methods.items() if name in args.methods}
     load_start = os.getloadavg()
     clock = time.process_time if args.cpu_time else time.perf_counter
 
@@ -194,7 +234,7 @@ def main() -> None:
         run = {name: fn for name, fn in methods.items() if not (name in SHORT and T > NAIVE_BACKWARD_MAX_T)}
         slow = {name for name in run if name == "naive" or name in SHORT}
         timings: dict[str, dict[str, float | None]] = {name: {"fwd_ms": None, "fwd_bwd_ms": None} for name in run}
-        for key, backward in (("fwd_ms", False), ("fwd_bwd_ms", True)):
+        for key, backward in (("fwd_ms", False), ("fwd_bwd_ms", True))[:1 if args.forward_only else 2]:
             fast = {n: call(fn, x, backward) for n, fn in run.items() if n not in slow}
             if not backward:  # the peak, timed in the same rounds as the methods it is compared with
                 a = torch.randn(PEAK_N, PEAK_N)
@@ -258,29 +298,10 @@ def main() -> None:
         mem_table.add_row(name, f"{state / 2**10:.0f} KiB", f"{kv / 2**20:.0f} MiB", f"{kv / state:.0f}x")
     console.print(mem_table)
 
-    if 4096 not in lengths:  # a smoke run: nothing to claim or record
-        return
-    at4k = by[(4096, "chunk16")]["fwd_ms"]
-    claims = {
-        "chunk16_fwd_T4096_ms": at4k,
-        "chunk16_fwd_T4096_within_target": at4k <= TARGET_MS,
-        "naive_fwd_T4096_ms": by[(4096, "naive")]["fwd_ms"],
-        "two_phase_beats_single_loop": all(by[(T, "chunk16")][p] < by[(T, "single16")][p]
-                                           for T in lengths for p in ("fwd_ms", "fwd_bwd_ms")),
-        "matmul_peak_gflops": peaks,
-        "chunk16_fwd_fraction_of_peak": {T: by[(T, "chunk16")]["fwd_fraction_of_peak"] for T in lengths},
-        "chunk16_fwd_at_least_45pct_of_peak_from_4K": all(
-            by[(T, "chunk16")]["fwd_fraction_of_peak"] >= PEAK_FRACTION_TARGET for T in lengths if T >= 4096),
-        "in_op_activations_overhead": {T: {p: by[(T, "chunk16_act")][p] / by[(T, "chunk16")][p] - 1
-                                           for p in ("fwd_ms", "fwd_bwd_ms")} for T in lengths},
-    }
-    if "flashkda_cpp" in methods:
-        claims["chunk16_over_flashkda_cpp"] = {
-            T: {p: by[(T, "flashkda_cpp")][p] / by[(T, "chunk16")][p] for p in ("fwd_ms", "fwd_bwd_ms")}
-            for T in lengths}
-        claims["at_least_3x_flashkda_cpp_fwd"] = all(
-            v["fwd_ms"] >= 3 for v in claims["chunk16_over_flashkda_cpp"].values())
-    console.print(claims)
+    claims: dict[str, object] = {}
+    if 4096 in lengths and {"chunk16", "chunk16_act", "naive", "single16"} <= set(methods):  # else a partial run
+        claims = _claims(by, lengths, peaks, methods)
+        console.print(claims)
     RESULTS.mkdir(exist_ok=True)
     out = {"config": {"B": B, "H": H, "K": K, "V": V, "dtype": "float32", "gate": "safe, lower_bound -5",
                       "target_ms": TARGET_MS, "repeats": args.repeats},

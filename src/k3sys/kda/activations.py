@@ -16,7 +16,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from k3sys.kda.gate import kda_gate
+from k3sys.kda.gate import check_gate, kda_gate
 from k3sys.kda.validate import (
     MAX_HEAD_DIM,
     KDADims,
@@ -147,7 +147,8 @@ state_out = state_in  # the layout change is its own inverse
 class Prepared:
     """A sequence op's inputs checked and activated: q, k `[B, T, HV, K]` (expanded to the value heads,
     unscaled), v `[B, T, HV, V]`, g `[B, T, HV, K]`, beta `[B, T, HV]` and S0 `[N, HV, K, V]` (or None) in
-    the compute dtype; the resolved scale and cu_seqlens (on q's device)."""
+    the compute dtype; the resolved scale and cu_seqlens (on q's device). With `prepare(raw=True)` q, k, g,
+    beta are the inputs as given (cast only) and q, k keep their H heads."""
 
     dims: KDADims
     q: torch.Tensor
@@ -163,17 +164,27 @@ class Prepared:
 def prepare(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float | None,
     initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None, cu_seqlens_cpu: torch.Tensor | None,
-    opts: KDAOptions, max_head_dim: int = MAX_HEAD_DIM, dtype: torch.dtype | None = None,
+    opts: KDAOptions, max_head_dim: int = MAX_HEAD_DIM, dtype: torch.dtype | None = None, raw: bool = False,
 ) -> Prepared:
     """Check shapes, apply the options' activations, check g's range; shared by every sequence op.
 
     dtype: the compute dtype, default fp32 (fp64 when any input is fp64).
+    raw: only cast q, k, g, beta, leaving the activations, g's check and the head expansion (q, k keep
+        H heads) to a kernel that does them itself (`chunk_fused`).
     """
     cu_seqlens, cu_host = resolve_cu_seqlens(cu_seqlens, cu_seqlens_cpu, q.device)
     dims = check_inputs(q, k, v, g, beta, initial_state, cu_host, max_head_dim, opts.state_v_first)
     dt = dtype or compute_dtype(q, k, v, g, beta, initial_state)
+    S0 = state_in(initial_state, opts)
+    S0 = None if S0 is None else S0.to(dt)
+    scale = dims.K**-0.5 if scale is None else scale
+    if raw:  # the same checks, minus the kernel's: it counts the NaN gates it computes
+        if opts.use_gate_in_kernel:
+            check_gate(dims.HV, dims.K, opts.A_log, opts.dt_bias, opts.lower_bound, opts.safe_gate)
+        else:
+            check_log_decay(g)
+        return Prepared(dims, cast(q, dt), cast(k, dt), cast(v, dt), cast(g, dt), cast(beta, dt), S0, scale, cu_seqlens)
     q, k, g, beta = activate(q, k, g, beta, opts, dt)
     check_log_decay(g)
-    S0 = state_in(initial_state, opts)
-    return Prepared(dims, expand_heads(q, dims.HV), expand_heads(k, dims.HV), v.to(dt), g, beta,
-                    None if S0 is None else S0.to(dt), dims.K**-0.5 if scale is None else scale, cu_seqlens)
+    return Prepared(dims, expand_heads(q, dims.HV), expand_heads(k, dims.HV), v.to(dt), g, beta, S0, scale,
+                    cu_seqlens)

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 import torch
 
 from k3sys.kda.activations import Prepared, kda_options, prepare, state_out
+from k3sys.kda.chunk_fused import fused_forward, kernel_activates, runs_fused
 
 # Stands in for g = -inf (see `_two_phases`): every exponent that includes such a step is <= this, and
 # exp(-1e4) is 0 in fp32 and fp64; the blocks holding it are wider than any factorisation, so they take
@@ -386,11 +387,15 @@ def kda_chunk(
                               **options)
         if backend == "triton":
             raise ValueError(f"backend='triton' cannot run this call: {why}")
-    p = prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens, cu_seqlens_cpu, opts)
+    fused = runs_fused((q, k, v, g, beta, initial_state), opts, chunk_size, return_intermediate_states)
+    raw = fused and kernel_activates(opts)  # the kernel applies the activations to the rows it reads
+    p = prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens, cu_seqlens_cpu, opts, raw=raw)
     dims, dt, device = p.dims, p.v.dtype, q.device
     S0 = p.S0 if p.S0 is not None else torch.zeros(dims.N, dims.HV, dims.K, dims.V, dtype=dt, device=device)
     if dims.B * dims.T == 0:  # no tokens: every state passes through
         o, S, h = v.new_zeros(v.shape), S0, S0.new_zeros(dims.B, 0, dims.HV, dims.K, dims.V)
+    elif fused:  # CPU fp32 without autograd: one C++ pass (chunk_fused.py)
+        (o, S), h = fused_forward(p, S0, opts if raw else None), None
     else:
         o, S, h = _two_phases(p, S0, chunk_size, return_intermediate_states)
     result = (o.to(v.dtype), state_out(S, opts) if output_final_state else None)

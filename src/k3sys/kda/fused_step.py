@@ -10,77 +10,32 @@ of the state once for both reductions, then updates it from L1 and writes it onc
 caller allows. Why ctypes and not `torch.utils.cpp_extension`: the kernel needs raw pointers only, so
 it builds in about a second without torch's headers or ninja, and a call costs ~1 us.
 
-The library is cached under `$K3SYS_CACHE_DIR` (default `~/.cache/k3sys`), keyed by the source, the
-compiler flags and this CPU's flags (it is built with `-march=native`). No compiler, a failed build or
-`K3SYS_KDA_FUSED=0` leave `available()` False, and the step falls back to the torch formula.
+Built and cached by `k3sys.kda.native` (no compiler, a failed build or `K3SYS_KDA_FUSED=0` leave
+`available()` False, and the step falls back to the torch formula).
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import shutil
-import subprocess
-import threading
-import warnings
 from pathlib import Path
 
 import torch
 
+from k3sys.kda.native import load_library
+
 SOURCE = Path(__file__).with_name("fused_step.cpp")
-FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC")
 MAX_K = 512  # the kernel's per-head buffers (fused_step.cpp's MAX_K)
 DTYPES = {torch.float32: "kda_step_f32", torch.float64: "kda_step_f64"}
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _ARGTYPES = [_PTR] * 8 + [_I64] * 5 + [ctypes.c_double, ctypes.c_int]
 
 
-def cache_dir() -> Path:
-    """Where built libraries are kept: `$K3SYS_CACHE_DIR`, else `$XDG_CACHE_HOME/k3sys` or `~/.cache/k3sys`."""
-    if os.environ.get("K3SYS_CACHE_DIR"):
-        return Path(os.environ["K3SYS_CACHE_DIR"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "k3sys"
-
-
-def _cpu_flags() -> str:
-    """This CPU's feature flags (the build is -march=native: a cache shared by other CPUs must not match)."""
-    try:
-        return next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
-    except OSError:
-        return ""
-
-
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     """The built kernel library, or None (with one warning) where it cannot be built or loaded."""
-    if os.environ.get("K3SYS_KDA_FUSED", "1") == "0":
-        return None
-    compiler = shutil.which(os.environ.get("CXX", "g++"))
-    if compiler is None:
-        warnings.warn("no C++ compiler (g++ or $CXX): kda_step runs the torch formula", stacklevel=3)
-        return None
-    key = hashlib.sha256("\0".join((SOURCE.read_text(), compiler, *FLAGS, _cpu_flags())).encode()).hexdigest()[:16]
-    path = cache_dir() / f"kda_fused_step-{key}.so"
-    # concurrent builders (processes, threads) each write their own file and rename it whole
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    try:
-        if not path.exists():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            subprocess.run([compiler, *FLAGS, "-o", str(tmp), str(SOURCE)], check=True, capture_output=True,
-                           text=True, timeout=300)
-            os.replace(tmp, path)
-        lib = ctypes.CDLL(str(path))
-    except (OSError, subprocess.SubprocessError) as e:
-        tmp.unlink(missing_ok=True)
-        detail = getattr(e, "stderr", None) or e
-        warnings.warn(f"building the fused KDA step failed, kda_step runs the torch formula: {detail}", stacklevel=3)
-        return None
-    for name in DTYPES.values():
-        fn = getattr(lib, name)
-        fn.argtypes, fn.restype = _ARGTYPES, _I64
-    return lib
+    return load_library(SOURCE, "the fused KDA step", "kda_step runs the torch formula",
+                        {name: (_ARGTYPES, _I64) for name in DTYPES.values()})
 
 
 def available() -> bool:
