@@ -30,6 +30,7 @@ from service_process import ServiceProcess
 from waiting import wait_until
 
 from k3sys.sandbox._connect import STREAM_CONTENT_TYPE, FrameReader, frame
+from k3sys.sandbox.errors import CommandExitError
 from k3sys.sandbox.service.envd.app import access_token, url_signature
 from k3sys.sandbox.spec import SandboxSpec
 
@@ -291,7 +292,9 @@ def test_k3sys_client_watch_and_processes(envd_service, box):
         wait_until(lambda: not h.running, 20, "the command's end", step=0.05)
         ended = [p for p in s.commands.list() if p.pid == h.pid]
         assert ended and not ended[0].running and ended[0].exit_code == 5
-        assert h.wait(10).exit_code == 5
+        with pytest.raises(CommandExitError) as e:  # E2B's rule: a non-zero exit raises
+            h.wait(10)
+        assert e.value.exit_code == 5
 
 
 def test_async_background_connect_and_start_refusals(envd_service, box):
