@@ -22,8 +22,8 @@
  * over what the terminal still holds. Never when every slave is closed (EIO on the master): closing
  * the master hangs the slave up, and the hang-up sends SIGHUP to the session's leader, which may
  * still be alive (coreutils' cat closes its stdin, stdout and stderr and only then exits: ended by
- * SIGHUP in that gap, it exited 129 after a ^D about one time in seven). From then on nothing
- * is read from the master (it reports only POLLHUP) and input is thrown away (nobody reads it). */
+ * SIGHUP in that gap, it exited 129 after a ^D in 1 to 14 runs of 100). From then on nothing is
+ * read from the master (it reports only POLLHUP) and input is thrown away (nobody reads it). */
 static void relay(void)
 {
 	static char in[CHUNK];
