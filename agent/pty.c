@@ -18,12 +18,17 @@
 #include <unistd.h>
 
 /* The relay's loop on fds 3 (the master), 4 (output, to the agent) and 5 (input, from the agent).
- * It ends when every slave is closed (EIO on the master) or when the agent closes the input pipe
- * (it reaped the session's leader): then it first hands over what the terminal still holds. */
+ * It ends only when the agent closes the input pipe (it reaped the session's leader), first handing
+ * over what the terminal still holds. Never when every slave is closed (EIO on the master): closing
+ * the master hangs the slave up, and the hang-up sends SIGHUP to the session's leader, which may
+ * still be alive (coreutils' cat closes its stdin, stdout and stderr and only then exits: ended by
+ * SIGHUP in that gap, it exited 129 after a ^D in 1 to 14 runs of 100). From then on nothing is
+ * read from the master (it reports only POLLHUP) and input is thrown away (nobody reads it). */
 static void relay(void)
 {
 	static char in[CHUNK];
 	size_t len = 0, off = 0; /* input read from the agent, not yet taken by the terminal */
+	int slaves = 1;		 /* 0 once every slave is closed: the terminal's output is over */
 	ssize_t n;
 
 	prctl(PR_SET_NAME, "k3sys-pty");
@@ -31,7 +36,7 @@ static void relay(void)
 	for (;;) {
 		/* Input is read only once the last of it is in the terminal: a shell that does not read
 		 * its input blocks the agent's stdin writer, not this loop's output. */
-		struct pollfd p[2] = {{3, POLLIN | (len ? POLLOUT : 0), 0}, {len ? -1 : 5, POLLIN, 0}};
+		struct pollfd p[2] = {{slaves ? 3 : -1, POLLIN | (len ? POLLOUT : 0), 0}, {len ? -1 : 5, POLLIN, 0}};
 		if (poll(p, 2, -1) < 0) {
 			if (errno == EINTR)
 				continue;
@@ -42,17 +47,19 @@ static void relay(void)
 			if (n > 0 && write_all(4, readbuf, (size_t)n) < 0)
 				_exit(0); /* the agent closed its end: the process was released */
 			if (n == 0 || (n < 0 && errno != EAGAIN && errno != EINTR))
-				_exit(0); /* EIO: every slave is closed */
+				slaves = 0; /* EIO: every slave is closed; the master stays until the end */
 		}
 		if (len && (p[0].revents & POLLOUT) && (n = write(3, in + off, len - off)) > 0) {
 			off += (size_t)n;
 			if (off == len)
 				len = off = 0;
 		}
+		if (!slaves)
+			len = off = 0;
 		if (p[1].revents & (POLLIN | POLLHUP)) {
 			n = read(5, in, sizeof(in));
 			if (n > 0) {
-				len = (size_t)n;
+				len = slaves ? (size_t)n : 0;
 			} else if (n == 0) {
 				/* A nonblocking read of a master flushes what the slave wrote first. */
 				while ((n = read(3, readbuf, sizeof(readbuf))) > 0 && write_all(4, readbuf, (size_t)n) == 0)
