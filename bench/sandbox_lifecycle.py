@@ -269,7 +269,7 @@ def floor(rt: Runtime, s: Sandbox, repeats: int, rec: Recorder) -> None:
     ck = s.hibernate()
     images = rt.scratch / "floor-images"
     rt.store.checkout(ck.id, {"images": images})
-    layer = rt._ensure_layer(ck.id)
+    layer = rt.layers.ensure(ck.id)
     try:
         for i in range(repeats):
             spec = s.spec

@@ -42,7 +42,7 @@ class Agent(AgentLink):
 
     # --- processes ----------------------------------------------------------------------------
 
-    def _start_fields(self, cmd: str | list[str], env: dict[str, str] | None, cwd: str | None, user: str | None,
+    def start_fields(self, cmd: str | list[str], env: dict[str, str] | None, cwd: str | None, user: str | None,
                       stdin: bool, pty: tuple[int, int] | None, ring: int | None) -> list[tuple[str, object]]:
         f: list[tuple[str, object]] = [("cmd", cmd)] if isinstance(cmd, str) else [("arg", a) for a in cmd]
         f += [("env", f"{k}={v}") for k, v in (env or {}).items()]
@@ -56,7 +56,7 @@ class Agent(AgentLink):
               ring: int | None = None) -> int:
         """Start `cmd` (a shell string for `/bin/sh -c`, or an argv); its pid inside the sandbox.
         `pty` = (rows, cols) runs it on a terminal; `ring` bounds its kept output (bytes)."""
-        return int(self._request("start", self._start_fields(cmd, env, cwd, user, stdin, pty, ring))["pid"])
+        return int(self._request("start", self.start_fields(cmd, env, cwd, user, stdin, pty, ring))["pid"])
 
     def run(self, cmd: str | list[str], *, env: dict[str, str] | None = None, cwd: str | None = None,
             user: str | None = None, timeout: float | None = None, limit: int | None = None) -> tuple[Output, Exit]:
@@ -65,7 +65,7 @@ class Agent(AgentLink):
         Exit's `end` is past it); on `timeout` (s) CommandTimeoutError carries the output so far."""
         out = Output(None)
         tag = secrets.token_hex(8)  # names this start, so a cut call finds its process, never starts two
-        fields = [*self._start_fields(cmd, env, cwd, user, False, None, None), ("follow", 1), ("release", 1),
+        fields = [*self.start_fields(cmd, env, cwd, user, False, None, None), ("follow", 1), ("release", 1),
                   ("tag", tag), ("max", limit)]
         deadline = None if timeout is None else time.monotonic() + timeout
         pid = 0
