@@ -36,7 +36,7 @@ class Agent(AgentLink):
 
     def _request(self, op: str, fields: Iterable[tuple[str, object]] = (),
                  timeout: float | None = None) -> dict[str, str]:
-        with self._call(timeout or self.deadlines.answer) as st:
+        with self.connection(timeout or self.deadlines.answer) as st:
             st.send(encode(op, fields))
             return st.result()
 
@@ -70,14 +70,14 @@ class Agent(AgentLink):
         deadline = None if timeout is None else time.monotonic() + timeout
         pid = 0
         try:
-            with self._call(timeout, command=True) as st:
+            with self.connection(timeout, command=True) as st:
                 st.send(encode("start", fields))
                 for t, payload in st.frames():
                     if t == "I":
                         f = parse_fields(payload)
                         if not pid and "pid" in f:
                             pid = int(f["pid"])
-                            self._streaming(st.sock)  # started: from here on it follows the output
+                            self.mark_streaming(st.sock)  # started: from here on it follows the output
                         out.dropped += int(f.get("dropped", 0))
                     elif t in "OE":
                         out.add("stdout" if t == "O" else "stderr", payload)
@@ -136,7 +136,7 @@ class Agent(AgentLink):
         """`pid`'s output from byte offset `pos` as ("stdout" | "stderr", bytes) pieces, a Gap where
         the ring dropped bytes, then its Exit once ended. Without `follow`: what is there now (no
         Exit while it runs). Pieces and gaps advance the offset by their length."""
-        with self._call(timeout, stream=follow, command=True) as st:
+        with self.connection(timeout, stream=follow, command=True) as st:
             st.send(encode("connect", [("pid", pid), ("from", pos), ("follow", follow)]))
             for t, payload in st.frames():
                 if t in "OE":
@@ -150,7 +150,7 @@ class Agent(AgentLink):
 
     def wait(self, pid: int, timeout: float | None = None) -> Exit:
         ms = None if timeout is None else max(1, int(timeout * 1000))
-        with self._call(None if timeout is None else timeout + 5, stream=True) as st:
+        with self.connection(None if timeout is None else timeout + 5, stream=True) as st:
             st.send(encode("wait", [("pid", pid), ("timeout", ms)]))
             f = st.result()
         return Exit(int(f["exit"]), int(f.get("signal", 0)), int(f["dropped"]), int(f["end"]))
@@ -159,7 +159,7 @@ class Agent(AgentLink):
         self._request("signal", [("pid", pid), ("sig", sig), ("group", group)])
 
     def write_stdin(self, pid: int, data: bytes) -> None:
-        with self._call(self.deadlines.answer) as st:
+        with self.connection(self.deadlines.answer) as st:
             st.send(encode("stdin", [("pid", pid)]))
             st.data(data)
             st.end()
@@ -176,7 +176,7 @@ class Agent(AgentLink):
         self._request("release", [("pid", pid)])
 
     def processes(self) -> list[dict[str, str]]:
-        with self._call(self.deadlines.answer) as st:
+        with self.connection(self.deadlines.answer) as st:
             st.send(encode("ps", ()))
             return [parse_fields(p) for t, p in st.frames() if t == "I"]
 
@@ -195,7 +195,7 @@ class Agent(AgentLink):
                     timeout: float | None = None) -> Iterator[bytes]:
         """The file's bytes from `offset` as the agent sends them (a regular file: up to the size it
         had when opened; anything else until its end or `max_bytes`)."""
-        with self._call((timeout or self.deadlines.answer) + 5) as st:
+        with self.connection((timeout or self.deadlines.answer) + 5) as st:
             st.send(encode("read", [*self._file_fields(path, user, timeout), ("offset", offset),
                                      ("max", max_bytes)]))
             for t, payload in st.frames():
@@ -211,7 +211,7 @@ class Agent(AgentLink):
         with `parents` creating missing directories first, `xattrs` (user.*) set on the new file before
         it replaces the old one; returns the bytes written."""
         fields = [*self._file_fields(path, user, timeout), ("mode", mode), ("parents", parents), *xattr_fields(xattrs)]
-        with self._call((timeout or self.deadlines.answer) + 5) as st:
+        with self.connection((timeout or self.deadlines.answer) + 5) as st:
             st.send(encode("write", fields))
             for chunk in [data] if isinstance(data, bytes | bytearray | memoryview) else data:
                 st.data(bytes(chunk))
@@ -227,7 +227,7 @@ class Agent(AgentLink):
         return self._request("stat", [*self._file_fields(path, user, None), ("follow", follow), ("xattrs", xattrs)])
 
     def list(self, path: str, *, depth: int = 1, user: str | None = None, xattrs: bool = False) -> list[dict[str, str]]:
-        with self._call(self.deadlines.answer + 5) as st:
+        with self.connection(self.deadlines.answer + 5) as st:
             st.send(encode("list", [*self._file_fields(path, user, None), ("depth", depth), ("xattrs", xattrs)]))
             return [parse_fields(p) for t, p in st.frames() if t == "I"]
 

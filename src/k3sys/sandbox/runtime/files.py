@@ -61,9 +61,9 @@ class _Reader(io.RawIOBase):
     """A sandbox file streamed from its agent, `size` bytes (its size when opened); a checkpoint
     cutting the stream only pauses it (it reconnects at the offset it reached)."""
 
-    def __init__(self, files: FileService, sid: str, path: str, size: int, user: str | None) -> None:
+    def __init__(self, agents: Agents, sid: str, path: str, size: int, user: str | None) -> None:
         super().__init__()
-        self._files, self._sid, self._path, self.size, self._user = files, sid, path, size, user
+        self._agents, self._sid, self._path, self.size, self._user = agents, sid, path, size, user
         self._pos = 0
         self._buf = b""
         self._chunks: Iterator[bytes] | None = None
@@ -76,7 +76,7 @@ class _Reader(io.RawIOBase):
         file inside the sandbox, so it raises what opening raises (PermissionDeniedError)."""
         while not self._buf and self._pos < self.size:
             if self._chunks is None:
-                self._chunks = self._files.agents.get(self._sid).read_chunks(
+                self._chunks = self._agents.get(self._sid).read_chunks(
                     self._path, user=self._user, offset=self._pos, max_bytes=self.size - self._pos)
             try:
                 self._buf = next(self._chunks, b"")
@@ -146,7 +146,7 @@ class FileService:
             if len(data) > SIZELESS_MAX:
                 raise TooLargeError(f"{path!r}: its size says 0 but it reads past {SIZELESS_MAX} bytes")
             return _Sized(data)  # type: ignore[return-value]
-        reader = _Reader(self, sid, path, int(st["size"]), user)
+        reader = _Reader(self.agents, sid, path, int(st["size"]), user)
         try:
             # Opened inside before it is returned: a file the user may not read is refused here, before
             # a caller (envd's GET /files) has promised any byte of it.
