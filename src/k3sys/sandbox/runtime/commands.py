@@ -2,7 +2,7 @@
 
 Every command is a child of the agent, the sandbox's PID 1, so a checkpoint, fork, hibernation or
 restore carries it along; its output lives in the agent's ring inside the sandbox. The host keeps
-only a bounded window of what a reader fetched (`_Window`): nothing grows on the host while nobody
+only a bounded window of what a reader fetched (window.py): nothing grows on the host while nobody
 reads. `run` and the followers of `start_followed` / `follow_command` (follow.py) get every byte:
 the agent holds the command back while they read. Commands run without the sandbox's lock, so a
 long command never blocks `pause` or `kill`; a call cut by a checkpoint is made again once the
@@ -28,69 +28,28 @@ from k3sys.sandbox.errors import (
     TooLargeError,
 )
 from k3sys.sandbox.runtime.agent import Agent
-from k3sys.sandbox.runtime.agent_protocol import Exit, Gap
+from k3sys.sandbox.runtime.agent_protocol import Exit
 from k3sys.sandbox.runtime.agents import Agents
 from k3sys.sandbox.runtime.drivers.base import Driver
 from k3sys.sandbox.runtime.follow import OutputFollower
 from k3sys.sandbox.runtime.state import State
 from k3sys.sandbox.runtime.table import SandboxTable
 from k3sys.sandbox.runtime.trees import new_id
+from k3sys.sandbox.runtime.window import Window, decode, result
 from k3sys.sandbox.spec import CommandResult, OutputPieces, check_command
 from k3sys.sandbox.types import ProcessInfo
 
 _log = logging.getLogger(__name__)
-WINDOW = 16 << 20  # bytes of a command's output the host keeps per stream, at most
 # Bytes of output `run` returns, at most: it returns them in the host's memory (a longer output is
 # read as it comes, with `stream_command`, or over the service's streams, which hold none of it).
 RUN_OUTPUT_MAX = 128 << 20
-
-
-def _decode(b: bytes) -> str:
-    return b.decode("utf-8", errors="replace")
-
-
-def _result(out: bytes, err: bytes, end: Exit, dropped: int) -> CommandResult:
-    return CommandResult(_decode(out), _decode(err), end.exit, dropped)
-
-
-@dataclass
-class _Window:
-    """The newest output the host fetched, per stream: `out[i]` is stdout byte `out_base + i`.
-    `pos` is the agent offset fetched up to; `end` is set once the command ended and all is here."""
-
-    out: bytearray = field(default_factory=bytearray)
-    err: bytearray = field(default_factory=bytearray)
-    out_base: int = 0
-    err_base: int = 0
-    pos: int = 0
-    end: Exit | None = None
-
-    def add(self, piece: tuple[str, bytes] | Gap | Exit) -> None:
-        if isinstance(piece, Exit):
-            self.end = piece
-        elif isinstance(piece, Gap):
-            self.pos += piece.n  # dropped in the sandbox before anyone read it
-        else:
-            buf = self.out if piece[0] == "stdout" else self.err
-            buf += piece[1]
-            self.pos += len(piece[1])
-            if len(buf) > WINDOW:
-                cut = len(buf) - WINDOW
-                del buf[:cut]
-                if piece[0] == "stdout":
-                    self.out_base += cut
-                else:
-                    self.err_base += cut
-
-    def since(self, out: int, err: int) -> tuple[bytes, bytes]:
-        return bytes(self.out[max(0, out - self.out_base):]), bytes(self.err[max(0, err - self.err_base):])
 
 
 @dataclass
 class _Command:
     sandbox_id: str
     pid: int  # inside the sandbox
-    window: _Window = field(default_factory=_Window)
+    window: Window = field(default_factory=Window)
     mu: threading.Lock = field(default_factory=threading.Lock)  # one fetch at a time
 
 
@@ -233,7 +192,7 @@ class CommandService:
             raise NotFoundError(f"no command {cid!r}")
         return c
 
-    def _fetch(self, c: _Command, follow: bool = False, timeout: float | None = None) -> _Window:
+    def _fetch(self, c: _Command, follow: bool = False, timeout: float | None = None) -> Window:
         """Bring `c`'s window up to date (with `follow`, until the command ends)."""
         w = c.window
         with c.mu:
@@ -262,11 +221,11 @@ class CommandService:
             w = self._fetch(c)
             out, err = w.since(0, 0)
             raise CommandTimeoutError(f"command {cid} in sandbox {c.sandbox_id} ran past {timeout} s and was killed",
-                                      _decode(out), _decode(err)) from None
+                                      decode(out), decode(err)) from None
         self._forget(cid, c)
         assert w.end is not None
         out, err = w.since(0, 0)
-        return _result(out, err, w.end, w.end.end - len(out) - len(err))
+        return result(out, err, w.end, w.end.end - len(out) - len(err))
 
     def _forget(self, cid: str, c: _Command) -> None:
         with self._mu:
@@ -280,7 +239,7 @@ class CommandService:
         c = self._command(cid)
         w = self._fetch(c)
         out, err = w.since(0, 0)
-        return _decode(out), _decode(err)
+        return decode(out), decode(err)
 
     def read_command_output(self, cid: str, since: tuple[int, int] = (0, 0)) -> tuple[bytes, bytes, bool]:
         """Raw (stdout, stderr) bytes after the offsets `since`, and whether the command has ended with
@@ -336,7 +295,7 @@ class CommandService:
             if end.end > RUN_OUTPUT_MAX:
                 raise TooLargeError(f"command in sandbox {sid} wrote more than {RUN_OUTPUT_MAX} bytes and was "
                                     "killed: read longer output as it comes (start_command, stream_command)")
-            return _result(out.text("stdout"), out.text("stderr"), end, out.dropped)
+            return result(out.text("stdout"), out.text("stderr"), end, out.dropped)
         cid = self.start_command(sid, cmd, cwd, env, stdin)
         try:
             return self.wait_command(cid, timeout)
@@ -356,5 +315,5 @@ class CommandService:
             proc.kill()
             out, err = proc.communicate()
             raise CommandTimeoutError(f"command in sandbox {sid} ran past {timeout} s and was killed "
-                                      f"(run through runc exec: {why})", _decode(out), _decode(err)) from None
-        return CommandResult(_decode(out), _decode(err), proc.returncode)
+                                      f"(run through runc exec: {why})", decode(out), decode(err)) from None
+        return CommandResult(decode(out), decode(err), proc.returncode)
