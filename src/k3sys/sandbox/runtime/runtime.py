@@ -27,7 +27,8 @@ checkpoints as listed (catalog.py), prefetched images (prefetch.py), releasing a
 (reclaim.py), the checkpoint service (checkpoints.py: checkpoint, hibernate, restore, fork), the
 life cycle (lifecycle.py: create, pause, resume, hibernate, kill; it owns the background
 hibernations), recovery and the reaper (recovery.py), the command and file services (commands.py
-with window.py, files.py). Its public methods are theirs, bound here; it holds the directory's lock and the queries.
+with window.py, files.py). Its public methods are theirs, bound here; it holds the directory's lock
+and the queries.
 """
 
 from __future__ import annotations
