@@ -269,7 +269,7 @@ def floor(rt: Runtime, s: Sandbox, repeats: int, rec: Recorder) -> None:
     ck = s.hibernate()
     images = rt.scratch / "floor-images"
     rt.store.checkout(ck.id, {"images": images})
-    layer = rt._ensure_layer(ck.id)
+    layer = rt.layers.ensure(ck.id)
     try:
         for i in range(repeats):
             spec = s.spec
@@ -279,7 +279,7 @@ def floor(rt: Runtime, s: Sandbox, repeats: int, rec: Recorder) -> None:
             try:
                 lowers = [layer, template_rootfs(spec.template)]
                 ms, t = timed(lambda sid=sid, dirs=dirs, spec=spec, lowers=lowers: rt.driver.restore(
-                    sid, dirs, spec, lowers, images))
+                    sid, dirs, spec, lowers, rt.driver.images.complete(images)))
                 rec.add("restore_from_tmpfs_images", ms, t)
             finally:
                 rt.driver.destroy(sid, dirs)

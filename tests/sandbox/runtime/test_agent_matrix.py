@@ -46,11 +46,11 @@ class Kind:
         if self.name == "detached":
             Sandbox.get(sid, runtime=rt).files.write("/root/in", line)  # a FIFO its `cat` holds open
         else:
-            rt._agent(sid).write_stdin(self.pid, line)
+            rt.agents.get(sid).write_stdin(self.pid, line)
 
 
 def start_kinds(rt: Runtime, sid: str, shell: str) -> list[Kind]:
-    agent = rt._agent(sid)
+    agent = rt.agents.get(sid)
     background = Kind("background", agent.start(f"{COUNTER} & exec cat", stdin=True))
     r = Sandbox.get(sid, runtime=rt).commands.run(
         f"mkfifo /root/in && setsid sh -c '{COUNTER} & exec cat' <>/root/in >/root/det.log 2>&1 &")
@@ -140,7 +140,7 @@ def test_a_foreground_job_in_a_tty_holding_shell_fails_the_checkpoint_cleanly(pr
     from k3sys.sandbox.errors import SandboxError
 
     with Runtime(private_root) as rt, Sandbox.create(runtime=rt) as s:
-        agent = rt._agent(s.id)
+        agent = rt.agents.get(s.id)
         pid = agent.start(["sh", "-i"], pty=(24, 80), stdin=True)
         sh = Kind("pty", pid)
         agent.write_stdin(pid, b"X=42; head -n 1; echo fg-done\n")  # `head`: a foreground job

@@ -185,7 +185,7 @@ def test_pty_shell_keeps_its_variables_and_size_through_a_checkpoint(rt):
     # after the checkpoint goes through the slave the agent opens briefly (the relay holds the
     # master: agent/pty.c). The whole life cycle of a PTY shell: test_agent_matrix.py.
     with Sandbox.create(runtime=rt) as s:
-        agent = rt._agent(s.id)
+        agent = rt.agents.get(s.id)
         pid = agent.start(["sh"], pty=(30, 100), stdin=True)
 
         def screen() -> bytes:

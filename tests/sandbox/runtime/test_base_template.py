@@ -61,7 +61,7 @@ def test_sandbox_runs_as_user_by_default_root_on_request(rt, base):
 def test_root_on_request(rt, base):
     with Sandbox.create("base", runtime=rt, memory_mb=256) as s:
         # A call that names a user overrides the template's (E2B's `user="root"` reaches the agent so).
-        agent = rt._agent(s.id)
+        agent = rt.agents.get(s.id)
         out, end = agent.run("id -u; touch /root/ok", user="root")
         assert (out.text("stdout"), end.exit) == (b"0\n", 0)
         assert agent.stat("/root/ok", user="root")["uid"] == "0"

@@ -11,6 +11,8 @@ from counting import COUNTER, assert_counting, log_lines
 from waiting import wait_until
 
 from k3sys.sandbox import DriverError, Runtime, Sandbox
+from k3sys.sandbox.runtime.checkpoints import CheckpointService
+from k3sys.sandbox.runtime.recovery import Recovery
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -35,8 +37,8 @@ def test_counter_survives_every_operation(sbx):
         pid = k0.commands.run("cat /tmp/counter.pid").stdout.strip()
         assert k0.commands.run(f"kill {pid}").exit_code == 0
         # Gone (or a zombie): its log is final, asked of the process, not watched for a while.
-        wait_until(lambda: k0.commands.run(f"grep -qv ') Z ' /proc/{pid}/stat 2>/dev/null").exit_code != 0, 10,
-                   "the killed counter ending")
+        alive = f"grep -qv ') Z ' /proc/{pid}/stat 2>/dev/null && echo alive || echo gone"  # run raises on exit 1
+        wait_until(lambda: k0.commands.run(alive).stdout == "gone\n", 10, "the killed counter ending")
         stopped = log_lines(k0)[-1]
         assert_counting(kids[1], stopped)
         n = assert_counting(sbx, n)[-1]
@@ -198,7 +200,7 @@ def test_failed_dump_leaves_the_sandbox_as_it_was(private_root, tmp_path, monkey
 def test_fork_whose_child_fails_leaves_no_child_and_no_checkpoint(private_root, monkeypatch):
     """One of three children fails to restore: the fork raises, the children that did start are
     gone, nothing is stored, the fork's layer is collected, and the source runs on as before."""
-    spawn, calls = Runtime._spawn, []
+    spawn, calls = CheckpointService.spawn, []
 
     def flaky(self, *args, **kwargs):
         calls.append(1)
@@ -206,7 +208,7 @@ def test_fork_whose_child_fails_leaves_no_child_and_no_checkpoint(private_root, 
             raise DriverError("injected: restore failed")
         return spawn(self, *args, **kwargs)
 
-    monkeypatch.setattr(Runtime, "_spawn", flaky)
+    monkeypatch.setattr(CheckpointService, "spawn", flaky)
     with Runtime(private_root) as rt:
         sbx = Sandbox.create(runtime=rt)
         sbx.commands.run(COUNTER)
@@ -225,7 +227,7 @@ def test_fork_whose_child_fails_leaves_no_child_and_no_checkpoint(private_root, 
 def test_reaper_outlives_an_unexpected_error(private_root, monkeypatch):
     """An error that is not a SandboxError (say, a full disk under the store) while applying one
     sandbox's timeout must not stop the reaper: later timeouts are still applied."""
-    expire, calls = Runtime._expire, []
+    expire, calls = Recovery.expire, []
 
     def failing_once(self, sid):
         calls.append(sid)
@@ -233,7 +235,7 @@ def test_reaper_outlives_an_unexpected_error(private_root, monkeypatch):
             raise OSError(28, "No space left on device (injected)")
         return expire(self, sid)
 
-    monkeypatch.setattr(Runtime, "_expire", failing_once)
+    monkeypatch.setattr(Recovery, "expire", failing_once)
     with Runtime(private_root, on_timeout="kill") as rt:
         s = Sandbox.create(runtime=rt, timeout_s=1)
         wait_until(lambda: s not in Sandbox.list(runtime=rt), 20, "the retried expiry killing the sandbox", step=0.1)

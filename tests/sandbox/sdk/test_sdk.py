@@ -257,12 +257,13 @@ def test_prefetch_stages_images_for_resume(rt, sbx):
     assert sbx.commands.run(f"kill -0 {pid.strip()} && echo alive").stdout == "alive\n"
     if isinstance(rt, Runtime):
         assert "store" not in rt.timings(sbx.id)  # restored from the staged images, no store read
-        assert not rt._staged
+        assert rt.prefetcher.staged(sbx.id) is None
     sbx.hibernate()
     assert sbx.prefetch(ttl_s=0.5)
     if isinstance(rt, Runtime):  # unused staged images go when their time is up
-        staged = rt._staged[sbx.id].path
-        wait_until(lambda: not staged.exists() and sbx.id not in rt._staged, 10, "the unused staged images going")
+        staged = rt.prefetcher.staged(sbx.id).path
+        wait_until(lambda: not staged.exists() and rt.prefetcher.staged(sbx.id) is None, 10,
+                   "the unused staged images going")
     sbx.resume()  # from the store
     assert sbx.files.read_text("/tmp/pid") == pid
 

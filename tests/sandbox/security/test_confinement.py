@@ -245,7 +245,7 @@ def test_disk_filled_past_disk_mb(arena, record_property):
     # A checkpoint of a full disk, then kill and checkpoint delete: nothing of it stays on the host.
     run_any(s, "dd if=/dev/zero of=/root/big bs=1M count=200", timeout=60)  # refused at the quota again
     ck = s.checkpoint()
-    layer = arena.rt._layer_dir(ck.id)
+    layer = arena.rt.layers.path(ck.id)
     s.kill()
     ck.delete()
     assert not image.exists() and not layer.exists()

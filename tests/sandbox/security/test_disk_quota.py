@@ -39,7 +39,7 @@ def du_bytes(path: Path) -> int:
 
 def held_mib(rt, s) -> float:
     """What the host holds of the sandbox's file system: its sealed layer and its disk's data, MiB."""
-    layer = rt._layer_dir(rt.table.get(s.id).layer)
+    layer = rt.layers.path(rt.table.get(s.id).layer)
     return (du_bytes(layer) if layer is not None else 0) + du_bytes(rt.table.dirs(s.id).root / "disk.img") >> 20
 
 
@@ -115,7 +115,7 @@ def test_sparse_file_is_not_inflated_by_a_checkpoint(arena, record_property):
     assert s.commands.run("truncate -s 2147483648 /root/sparse && echo x >> /root/sparse").exit_code == 0
     kid = s.fork(1)[0]  # a fork seals without the store
     arena.track([kid])
-    layer = rt._layer_dir(rt.table.get(kid.id).layer)
+    layer = rt.layers.path(rt.table.get(kid.id).layer)
     held = du_bytes(layer)
     assert held < 1 << 20, held
     assert kid.commands.run("stat -c %s /root/sparse").stdout.strip() == str((2 << 30) + 2)

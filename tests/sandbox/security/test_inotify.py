@@ -121,7 +121,7 @@ def test_inotify_loop_inside_runs_out_of_its_own_count(budgeted, arena, sec_rt, 
     assert (got, err) == (inotify.INSTANCES_PER_USER, errno.EMFILE)  # its own count ran out, per user inside
     with pytest.raises(SandboxLimitError, match="max_inotify_instances: 128 per user"):
         s.files.watch_dir("/tmp")  # the agent's watch runs as root inside too: told what ran out
-    wait_until(lambda: sec_rt._watches.open(s.id) == 0, 60, "the refused watch's budget given back")
+    wait_until(lambda: sec_rt.file_service.watches.open(s.id) == 0, 60, "the refused watch's budget given back")
     assert host_opens(256) == 256, "host root cannot make inotify instances"
     assert still_watches(arena.bystander, "/root")
     in_use = host_instances_in_use()
@@ -165,7 +165,7 @@ def test_api_watches_budgeted_per_sandbox(budgeted, arena, sec_rt, record_proper
         held.pop().stop()
         assert still_watches(s)  # a slot given back is usable again
         s.kill()  # with 31 watches open: they end, and so does their count
-        wait_until(lambda: sec_rt._watches.open(s.id) == 0, 60, "the killed sandbox's budget given back")
+        wait_until(lambda: sec_rt.file_service.watches.open(s.id) == 0, 60, "the killed sandbox's budget given back")
     finally:
         for w in held:
             w.stop()

@@ -36,13 +36,13 @@ class Agent(AgentLink):
 
     def _request(self, op: str, fields: Iterable[tuple[str, object]] = (),
                  timeout: float | None = None) -> dict[str, str]:
-        with self._call(timeout or self.deadlines.answer) as st:
+        with self.connection(timeout or self.deadlines.answer) as st:
             st.send(encode(op, fields))
             return st.result()
 
     # --- processes ----------------------------------------------------------------------------
 
-    def _start_fields(self, cmd: str | list[str], env: dict[str, str] | None, cwd: str | None, user: str | None,
+    def start_fields(self, cmd: str | list[str], env: dict[str, str] | None, cwd: str | None, user: str | None,
                       stdin: bool, pty: tuple[int, int] | None, ring: int | None) -> list[tuple[str, object]]:
         f: list[tuple[str, object]] = [("cmd", cmd)] if isinstance(cmd, str) else [("arg", a) for a in cmd]
         f += [("env", f"{k}={v}") for k, v in (env or {}).items()]
@@ -56,7 +56,7 @@ class Agent(AgentLink):
               ring: int | None = None) -> int:
         """Start `cmd` (a shell string for `/bin/sh -c`, or an argv); its pid inside the sandbox.
         `pty` = (rows, cols) runs it on a terminal; `ring` bounds its kept output (bytes)."""
-        return int(self._request("start", self._start_fields(cmd, env, cwd, user, stdin, pty, ring))["pid"])
+        return int(self._request("start", self.start_fields(cmd, env, cwd, user, stdin, pty, ring))["pid"])
 
     def run(self, cmd: str | list[str], *, env: dict[str, str] | None = None, cwd: str | None = None,
             user: str | None = None, timeout: float | None = None, limit: int | None = None) -> tuple[Output, Exit]:
@@ -65,19 +65,19 @@ class Agent(AgentLink):
         Exit's `end` is past it); on `timeout` (s) CommandTimeoutError carries the output so far."""
         out = Output(None)
         tag = secrets.token_hex(8)  # names this start, so a cut call finds its process, never starts two
-        fields = [*self._start_fields(cmd, env, cwd, user, False, None, None), ("follow", 1), ("release", 1),
+        fields = [*self.start_fields(cmd, env, cwd, user, False, None, None), ("follow", 1), ("release", 1),
                   ("tag", tag), ("max", limit)]
         deadline = None if timeout is None else time.monotonic() + timeout
         pid = 0
         try:
-            with self._call(timeout, command=True) as st:
+            with self.connection(timeout, command=True) as st:
                 st.send(encode("start", fields))
                 for t, payload in st.frames():
                     if t == "I":
                         f = parse_fields(payload)
                         if not pid and "pid" in f:
                             pid = int(f["pid"])
-                            self._streaming(st.sock)  # started: from here on it follows the output
+                            self.mark_streaming(st.sock)  # started: from here on it follows the output
                         out.dropped += int(f.get("dropped", 0))
                     elif t in "OE":
                         out.add("stdout" if t == "O" else "stderr", payload)
@@ -136,7 +136,7 @@ class Agent(AgentLink):
         """`pid`'s output from byte offset `pos` as ("stdout" | "stderr", bytes) pieces, a Gap where
         the ring dropped bytes, then its Exit once ended. Without `follow`: what is there now (no
         Exit while it runs). Pieces and gaps advance the offset by their length."""
-        with self._call(timeout, stream=follow, command=True) as st:
+        with self.connection(timeout, stream=follow, command=True) as st:
             st.send(encode("connect", [("pid", pid), ("from", pos), ("follow", follow)]))
             for t, payload in st.frames():
                 if t in "OE":
@@ -150,7 +150,7 @@ class Agent(AgentLink):
 
     def wait(self, pid: int, timeout: float | None = None) -> Exit:
         ms = None if timeout is None else max(1, int(timeout * 1000))
-        with self._call(None if timeout is None else timeout + 5, stream=True) as st:
+        with self.connection(None if timeout is None else timeout + 5, stream=True) as st:
             st.send(encode("wait", [("pid", pid), ("timeout", ms)]))
             f = st.result()
         return Exit(int(f["exit"]), int(f.get("signal", 0)), int(f["dropped"]), int(f["end"]))
@@ -159,7 +159,7 @@ class Agent(AgentLink):
         self._request("signal", [("pid", pid), ("sig", sig), ("group", group)])
 
     def write_stdin(self, pid: int, data: bytes) -> None:
-        with self._call(self.deadlines.answer) as st:
+        with self.connection(self.deadlines.answer) as st:
             st.send(encode("stdin", [("pid", pid)]))
             st.data(data)
             st.end()
@@ -176,7 +176,7 @@ class Agent(AgentLink):
         self._request("release", [("pid", pid)])
 
     def processes(self) -> list[dict[str, str]]:
-        with self._call(self.deadlines.answer) as st:
+        with self.connection(self.deadlines.answer) as st:
             st.send(encode("ps", ()))
             return [parse_fields(p) for t, p in st.frames() if t == "I"]
 
@@ -195,7 +195,7 @@ class Agent(AgentLink):
                     timeout: float | None = None) -> Iterator[bytes]:
         """The file's bytes from `offset` as the agent sends them (a regular file: up to the size it
         had when opened; anything else until its end or `max_bytes`)."""
-        with self._call((timeout or self.deadlines.answer) + 5) as st:
+        with self.connection((timeout or self.deadlines.answer) + 5) as st:
             st.send(encode("read", [*self._file_fields(path, user, timeout), ("offset", offset),
                                      ("max", max_bytes)]))
             for t, payload in st.frames():
@@ -211,7 +211,7 @@ class Agent(AgentLink):
         with `parents` creating missing directories first, `xattrs` (user.*) set on the new file before
         it replaces the old one; returns the bytes written."""
         fields = [*self._file_fields(path, user, timeout), ("mode", mode), ("parents", parents), *xattr_fields(xattrs)]
-        with self._call((timeout or self.deadlines.answer) + 5) as st:
+        with self.connection((timeout or self.deadlines.answer) + 5) as st:
             st.send(encode("write", fields))
             for chunk in [data] if isinstance(data, bytes | bytearray | memoryview) else data:
                 st.data(bytes(chunk))
@@ -227,7 +227,7 @@ class Agent(AgentLink):
         return self._request("stat", [*self._file_fields(path, user, None), ("follow", follow), ("xattrs", xattrs)])
 
     def list(self, path: str, *, depth: int = 1, user: str | None = None, xattrs: bool = False) -> list[dict[str, str]]:
-        with self._call(self.deadlines.answer + 5) as st:
+        with self.connection(self.deadlines.answer + 5) as st:
             st.send(encode("list", [*self._file_fields(path, user, None), ("depth", depth), ("xattrs", xattrs)]))
             return [parse_fields(p) for t, p in st.frames() if t == "I"]
 

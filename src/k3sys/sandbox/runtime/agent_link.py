@@ -172,7 +172,7 @@ class AgentLink:
                 self._streams.add(s)
 
     @contextlib.contextmanager
-    def _call(self, timeout: float | None = None, stream: bool = False, command: bool = False,
+    def connection(self, timeout: float | None = None, stream: bool = False, command: bool = False,
               probe: bool = True) -> Iterator[Stream]:
         """A connection for one request, registered so `close_gate` can cut it; waits while the gate
         is closed (a checkpoint in progress). `timeout` (s): for the whole call (None: none; a
@@ -218,14 +218,14 @@ class AgentLink:
         if self._frozen():
             return
         try:
-            with self._call(self.deadlines.answer, probe=False) as st:
+            with self.connection(self.deadlines.answer, probe=False) as st:
                 st.send(encode("ping", ()))
                 st.result()
         except AgentTimeoutError:
             if not self._frozen():  # frozen meanwhile: a pause, not a stuck agent
                 raise
 
-    def _streaming(self, s: socket.socket) -> None:
+    def mark_streaming(self, s: socket.socket) -> None:
         """Call `s` now waits on the sandbox (a `run` whose start went through): cut it at once if a
         checkpoint is waiting for calls to end."""
         with self._cv:
@@ -292,7 +292,7 @@ def _timeval(seconds: float) -> bytes:
 
 
 def _shutdown(socks: set[socket.socket]) -> None:
-    """Cut calls: their threads see the end of the stream and leave (`_call` closes the sockets)."""
+    """Cut calls: their threads see the end of the stream and leave (`connection` closes the sockets)."""
     for s in socks:
         with contextlib.suppress(OSError):
             s.shutdown(socket.SHUT_RDWR)

@@ -11,8 +11,9 @@ the meantime is a thaw, not a restore. What a `resume` (or `kill`) meets, by the
                 is kept as the sandbox's head (a plain checkpoint), and the sandbox thaws
     done        the processes are gone: the ordinary restore
 
-`Hibernator` is the queue and its workers; `Runtime` owns the locking (the worker takes the
-sandbox's lock like any operation; a `resume` cancels before it waits for that lock).
+`Hibernator` is the queue and its workers; the life cycle (lifecycle.py), which owns it, does the
+locking (the worker takes the sandbox's lock like any operation; a `resume` cancels before it waits
+for that lock).
 """
 
 from __future__ import annotations

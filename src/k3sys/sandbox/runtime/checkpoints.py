@@ -1,11 +1,11 @@
 """Checkpoints of sandboxes: snapshot (CRIU images on tmpfs + the sealed file system), commit to
-the store, hibernate, restore, fork, prefetch for a coming resume. The sealed file systems they
-leave as lower layers, and what those hold of a sandbox's disk: sealed.py.
+the store, hibernate, restore, fork. The store's checkpoints as listed and deleted, and what a sealed
+layer holds of a sandbox's disk: catalog.py; images staged for a coming resume: prefetch.py.
 
 A snapshot freezes the sandbox, dumps it and (checkpoint, fork) thaws it at once; the store packs the
 memory images while CRIU writes them (`Store.follow`). A fork stores nothing: its images and sealed
-fs live only as long as its children need them. Every operation rolls the record back on
-failure, so the caller sees the sandbox in its previous state.
+fs live only as long as its children need them. Each operation is a `SandboxTable.transition`, so a
+failure leaves the sandbox in its previous state.
 """
 
 from __future__ import annotations
@@ -17,30 +17,27 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from k3sys.sandbox.errors import (
-    CheckpointNotFoundError,
-    InvalidStateError,
-    SandboxError,
-)
+from k3sys.sandbox.errors import SandboxError
 from k3sys.sandbox.runtime import layers
-from k3sys.sandbox.runtime.background import Cancelled, Hibernator, Job
-from k3sys.sandbox.runtime.drivers.base import Images
-from k3sys.sandbox.runtime.prefetch import Prefetch
-from k3sys.sandbox.runtime.sealed import FS_BYTES, SealedLayers
+from k3sys.sandbox.runtime.background import Cancelled, Job
+from k3sys.sandbox.runtime.catalog import FS_BYTES, INTERNAL, Catalog
+from k3sys.sandbox.runtime.drivers.base import Driver, Images
+from k3sys.sandbox.runtime.layerset import LayerSet
+from k3sys.sandbox.runtime.prefetch import Prefetcher
+from k3sys.sandbox.runtime.reclaim import Reclaimer
+from k3sys.sandbox.runtime.staging import Staging
 from k3sys.sandbox.runtime.state import LIVE, Record, State
-from k3sys.sandbox.runtime.store import Follower, Manifest
+from k3sys.sandbox.runtime.store import Follower, Manifest, Store
 from k3sys.sandbox.runtime.store.reader import FileReader
+from k3sys.sandbox.runtime.table import SandboxTable
 from k3sys.sandbox.runtime.templates import template_rootfs
 from k3sys.sandbox.runtime.trees import new_id, remove_tree
 from k3sys.sandbox.spec import MAX_FORK, SandboxSpec, check_number
 from k3sys.sandbox.types import CheckpointInfo, SandboxInfo
 
-# Manifest meta: a sandbox's own checkpoint (its pause's, `Record.hibernation`), not listed as a snapshot.
-INTERNAL = "internal"
-
 
 @dataclass(frozen=True)
-class _Snapshot:
+class Snapshot:
     """A sandbox's state captured in staging: checkpoint id, image and sealed-fs directories, timings
     (seconds per phase), and the store follower already packing the images."""
 
@@ -50,131 +47,120 @@ class _Snapshot:
     t: dict[str, float]
     follower: Follower | None
 
+    def abandon(self) -> None:
+        """Drop what the snapshot staged (it is not to be committed)."""
+        if self.follower is not None:
+            self.follower.abort()
+        remove_tree(self.images)
+        remove_tree(self.fs)
 
-class Checkpoints(Prefetch, SealedLayers):
-    """`Runtime`'s checkpoint operations (see the module docstring)."""
 
-    _hibernator: Hibernator
+class CheckpointService:
+    """Checkpoint, hibernate, restore and fork the sandboxes of `table` (see the module docstring)."""
 
-    def _snapshot(self, rec: Record, transitional: State, *, thaw: bool, store: bool = True) -> _Snapshot:
-        """Freeze-consistent images + sealed fs of a live sandbox into staging; marks the record
-        `transitional` with `prev` and `pending` set. With `store`, the store packs the memory images
-        while CRIU writes them (`Store.follow`); `_commit` finishes that, and a caller that does not
-        commit must `abort` the follower."""
+    def __init__(self, table: SandboxTable, layer_set: LayerSet, store: Store, driver: Driver, staging: Staging,
+                 prefetcher: Prefetcher, catalog: Catalog, reclaimer: Reclaimer) -> None:
+        self.table = table
+        self.layers = layer_set
+        self.store = store
+        self.driver = driver
+        self.staging = staging
+        self.prefetcher = prefetcher
+        self.catalog = catalog
+        self.reclaimer = reclaimer
+
+    def _snapshot(self, rec: Record, *, thaw: bool, store: bool = True) -> Snapshot:
+        """Freeze-consistent images + sealed fs of a live sandbox (in a transitional state) into
+        staging; the record's `pending` says its checkpoint id. With `store`, the store packs the memory
+        images while CRIU writes them (`Store.follow`); `_commit` finishes that, and a caller that does
+        not commit must `abandon` the snapshot."""
         ck = new_id("ck")
-        images, fs = self._staging(ck)
-        self.table.set(rec, transitional, prev=rec.state, pending=ck)
+        images, fs = self.staging.new(ck)
+        self.table.set(rec, rec.state, pending=ck)
         follower = self.store.follow(images) if store else None
+        snap = Snapshot(ck, images, fs, {}, follower)
         try:
-            t = self.driver.snapshot(rec.id, self.table.dirs(rec.id), images, fs, self._layer_dir(rec.layer),
-                                     thaw=thaw)
+            snap.t.update(self.driver.snapshot(rec.id, self.table.dirs(rec.id), images, fs,
+                                               self.layers.path(rec.layer) if rec.layer else None, thaw=thaw))
         except BaseException:
-            if follower is not None:
-                follower.abort()
-            remove_tree(images)
-            remove_tree(fs)
-            self.table.set(rec, rec.prev, prev=None, pending=None)
+            snap.abandon()
             raise
-        return _Snapshot(ck, images, fs, t, follower)
+        return snap
 
-    def _commit(self, rec: Record, snap: _Snapshot, internal: bool = False) -> Manifest:
+    def _commit(self, rec: Record, snap: Snapshot, internal: bool = False) -> Manifest:
         """Commit `snap` as the sandbox's next checkpoint, with what its sealed fs holds of a disk
         (`FS_BYTES`); `internal`: the sandbox's own (`INTERNAL`)."""
-        fs = snap.fs
         t0 = time.perf_counter()  # "measure", within "store"
-        meta = {"sandbox": rec.id, "spec": rec.spec.to_json(), FS_BYTES: layers.tree_bytes(fs)}
+        meta = {"sandbox": rec.id, "spec": rec.spec.to_json(), FS_BYTES: layers.tree_bytes(snap.fs)}
         if internal:
             meta[INTERNAL] = True
         snap.t["measure"] = time.perf_counter() - t0
-        return self.store.commit({"images": snap.images, "fs": fs}, parent=rec.head, meta=meta,
+        return self.store.commit({"images": snap.images, "fs": snap.fs}, parent=rec.head, meta=meta,
                                  id=snap.ck, follower=snap.follower)
 
     def checkpoint(self, sid: str) -> CheckpointInfo:
         """Snapshot a running or paused sandbox into the store; the sandbox carries on as it was."""
-        with self.table.locked(sid) as rec:
-            self.table.require(rec, "checkpoint", *LIVE)
-            info, images, fs = self._checkpoint_locked(rec)
-            self._cleaner.submit(remove_tree, images)
-            remove_tree(fs)
-            return info
-
-    def _checkpoint_locked(self, rec: Record) -> tuple[CheckpointInfo, Path, Path]:
-        t0 = time.perf_counter()
-        snap = self._snapshot(rec, State.CHECKPOINTING, thaw=True)
-        t = snap.t
-        try:
-            # The sandbox runs again already; a failed commit only loses this checkpoint.
-            self.table.set(rec, rec.prev, prev=None)
-            t1 = time.perf_counter()
-            m = self._commit(rec, snap)
-            t["store"] = time.perf_counter() - t1
-        except BaseException:
-            if snap.follower is not None:
-                snap.follower.abort()
-            remove_tree(snap.images)
+        with self.table.locked(sid):
+            t0 = time.perf_counter()
+            with self.table.transition(sid, LIVE, State.CHECKPOINTING, None, "checkpoint") as rec:
+                snap = self._snapshot(rec, thaw=True)
+            try:  # the sandbox runs again already; a failed commit only loses this checkpoint
+                t1 = time.perf_counter()
+                m = self._commit(rec, snap)
+                snap.t["store"] = time.perf_counter() - t1
+            except BaseException:
+                snap.abandon()
+                self.table.set(rec, rec.state, pending=None)
+                raise
+            self.table.set(rec, rec.state, head=snap.ck, pending=None)
+            snap.t["total"] = time.perf_counter() - t0
+            self.table.timings[sid] = snap.t
+            self.staging.discard(snap.images)
             remove_tree(snap.fs)
-            self.table.set(rec, rec.state, pending=None)
-            raise
-        self.table.set(rec, rec.state, head=snap.ck, pending=None)
-        t["total"] = time.perf_counter() - t0
-        self.table.timings[rec.id] = t
-        return CheckpointInfo.from_manifest(m, t), snap.images, snap.fs
+            return CheckpointInfo.from_manifest(m, snap.t)
 
-    def hibernate(self, sid: str) -> CheckpointInfo:
-        """Checkpoint, then stop every process: memory and CPU are released; `resume` brings it back.
-        Synchronous: returns once the checkpoint is durable and the memory released (see
-        `pause(hibernate=True)` for the same in the background). The checkpoint is the caller's,
-        listed like any other (E2B's pause, whose checkpoint nobody is handed, keeps its own:
-        `Record.hibernation`)."""
-        with self.table.locked(sid) as rec:
-            self.table.require(rec, "hibernate", *LIVE)
-            self._hibernator.take(sid)  # a queued background hibernation of it is this one now
-            return self._hibernate_locked(rec)
-
-    def _hibernate_locked(self, rec: Record, job: Job | None = None, internal: bool = False) -> CheckpointInfo:
-        """Hibernate `rec` (its lock held); `internal`: the checkpoint is the sandbox's own
-        (`Record.hibernation`, replacing the one before). For a background `job` cancelled meanwhile (a
-        `resume` or `kill` waits for the lock), stop after the phase in progress instead and raise
-        `Cancelled`, leaving the sandbox paused: after the dump its images are dropped; after the
-        commit the checkpoint is kept as its head."""
-        sid = rec.id
+    def hibernate(self, sid: str, job: Job | None = None, internal: bool = False) -> CheckpointInfo:
+        """Checkpoint a running or paused sandbox, then stop every process (memory and CPU released;
+        `resume` brings it back); returns once the checkpoint is durable. `internal`: the checkpoint is
+        the sandbox's own (`Record.hibernation`, replacing the one before). For a background `job`
+        cancelled meanwhile (a `resume` or `kill` waits for the lock), stop after the phase in progress
+        instead and raise `Cancelled`, leaving the sandbox paused: after the dump its images are
+        dropped; after the commit the checkpoint is kept as its head."""
         t0 = time.perf_counter()
-        # Frozen, not killed, until the checkpoint is durable: a failure can still roll back.
-        snap = self._snapshot(rec, State.HIBERNATING, thaw=False)
-        ck, images, fs, t = snap.ck, snap.images, snap.fs, snap.t
-        try:
-            if job is not None and job.cancelled:
-                raise Cancelled(f"hibernation of {sid} cancelled after its dump")
+        with self.table.transition(sid, LIVE, State.HIBERNATING, State.HIBERNATED, "hibernate") as rec:
+            # Frozen, not killed, until the checkpoint is durable: a failure can still roll back.
+            snap = self._snapshot(rec, thaw=False)
+            t = snap.t
+            try:
+                if job is not None and job.cancelled:
+                    raise Cancelled(f"hibernation of {sid} cancelled after its dump")
+                t1 = time.perf_counter()
+                m = self._commit(rec, snap, internal)
+                t["store"] = time.perf_counter() - t1
+            except BaseException:
+                snap.abandon()
+                self._undo_hibernate(rec)
+                self.table.set(rec, rec.state, then_hibernate=False)
+                raise
+            # Durable: the sandbox's head from here on whatever follows, so the pause's checkpoint before it goes.
+            self.catalog.drop_own(rec.hibernation)
+            own = snap.ck if internal else None
+            if job is not None and job.cancelled:  # durable already: kept as its head
+                self.staging.discard(snap.images)
+                remove_tree(snap.fs)
+                self._undo_hibernate(rec)
+                self.table.set(rec, rec.state, head=snap.ck, then_hibernate=False, hibernation=own)
+                raise Cancelled(f"hibernation of {sid} cancelled after its commit: {snap.ck} kept as a checkpoint")
             t1 = time.perf_counter()
-            m = self._commit(rec, snap, internal)
-            t["store"] = time.perf_counter() - t1
-        except BaseException:
-            if snap.follower is not None:
-                snap.follower.abort()
-            remove_tree(images)
-            remove_tree(fs)
-            self._undo_hibernate(rec)
-            self.table.set(rec, rec.prev, prev=None, pending=None, then_hibernate=False)
-            raise
-        # Durable: the sandbox's head from here on whatever follows, so the pause's checkpoint before it goes.
-        self._drop_own(rec.hibernation)
-        if job is not None and job.cancelled:  # durable already: kept as its head
-            self._cleaner.submit(remove_tree, images)
-            remove_tree(fs)
-            self._undo_hibernate(rec)
-            self.table.set(rec, rec.prev, head=ck, prev=None, pending=None, then_hibernate=False,
-                           hibernation=ck if internal else None)
-            raise Cancelled(f"hibernation of {sid} cancelled after its commit: {ck} kept as a checkpoint")
-        t1 = time.perf_counter()
-        self.driver.destroy(sid, self.table.dirs(sid))
-        self._wipe_upper(rec)
-        t["stop"] = time.perf_counter() - t1
-        self._warm(ck, images)  # before "hibernated": their tmpfs is freed too (~50 ms per GiB)
-        self.table.set(rec, State.HIBERNATED, head=ck, layer=None, sealed_bytes=m.meta[FS_BYTES], prev=None,
-                       pending=None, then_hibernate=False, hibernation=ck if internal else None)
+            self.driver.destroy(sid, self.table.dirs(sid))
+            self.reclaimer.wipe_upper(rec)
+            t["stop"] = time.perf_counter() - t1
+            self._warm(snap.ck, snap.images)  # before "hibernated": their tmpfs is freed too (~50 ms per GiB)
+            self.table.set(rec, rec.state, head=snap.ck, layer=None, sealed_bytes=m.meta[FS_BYTES], pending=None,
+                           then_hibernate=False, hibernation=own)
         # The sealed fs is exactly what `resume` will stack the new upper on: the layer the record now
         # holds (were this to fail, the resume would check it out of the store).
-        self.layers.adopt(ck, fs)
+        self.layers.adopt(snap.ck, snap.fs)
         t["total"] = time.perf_counter() - t0
         self.table.timings[sid] = t
         return CheckpointInfo.from_manifest(m, t)
@@ -186,20 +172,15 @@ class Checkpoints(Prefetch, SealedLayers):
             self.driver.resume(rec.id)
         self.driver.agent(rec.id, self.table.dirs(rec.id)).open_gate()
 
-    def _wipe_upper(self, rec: Record) -> None:
-        dirs = self.table.dirs(rec.id)
-        for d in (dirs.upper, dirs.work, dirs.bundle, dirs.logs):
-            remove_tree(d)
-
-    def _restore_into(self, rec: Record, ck: str, images: Path | None = None) -> dict[str, float]:
-        """Start `rec`'s processes from checkpoint `ck` (images from `prefetch` or the store unless
-        given). From the store: every image but the memory pages' bytes, checked out while the driver
-        mounts; it reads the pages by range from the packs (those CRIU restores itself first)."""
+    def restore_into(self, rec: Record, ck: str, images: Path | None = None) -> dict[str, float]:
+        """Start `rec`'s processes (its lock held) from checkpoint `ck` (images from `prefetch` or the
+        store unless given). From the store: every image but the memory pages' bytes, checked out while
+        the driver mounts; it reads the pages by range from the packs (those CRIU restores itself first)."""
         t: dict[str, float] = {}
         t0 = time.perf_counter()
-        self.layers.ensure(ck)  # held by `rec` (its layer, or the head it resumes onto)
+        layer = self.layers.ensure(ck)  # held by `rec` (its layer, or the head it resumes onto)
         own, reader = images is None, None
-        staged = self._unstage(rec.id, keep=True) if own else None
+        staged = self.prefetcher.unstage(rec.id, keep=True) if own else None
         if staged is not None and staged.ck == ck:
             images = staged.path
         elif staged is not None:
@@ -209,7 +190,7 @@ class Checkpoints(Prefetch, SealedLayers):
             ready = self.driver.images.complete(images) if images is not None else None
             if ready is None:
                 reader = FileReader(self.store, ck, "images")
-                images, _ = self._staging(f"{ck}-{rec.id}")
+                images, _ = self.staging.new(f"{ck}-{rec.id}")
                 checkout = pool.submit(self.store.checkout, ck, {"images": images}, self.driver.images.holds_memory)
 
                 def wait() -> None:  # "store": until the checkout is done (it runs beside the mounts)
@@ -218,14 +199,14 @@ class Checkpoints(Prefetch, SealedLayers):
 
                 ready = Images(images, self.driver.images.memory_bytes(reader.sizes()), wait, reader.read,
                                reader.prefetch)
-            lowers = [self._layer_dir(ck), template_rootfs(rec.spec.template)]
+            lowers = [layer, template_rootfs(rec.spec.template)]
             # Lazily where the images are ours: the sandbox runs while its memory streams in.
             t.update(self.driver.restore(rec.id, self.table.dirs(rec.id), rec.spec, lowers, ready, lazy=own,
                                          sealed_bytes=rec.sealed_bytes))
         finally:
             pool.shutdown()  # a restore that failed before waiting for the checkout lets it finish first
             if own and images is not None:
-                self._cleaner.submit(self._drop_images, rec.id, images, reader)
+                self.staging.later(self._drop_images, rec.id, images, reader)
             elif reader is not None:
                 reader.close()
         t["total"] = time.perf_counter() - t0
@@ -259,10 +240,10 @@ class Checkpoints(Prefetch, SealedLayers):
         changes = {k: v for k, v in (("timeout_s", timeout_s), ("on_timeout", on_timeout)) if v is not None}
         if changes:
             spec = SandboxSpec(**{**spec.to_json(), **changes})
-        return self._spawn(spec, ck, ck, self._fs_bytes(ck), id)
+        return self.spawn(spec, ck, ck, self.catalog.fs_bytes(ck), id)
 
-    def _spawn(self, spec: SandboxSpec, ck: str, head: str | None, sealed_bytes: int, id: str | None = None,
-               images: Path | None = None) -> SandboxInfo:
+    def spawn(self, spec: SandboxSpec, ck: str, head: str | None, sealed_bytes: int, id: str | None = None,
+              images: Path | None = None) -> SandboxInfo:
         """A new sandbox restored from snapshot `ck` (its layer, holding `sealed_bytes` of its disk; its
         images from the store unless given), whose latest stored checkpoint is `head`."""
         sid = self.table.claim_id(id)
@@ -273,9 +254,9 @@ class Checkpoints(Prefetch, SealedLayers):
         with self.table.locked(sid):
             self.table.save(rec)
             try:
-                self._restore_into(rec, ck, images)
+                self.restore_into(rec, ck, images)
             except BaseException:
-                self._discard(rec)
+                self.reclaimer.discard(rec)
                 raise
             self.table.set(rec, State.RUNNING)
             return self.table.info(rec)
@@ -289,23 +270,22 @@ class Checkpoints(Prefetch, SealedLayers):
         descends from. Checkpoint the source first to keep its state in the store.
         """
         check_number("n", n, 1, MAX_FORK, "children", integer=True)
-        with self.table.locked(sid) as rec:
-            self.table.require(rec, "fork", *LIVE)
+        with self.table.locked(sid):
             t0 = time.perf_counter()
-            snap = self._snapshot(rec, State.CHECKPOINTING, thaw=True, store=False)
-            ck, images, fs, t = snap.ck, snap.images, snap.fs, snap.t
+            with self.table.transition(sid, LIVE, State.CHECKPOINTING, None, "fork") as rec:
+                snap = self._snapshot(rec, thaw=True, store=False)
+            ck, t = snap.ck, snap.t
             kids: list[SandboxInfo] = []
             self.layers.acquire(ck)  # the fork's own hold on the new layer, until every child holds it
             try:
-                self.table.set(rec, rec.prev, prev=None)
-                self.layers.adopt(ck, fs)
+                layer = self.layers.adopt(ck, snap.fs)
                 t1 = time.perf_counter()
-                fs_bytes = layers.tree_bytes(self._layer_dir(ck))  # what each child's disk holds already
+                fs_bytes = layers.tree_bytes(layer)  # what each child's disk holds already
                 t["measure"] = time.perf_counter() - t1
-                private = [self._private_images(images, i) for i in range(n)]  # before any child starts
+                private = [self._private_images(snap.images, i) for i in range(n)]  # before any child starts
                 t1 = time.perf_counter()
                 with ThreadPoolExecutor(max_workers=min(n, 8)) as pool:
-                    spawns = [pool.submit(self._spawn, rec.spec, ck, rec.head, fs_bytes, None, d) for d in private]
+                    spawns = [pool.submit(self.spawn, rec.spec, ck, rec.head, fs_bytes, None, d) for d in private]
                     failures = []
                     for f in spawns:
                         try:
@@ -317,13 +297,13 @@ class Checkpoints(Prefetch, SealedLayers):
                     raise failures[0]
             except BaseException:
                 for kid in kids:
-                    with contextlib.suppress(SandboxError):
-                        self.kill(kid.id)
+                    with contextlib.suppress(SandboxError), self.table.locked(kid.id) as kid_rec:
+                        self.reclaimer.discard(kid_rec)
                 raise
             finally:
-                for d in images.parent.glob(f"{images.name}*"):
-                    self._cleaner.submit(remove_tree, d)
-                remove_tree(fs)  # only there if it was not adopted
+                for d in snap.images.parent.glob(f"{snap.images.name}*"):
+                    self.staging.discard(d)
+                remove_tree(snap.fs)  # only there if it was not adopted
                 self.table.set(rec, rec.state, pending=None)
                 self.layers.release(ck)  # the layer goes unless a child stands on it
             t["total"] = time.perf_counter() - t0
@@ -339,26 +319,3 @@ class Checkpoints(Prefetch, SealedLayers):
         for f in images.iterdir():
             os.link(f, out / f.name)
         return out
-
-    def checkpoints(self) -> list[CheckpointInfo]:
-        """Every checkpoint in the store, oldest first, but the sandboxes' own (`Record.hibernation`)."""
-        return [CheckpointInfo.from_manifest(m) for m in self.store.list() if not m.meta.get(INTERNAL)]
-
-    def _drop_own(self, ck: str | None) -> None:
-        """Delete a sandbox's own checkpoint it no longer needs (superseded, or the sandbox killed). The
-        store keeps the chunks a later checkpoint shares with it; one a hibernated sandbox still
-        resumes from stays."""
-        if ck is not None:
-            with contextlib.suppress(CheckpointNotFoundError, InvalidStateError):
-                self.delete_checkpoint(ck)
-
-    def get_checkpoint(self, ck: str) -> CheckpointInfo:
-        return CheckpointInfo.from_manifest(self.store.get(ck))
-
-    def delete_checkpoint(self, ck: str) -> None:
-        """Remove a checkpoint from the store; refused while a hibernated (or resuming) sandbox needs it."""
-        users = [r for r in self.table.records() if r.head == ck and r.state in (State.HIBERNATED, State.RESUMING)]
-        if users:
-            raise InvalidStateError(f"checkpoint {ck} holds {users[0].state} sandbox {users[0].id}; "
-                                    "kill or resume it first")
-        self.store.delete(ck)  # its layer, if sandboxes stand on it, goes with the last of them

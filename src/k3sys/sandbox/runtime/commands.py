@@ -2,11 +2,11 @@
 
 Every command is a child of the agent, the sandbox's PID 1, so a checkpoint, fork, hibernation or
 restore carries it along; its output lives in the agent's ring inside the sandbox. The host keeps
-only a bounded window of what a reader fetched (`_Window`): nothing grows on the host while nobody
+only a bounded window of what a reader fetched (window.py): nothing grows on the host while nobody
 reads. `run` and the followers of `start_followed` / `follow_command` (follow.py) get every byte:
 the agent holds the command back while they read. Commands run without the sandbox's lock, so a
 long command never blocks `pause` or `kill`; a call cut by a checkpoint is made again once the
-sandbox runs (`_retrying`).
+sandbox runs (`Agents.retrying`).
 """
 
 from __future__ import annotations
@@ -28,74 +28,41 @@ from k3sys.sandbox.errors import (
     TooLargeError,
 )
 from k3sys.sandbox.runtime.agent import Agent
-from k3sys.sandbox.runtime.agent_protocol import Exit, Gap
-from k3sys.sandbox.runtime.base import Base
+from k3sys.sandbox.runtime.agent_protocol import Exit
+from k3sys.sandbox.runtime.agents import Agents
+from k3sys.sandbox.runtime.drivers.base import Driver
 from k3sys.sandbox.runtime.follow import OutputFollower
 from k3sys.sandbox.runtime.state import State
+from k3sys.sandbox.runtime.table import SandboxTable
 from k3sys.sandbox.runtime.trees import new_id
+from k3sys.sandbox.runtime.window import Window, decode, result
 from k3sys.sandbox.spec import CommandResult, OutputPieces, check_command
 from k3sys.sandbox.types import ProcessInfo
 
 _log = logging.getLogger(__name__)
-WINDOW = 16 << 20  # bytes of a command's output the host keeps per stream, at most
 # Bytes of output `run` returns, at most: it returns them in the host's memory (a longer output is
 # read as it comes, with `stream_command`, or over the service's streams, which hold none of it).
 RUN_OUTPUT_MAX = 128 << 20
-
-
-def _decode(b: bytes) -> str:
-    return b.decode("utf-8", errors="replace")
-
-
-def _result(out: bytes, err: bytes, end: Exit, dropped: int) -> CommandResult:
-    return CommandResult(_decode(out), _decode(err), end.exit, dropped)
-
-
-@dataclass
-class _Window:
-    """The newest output the host fetched, per stream: `out[i]` is stdout byte `out_base + i`.
-    `pos` is the agent offset fetched up to; `end` is set once the command ended and all is here."""
-
-    out: bytearray = field(default_factory=bytearray)
-    err: bytearray = field(default_factory=bytearray)
-    out_base: int = 0
-    err_base: int = 0
-    pos: int = 0
-    end: Exit | None = None
-
-    def add(self, piece: tuple[str, bytes] | Gap | Exit) -> None:
-        if isinstance(piece, Exit):
-            self.end = piece
-        elif isinstance(piece, Gap):
-            self.pos += piece.n  # dropped in the sandbox before anyone read it
-        else:
-            buf = self.out if piece[0] == "stdout" else self.err
-            buf += piece[1]
-            self.pos += len(piece[1])
-            if len(buf) > WINDOW:
-                cut = len(buf) - WINDOW
-                del buf[:cut]
-                if piece[0] == "stdout":
-                    self.out_base += cut
-                else:
-                    self.err_base += cut
-
-    def since(self, out: int, err: int) -> tuple[bytes, bytes]:
-        return bytes(self.out[max(0, out - self.out_base):]), bytes(self.err[max(0, err - self.err_base):])
 
 
 @dataclass
 class _Command:
     sandbox_id: str
     pid: int  # inside the sandbox
-    window: _Window = field(default_factory=_Window)
+    window: Window = field(default_factory=Window)
     mu: threading.Lock = field(default_factory=threading.Lock)  # one fetch at a time
 
 
-class Commands(Base):
-    """`Runtime`'s commands (see the module docstring)."""
+class CommandService:
+    """The commands of the sandboxes in `table` (see the module docstring), by command id; `driver`
+    runs one where the agent cannot be reached."""
 
-    _commands: dict[str, _Command]
+    def __init__(self, table: SandboxTable, agents: Agents, driver: Driver) -> None:
+        self.table = table
+        self.agents = agents
+        self.driver = driver
+        self._mu = threading.Lock()  # guards `_commands`
+        self._commands: dict[str, _Command] = {}  # command id -> its sandbox and pid
 
     def start_command(self, sid: str, cmd: str, cwd: str | None = None, env: dict[str, str] | None = None,
                       stdin: bytes | None = None) -> str:
@@ -133,9 +100,9 @@ class Commands(Base):
         follower = None
         with self.table.locked(sid) as rec:
             self.table.require(rec, "run a command in", State.RUNNING)
-            agent = self._agent(sid)
+            agent = self.agents.get(sid)
             if follow:
-                fields = agent._start_fields(cmd, env, cwd, user, piped, pty, None)
+                fields = agent.start_fields(cmd, env, cwd, user, piped, pty, None)
                 follower = OutputFollower(agent, "start", [*fields, ("follow", 1)])
                 pid = follower.pid
             else:
@@ -150,29 +117,29 @@ class Commands(Base):
         """The command's output from offset `pos`, followed (follow.py); waits out a checkpoint."""
         c = self._command(cid)
         fields = [("pid", c.pid), ("from", pos), ("follow", 1)]
-        return self._retrying(c.sandbox_id, lambda a: OutputFollower(a, "connect", fields, pos))
+        return self.agents.retrying(c.sandbox_id, lambda a: OutputFollower(a, "connect", fields, pos))
 
     def send_stdin(self, sid: str, pid: int, data: bytes, close: bool = False) -> None:
         """Write `data` to process `pid`'s stdin (a pipe or its terminal); `close` then closes it
         (a terminal gets ^D). NotFoundError when there is no such process."""
         if data:
-            self._retrying(sid, lambda a: a.write_stdin(pid, data))
+            self.agents.retrying(sid, lambda a: a.write_stdin(pid, data))
         if close:
-            self._retrying(sid, lambda a: a.close_stdin(pid))
+            self.agents.retrying(sid, lambda a: a.close_stdin(pid))
 
     def signal_process(self, sid: str, pid: int, sig: int) -> None:
         """Send signal `sig` to process `pid`'s group in the sandbox; a SIGKILL waits (up to 10 s)
         for the process to end, so it is no longer running once this returns."""
-        self._retrying(sid, lambda a: a.signal(pid, sig))
+        self.agents.retrying(sid, lambda a: a.signal(pid, sig))
         if sig == 9:
             with contextlib.suppress(NotFoundError):  # ended, and collected at once by a stream that followed it
-                self._retrying(sid, lambda a: a.wait(pid, 10))
+                self.agents.retrying(sid, lambda a: a.wait(pid, 10))
 
     def resize_pty(self, sid: str, pid: int, rows: int, cols: int) -> None:
         """Resize the terminal of PTY process `pid` (`rows` x `cols` characters)."""
         if not all(isinstance(n, int) and 0 < n < 1 << 16 for n in (rows, cols)):
             raise InvalidArgumentError(f"pty size: expected rows and cols between 1 and 65535, got {rows}x{cols}")
-        self._retrying(sid, lambda a: a.resize(pid, rows, cols))
+        self.agents.retrying(sid, lambda a: a.resize(pid, rows, cols))
 
     def command_exit(self, cid: str) -> Exit | None:
         """How the command ended, once it did and its output was all read (else None)."""
@@ -196,14 +163,14 @@ class Commands(Base):
     def connect_command(self, sid: str, pid: int) -> str:
         """A command id for process `pid` of the sandbox, running or ended and not yet released: a
         background command seen again in a fork, a restored sandbox or after a runtime restart."""
-        procs = self._retrying(sid, lambda a: a.processes())
+        procs = self.agents.retrying(sid, lambda a: a.processes())
         if not any(p["pid"] == str(pid) for p in procs):
             raise NotFoundError(f"no process {pid} in sandbox {sid}")
         return self._register_command(sid, pid)
 
     def processes(self, sid: str) -> list[ProcessInfo]:
         """The processes the sandbox's agent started and still holds, by pid."""
-        procs = self._retrying(sid, lambda a: a.processes())
+        procs = self.agents.retrying(sid, lambda a: a.processes())
         return sorted((ProcessInfo(int(p["pid"]), p.get("cmd", ""), p.get("tag", ""), p.get("running") == "1",
                                    int(p["exit"]) if "exit" in p else None, p.get("pty", "0") not in ("", "0"))
                        for p in procs), key=lambda p: p.pid)
@@ -215,8 +182,8 @@ class Commands(Base):
     def _feed(self, sid: str, pid: int, data: bytes) -> None:
         """Write a command's whole stdin and close it (a command that exits early just gets less)."""
         with contextlib.suppress(AgentError, NotFoundError):
-            self._retrying(sid, lambda a: a.write_stdin(pid, data))
-            self._retrying(sid, lambda a: a.close_stdin(pid))
+            self.agents.retrying(sid, lambda a: a.write_stdin(pid, data))
+            self.agents.retrying(sid, lambda a: a.close_stdin(pid))
 
     def _command(self, cid: str) -> _Command:
         with self._mu:
@@ -225,7 +192,7 @@ class Commands(Base):
             raise NotFoundError(f"no command {cid!r}")
         return c
 
-    def _fetch(self, c: _Command, follow: bool = False, timeout: float | None = None) -> _Window:
+    def _fetch(self, c: _Command, follow: bool = False, timeout: float | None = None) -> Window:
         """Bring `c`'s window up to date (with `follow`, until the command ends)."""
         w = c.window
         with c.mu:
@@ -234,7 +201,7 @@ class Commands(Base):
                     for piece in a.output(c.pid, w.pos, follow=follow, timeout=timeout):
                         w.add(piece)
                 try:
-                    self._retrying(c.sandbox_id, more)
+                    self.agents.retrying(c.sandbox_id, more)
                 except AgentError:
                     if not self._killed(c):
                         raise
@@ -254,25 +221,25 @@ class Commands(Base):
             w = self._fetch(c)
             out, err = w.since(0, 0)
             raise CommandTimeoutError(f"command {cid} in sandbox {c.sandbox_id} ran past {timeout} s and was killed",
-                                      _decode(out), _decode(err)) from None
+                                      decode(out), decode(err)) from None
         self._forget(cid, c)
         assert w.end is not None
         out, err = w.since(0, 0)
-        return _result(out, err, w.end, w.end.end - len(out) - len(err))
+        return result(out, err, w.end, w.end.end - len(out) - len(err))
 
     def _forget(self, cid: str, c: _Command) -> None:
         with self._mu:
             self._commands.pop(cid, None)
         if not self._killed(c):
             with contextlib.suppress(AgentError, NotFoundError):
-                self._agent(c.sandbox_id).release(c.pid)
+                self.agents.get(c.sandbox_id).release(c.pid)
 
     def command_output(self, cid: str) -> tuple[str, str]:
         """What the command has written so far (stdout, stderr), as far as the host's window holds."""
         c = self._command(cid)
         w = self._fetch(c)
         out, err = w.since(0, 0)
-        return _decode(out), _decode(err)
+        return decode(out), decode(err)
 
     def read_command_output(self, cid: str, since: tuple[int, int] = (0, 0)) -> tuple[bytes, bytes, bool]:
         """Raw (stdout, stderr) bytes after the offsets `since`, and whether the command has ended with
@@ -313,7 +280,7 @@ class Commands(Base):
             env = check_command(cmd, cwd, env)
             with self.table.locked(sid) as rec:
                 self.table.require(rec, "run a command in", State.RUNNING)
-                agent = self._agent(sid)
+                agent = self.agents.get(sid)
             try:
                 out, end = agent.run(cmd, env=env, cwd=cwd or "/", timeout=timeout, limit=RUN_OUTPUT_MAX)
             except CommandTimeoutError as e:
@@ -328,13 +295,12 @@ class Commands(Base):
             if end.end > RUN_OUTPUT_MAX:
                 raise TooLargeError(f"command in sandbox {sid} wrote more than {RUN_OUTPUT_MAX} bytes and was "
                                     "killed: read longer output as it comes (start_command, stream_command)")
-            return _result(out.text("stdout"), out.text("stderr"), end, out.dropped)
+            return result(out.text("stdout"), out.text("stderr"), end, out.dropped)
         cid = self.start_command(sid, cmd, cwd, env, stdin)
         try:
             return self.wait_command(cid, timeout)
         finally:
-            with self._mu:
-                self._commands.pop(cid, None)
+            self.forget_command(cid)
 
     def _run_without_agent(self, sid: str, cmd: str, timeout: float | None, cwd: str | None,
                            env: dict[str, str] | None, why: AgentError) -> CommandResult:
@@ -349,5 +315,5 @@ class Commands(Base):
             proc.kill()
             out, err = proc.communicate()
             raise CommandTimeoutError(f"command in sandbox {sid} ran past {timeout} s and was killed "
-                                      f"(run through runc exec: {why})", _decode(out), _decode(err)) from None
-        return CommandResult(_decode(out), _decode(err), proc.returncode)
+                                      f"(run through runc exec: {why})", decode(out), decode(err)) from None
+        return CommandResult(decode(out), decode(err), proc.returncode)

@@ -19,8 +19,9 @@ from k3sys.sandbox.errors import (
 )
 from k3sys.sandbox.runtime.agent import Agent
 from k3sys.sandbox.runtime.agent_protocol import xattr_fields, xattrs_of
-from k3sys.sandbox.runtime.base import Base
+from k3sys.sandbox.runtime.agents import Agents
 from k3sys.sandbox.runtime.state import State
+from k3sys.sandbox.runtime.table import SandboxTable
 from k3sys.sandbox.runtime.watch import MAX_EVENTS, WatchBudget, WatchHandle
 from k3sys.sandbox.types import EntryInfo
 
@@ -60,9 +61,9 @@ class _Reader(io.RawIOBase):
     """A sandbox file streamed from its agent, `size` bytes (its size when opened); a checkpoint
     cutting the stream only pauses it (it reconnects at the offset it reached)."""
 
-    def __init__(self, files: Files, sid: str, path: str, size: int, user: str | None) -> None:
+    def __init__(self, agents: Agents, sid: str, path: str, size: int, user: str | None) -> None:
         super().__init__()
-        self._files, self._sid, self._path, self.size, self._user = files, sid, path, size, user
+        self._agents, self._sid, self._path, self.size, self._user = agents, sid, path, size, user
         self._pos = 0
         self._buf = b""
         self._chunks: Iterator[bytes] | None = None
@@ -75,7 +76,7 @@ class _Reader(io.RawIOBase):
         file inside the sandbox, so it raises what opening raises (PermissionDeniedError)."""
         while not self._buf and self._pos < self.size:
             if self._chunks is None:
-                self._chunks = self._files._agent(self._sid).read_chunks(
+                self._chunks = self._agents.get(self._sid).read_chunks(
                     self._path, user=self._user, offset=self._pos, max_bytes=self.size - self._pos)
             try:
                 self._buf = next(self._chunks, b"")
@@ -107,15 +108,18 @@ class _Sized(io.BytesIO):
         self.size = len(data)
 
 
-class Files(Base):
-    """`Runtime`'s file operations (see the module docstring)."""
+class FileService:
+    """The files of the sandboxes in `table` (see the module docstring)."""
 
-    _watches: WatchBudget  # set by `Runtime.__init__`
+    def __init__(self, table: SandboxTable, agents: Agents) -> None:
+        self.table = table
+        self.agents = agents
+        self.watches = WatchBudget()  # watches open per sandbox (watch.py)
 
     def _files(self, sid: str, op: str) -> Agent:
         with self.table.locked(sid) as rec:
             self.table.require(rec, op, State.RUNNING)
-            return self._agent(sid)
+            return self.agents.get(sid)
 
     def read_file(self, sid: str, path: str, user: str | None = None) -> bytes:
         with self.open_file(sid, path, user) as f:
@@ -129,19 +133,20 @@ class Files(Base):
         answers with its EPERM)."""
         path = sandbox_path(path)
         self._files(sid, "read files of")
-        st = self._retrying(sid, lambda a: a.stat(path, follow=True, user=user))
+        st = self.agents.retrying(sid, lambda a: a.stat(path, follow=True, user=user))
         if st["type"] == "dir":
             raise WrongFileTypeError(f"is a directory in the sandbox: {path!r}")
         if st["type"] in ("char", "block"):
-            self._retrying(sid, lambda a: a.read(path, user=user, max_bytes=0))  # PermissionDeniedError if refused
+            # PermissionDeniedError if refused
+            self.agents.retrying(sid, lambda a: a.read(path, user=user, max_bytes=0))
         if st["type"] != "file":
             raise WrongFileTypeError(f"not a regular file in the sandbox ({st['type']}): {path!r}")
         if st["size"] == "0":  # empty, or a procfs file: read to its end, bounded
-            data = self._retrying(sid, lambda a: a.read(path, user=user, max_bytes=SIZELESS_MAX + 1))
+            data = self.agents.retrying(sid, lambda a: a.read(path, user=user, max_bytes=SIZELESS_MAX + 1))
             if len(data) > SIZELESS_MAX:
                 raise TooLargeError(f"{path!r}: its size says 0 but it reads past {SIZELESS_MAX} bytes")
             return _Sized(data)  # type: ignore[return-value]
-        reader = _Reader(self, sid, path, int(st["size"]), user)
+        reader = _Reader(self.agents, sid, path, int(st["size"]), user)
         try:
             # Opened inside before it is returned: a file the user may not read is refused here, before
             # a caller (envd's GET /files) has promised any byte of it.
@@ -166,7 +171,7 @@ class Files(Base):
         self._files(sid, "write files of")
         if not hasattr(data, "read"):
             # Replacing a file is idempotent: a write cut by a checkpoint is simply made again.
-            return self._retrying(sid, lambda a: a.write(path, data, parents=True, user=user,  # type: ignore[arg-type]
+            return self.agents.retrying(sid, lambda a: a.write(path, data, parents=True, user=user,  # type: ignore[arg-type]
                                                          xattrs=xattrs))
         start = data.tell() if data.seekable() else None  # type: ignore[union-attr]
 
@@ -177,7 +182,7 @@ class Files(Base):
                            user=user, xattrs=xattrs)
         # A stream that cannot be rewound is sent once; a checkpoint cutting it raises the retryable
         # AgentInterruptedError to the caller.
-        return self._retrying(sid, send) if start is not None else send(self._agent(sid))
+        return self.agents.retrying(sid, send) if start is not None else send(self.agents.get(sid))
 
     def list_dir(self, sid: str, path: str = "/", depth: int = 1, user: str | None = None) -> list[EntryInfo]:
         """Entries of directory `path` and, to `depth` levels, of the directories below it, sorted by
@@ -187,7 +192,7 @@ class Files(Base):
             raise InvalidArgumentError(f"depth: expected an integer from 1, got {depth!r}")
         self._files(sid, "list files of")
         try:
-            entries = self._retrying(sid, lambda a: a.list(path, depth=depth, user=user, xattrs=True))
+            entries = self.agents.retrying(sid, lambda a: a.list(path, depth=depth, user=user, xattrs=True))
         except WrongFileTypeError:
             raise WrongFileTypeError(f"not a directory in the sandbox: {path!r}") from None
         return sorted((_entry(f) for f in entries), key=lambda e: e.path)
@@ -196,34 +201,34 @@ class Files(Base):
         """The entry at `path` (a symlink itself, not its target); SandboxFileNotFoundError if none."""
         path = sandbox_path(path)
         self._files(sid, "look up files of")
-        f = self._retrying(sid, lambda a: a.stat(path, user=user, xattrs=True))
+        f = self.agents.retrying(sid, lambda a: a.stat(path, user=user, xattrs=True))
         return _entry({"name": path.rstrip("/").rpartition("/")[2] or "/", "path": path, **f})
 
     def move(self, sid: str, src: str, dst: str, user: str | None = None) -> None:
         """Rename `src` to `dst` inside the sandbox (InvalidArgumentError across file systems)."""
         src, dst = sandbox_path(src), sandbox_path(dst)
         self._files(sid, "move files of")
-        self._retrying(sid, lambda a: a.move(src, dst, user=user))
+        self.agents.retrying(sid, lambda a: a.move(src, dst, user=user))
 
     def remove(self, sid: str, path: str, user: str | None = None) -> None:
         path = sandbox_path(path)
         if path.strip("/") == "":
             raise InvalidArgumentError("path: refusing to remove the sandbox's root")
         self._files(sid, "remove files of")
-        self._retrying(sid, lambda a: a.remove(path, user=user))
+        self.agents.retrying(sid, lambda a: a.remove(path, user=user))
 
     def make_dir(self, sid: str, path: str, user: str | None = None) -> None:
         """Create directory `path` and any missing parents (`mkdir -p`)."""
         path = sandbox_path(path)
         self._files(sid, "create directories in")
-        self._retrying(sid, lambda a: a.mkdir(path, user=user))
+        self.agents.retrying(sid, lambda a: a.mkdir(path, user=user))
 
     def exists(self, sid: str, path: str, user: str | None = None) -> bool:
         """Whether `path` names an entry in the sandbox (a dangling link counts)."""
         path = sandbox_path(path)
         self._files(sid, "look up files of")
         try:
-            self._retrying(sid, lambda a: a.stat(path, user=user))
+            self.agents.retrying(sid, lambda a: a.stat(path, user=user))
         except SandboxFileNotFoundError:
             return False
         return True
@@ -236,9 +241,9 @@ class Files(Base):
         its root's inotify instances or watches inside it ran out (the message names which)."""
         path = sandbox_path(path)
         agent = self._files(sid, "watch files of")
-        self._watches.take(sid)
+        self.watches.take(sid)
         try:
-            return WatchHandle(agent, path, recursive, max_events, on_end=lambda: self._watches.give(sid))
+            return WatchHandle(agent, path, recursive, max_events, on_end=lambda: self.watches.give(sid))
         except RuntimeError:  # no thread could start: the watch never began
-            self._watches.give(sid)
+            self.watches.give(sid)
             raise

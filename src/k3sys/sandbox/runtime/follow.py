@@ -35,14 +35,14 @@ class OutputFollower:
         self.exit: Exit | None = None
         self._buf = bytearray()
         self._stack = contextlib.ExitStack()
-        st = self._stack.enter_context(agent._call(None))
+        st = self._stack.enter_context(agent.connection(None))
         self.sock: socket.socket = st.sock
         try:
             st.send(encode(op, fields))
             if op == "start":
                 t, payload = next(st.frames())  # `I pid=`, or the X of a start that failed
                 self.pid = int(parse_fields(payload).get("pid", 0))
-            agent._streaming(self.sock)  # waits on the sandbox from here on: a checkpoint cuts it at once
+            agent.mark_streaming(self.sock)  # waits on the sandbox from here on: a checkpoint cuts it at once
         except BaseException as e:
             self._fail(e)
         self.sock.setblocking(False)

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from k3sys.sandbox.runtime.base import Base
+from k3sys.sandbox.runtime.layerset import LayerSet
+from k3sys.sandbox.runtime.staging import Staging
 from k3sys.sandbox.runtime.state import State
-from k3sys.sandbox.runtime.trees import remove_tree
+from k3sys.sandbox.runtime.store import Store
+from k3sys.sandbox.runtime.table import SandboxTable
 from k3sys.sandbox.spec import check_number
 
 
@@ -25,12 +26,16 @@ class Staged:
     expires: float
 
 
-class Prefetch(Base):
-    """`Runtime`'s staged images (see the module docstring); `_staged` is set by `Runtime.__init__`."""
+class Prefetcher:
+    """The staged images of the sandboxes in `table` (see the module docstring)."""
 
-    _mu: threading.Lock  # guards `_staged`
-    _staged: dict[str, Staged]
-    _cleaner: ThreadPoolExecutor
+    def __init__(self, table: SandboxTable, layer_set: LayerSet, store: Store, staging: Staging) -> None:
+        self.table = table
+        self.layers = layer_set
+        self.store = store
+        self.staging = staging
+        self._mu = threading.Lock()  # guards `_staged`
+        self._staged: dict[str, Staged] = {}  # sandbox id -> images prefetched for its resume
 
     def prefetch(self, sid: str, ttl_s: float = 60.0) -> bool:
         """Stage a hibernated sandbox's images on tmpfs ahead of a likely `resume` (e.g. while the
@@ -48,18 +53,38 @@ class Prefetch(Base):
                 if staged is not None and staged.ck == rec.head:
                     self._staged[sid] = Staged(staged.ck, staged.path, expires)
                     return True
-            self._unstage(sid)
+            self.unstage(sid)
             self.layers.ensure(rec.head)
-            path, _ = self._staging(f"{rec.head}-{sid}-prefetched")
+            path, _ = self.staging.new(f"{rec.head}-{sid}-prefetched")
             self.store.checkout(rec.head, {"images": path})
             with self._mu:
                 self._staged[sid] = Staged(rec.head, path, expires)
             return True
 
-    def _unstage(self, sid: str, keep: bool = False) -> Staged | None:
-        """Forget the images `prefetch` staged for `sid`; delete them unless `keep` (then the caller owns them)."""
+    def staged(self, sid: str) -> Staged | None:
+        """What is staged for `sid` now (None: nothing)."""
+        with self._mu:
+            return self._staged.get(sid)
+
+    def unstage(self, sid: str, keep: bool = False) -> Staged | None:
+        """Forget the images staged for `sid`; delete them unless `keep` (then the caller owns them)."""
         with self._mu:
             staged = self._staged.pop(sid, None)
         if staged is not None and not keep:
-            self._cleaner.submit(remove_tree, staged.path)
+            self.staging.discard(staged.path)
         return staged
+
+    def drop_expired(self) -> None:
+        """Drop the staged images past their time to live."""
+        mono = time.monotonic()
+        with self._mu:
+            stale = [sid for sid, st in self._staged.items() if st.expires <= mono]
+        for sid in stale:
+            self.unstage(sid)
+
+    def close(self) -> None:
+        """Drop every staged image (their sandboxes' next runtime stages again when asked)."""
+        with self._mu:
+            sids = list(self._staged)
+        for sid in sids:
+            self.unstage(sid)

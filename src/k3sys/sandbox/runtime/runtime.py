@@ -19,14 +19,16 @@ Commands run without the lock (a long command does not block `pause` or `kill`).
 Recovery: a runtime opening a directory another runtime left (crashed) adopts its sandboxes
 (recovery.py).
 
-Parts (docs/sandbox.md draws who calls whom): the sandbox table (table.py: records, per-sandbox
-locks, the one transition table, `transition`) and the sealed layers (layerset.py: a reference count
-per layer, the last release deletes) are parts of their own, constructed here with their
-dependencies and reached as `self.table` and `self.layers`. Commands (commands.py), files
-(files.py), checkpoints (checkpoints.py: checkpoint, hibernate, restore, fork; prefetch.py; sealed.py
-what a sealed layer holds of the disk) and recovery (recovery.py: startup recovery, the timeout
-reaper) are still mixins of this class over base.py; this module holds construction, create / kill
-/ pause / resume and the queries.
+`Runtime` is a facade over parts, each constructed here with the parts it calls and holding its own
+state (docs/sandbox.md draws who calls whom): the sandbox table (table.py: records, per-sandbox
+locks, the one transition table, `transition`), the sealed layers (layerset.py: a reference count
+per layer), staging directories (staging.py), the sandboxes' agents (agents.py), the store's
+checkpoints as listed (catalog.py), prefetched images (prefetch.py), releasing a sandbox
+(reclaim.py), the checkpoint service (checkpoints.py: checkpoint, hibernate, restore, fork), the
+life cycle (lifecycle.py: create, pause, resume, hibernate, kill; it owns the background
+hibernations), recovery and the reaper (recovery.py), the command and file services (commands.py
+with window.py, files.py). Its public methods are theirs, bound here; it holds the directory's lock
+and the queries.
 """
 
 from __future__ import annotations
@@ -34,43 +36,30 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
-import logging
 import os
-import threading
-import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from k3sys.sandbox.errors import (
-    AgentError,
-    AgentTimeoutError,
-    DriverError,
-    InvalidArgumentError,
-    NotFoundError,
-    RuntimeLockedError,
-    SandboxError,
-)
-from k3sys.sandbox.runtime.background import Cancelled, Hibernator, Job
-from k3sys.sandbox.runtime.checkpoints import Checkpoints
-from k3sys.sandbox.runtime.commands import Commands
+from k3sys.sandbox.errors import InvalidArgumentError, NotFoundError, RuntimeLockedError
+from k3sys.sandbox.runtime.agents import Agents
+from k3sys.sandbox.runtime.catalog import Catalog
+from k3sys.sandbox.runtime.checkpoints import CheckpointService
+from k3sys.sandbox.runtime.commands import CommandService
 from k3sys.sandbox.runtime.drivers.base import Driver
-from k3sys.sandbox.runtime.files import Files
+from k3sys.sandbox.runtime.files import FileService
 from k3sys.sandbox.runtime.layerset import LayerSet
+from k3sys.sandbox.runtime.lifecycle import Lifecycle
+from k3sys.sandbox.runtime.prefetch import Prefetcher
+from k3sys.sandbox.runtime.reclaim import Reclaimer
 from k3sys.sandbox.runtime.recovery import Recovery
-from k3sys.sandbox.runtime.state import Record, State
+from k3sys.sandbox.runtime.staging import Staging
 from k3sys.sandbox.runtime.store import Store
 from k3sys.sandbox.runtime.table import SandboxTable
-from k3sys.sandbox.runtime.templates import template_rootfs
-from k3sys.sandbox.runtime.trees import remove_tree
-from k3sys.sandbox.runtime.watch import WatchBudget
-from k3sys.sandbox.spec import ON_TIMEOUT, SandboxSpec, check_number
+from k3sys.sandbox.spec import ON_TIMEOUT, check_number
 from k3sys.sandbox.types import SandboxInfo
 
-_log = logging.getLogger(__name__)
 # Seconds between E2B's pause (a freeze) and the start of its background hibernation: a connect
 # within this is a thaw in milliseconds; after it, it waits for the CRIU dump in progress (~2 s/GiB).
 HIBERNATE_DELAY_S = 1.0
-DUMP_TRIES = 3  # a background hibernation's dump is tried this often (`_hibernate_tries`)
 
 
 def default_root() -> Path:
@@ -79,7 +68,7 @@ def default_root() -> Path:
     return Path(env) if env else Path.home() / ".local" / "share" / "k3sys"
 
 
-class Runtime(Recovery, Checkpoints, Files, Commands):
+class Runtime:
     """Sandboxes of one runtime directory; see the module docstring. Use one per directory."""
 
     def __init__(self, root: Path | str | None = None, driver: Driver | None = None, on_timeout: str = "kill",
@@ -116,62 +105,49 @@ class Runtime(Recovery, Checkpoints, Files, Commands):
         tag = hashlib.sha256(str(self.root.resolve()).encode()).hexdigest()[:12]
         self.scratch = Path(os.environ.get("K3SYS_SCRATCH", "/dev/shm")) / f"k3sys-{tag}"
         self.table = SandboxTable(self.root, self.layers)
-        self._mu = threading.Lock()  # guards `_commands` and `_staged`
-        self._commands = {}  # command id -> its sandbox and pid (commands.py)
-        self._staged = {}  # sandbox id -> images prefetched for its resume (prefetch.py)
-        self._watches = WatchBudget()  # watches open per sandbox (watch.py)
-        # Image directories are deleted off the caller's path (freeing 64 MiB of tmpfs takes ~5 ms).
-        self._cleaner = ThreadPoolExecutor(1, thread_name_prefix="k3sys-sandbox-cleanup")
-        self._closed = threading.Event()
-        self._hibernator = Hibernator(self._hibernate_job, hibernate_workers, hibernate_delay_s)
-        self._recover()
-        self._reaper = threading.Thread(target=self._reap_expired, name="k3sys-sandbox-reaper", daemon=True)
-        self._reaper.start()
+        self.staging = Staging(self.root, self.scratch)
+        self.agents = Agents(self.table, driver)
+        self.catalog = Catalog(self.table, self.store, self.layers)
+        self.prefetcher = Prefetcher(self.table, self.layers, self.store, self.staging)
+        self.reclaimer = Reclaimer(self.table, driver, self.prefetcher, self.catalog)
+        self.checkpoint_service = CheckpointService(self.table, self.layers, self.store, driver, self.staging,
+                                                    self.prefetcher, self.catalog, self.reclaimer)
+        self.lifecycle = Lifecycle(self.table, self.layers, driver, self.checkpoint_service, self.reclaimer,
+                                   hibernate_delay_s, hibernate_workers)
+        self.hibernator = self.lifecycle.hibernator
+        self.recovery = Recovery(self.root, self.table, self.layers, self.store, driver, self.staging,
+                                 self.prefetcher, self.catalog, self.reclaimer, self.checkpoint_service,
+                                 self.hibernator, on_timeout)
+        self.command_service = CommandService(self.table, self.agents, driver)
+        self.file_service = FileService(self.table, self.agents)
+        self._bind()
+        self.recovery.recover()
+        self.recovery.start()
 
-    def create(self, spec: SandboxSpec, id: str | None = None) -> SandboxInfo:
-        """Start a new sandbox from `spec.template`; `id` chosen by the caller or generated."""
-        if not isinstance(spec, SandboxSpec):
-            raise InvalidArgumentError(f"spec: expected a SandboxSpec, got {type(spec).__name__}")
-        template_rootfs(spec.template)  # unknown template -> UnknownTemplateError before any work
-        sid = self.table.claim_id(id)
-        now = time.time()
-        rec = Record(sid, spec, State.CREATING, now, deadline=now + spec.timeout_s if spec.timeout_s else None)
-        self.table.register(rec)
-        with self.table.locked(sid):
-            self.table.save(rec)
-            try:
-                self.driver.create(sid, self.table.dirs(sid), spec, self._lowers(rec))
-            except BaseException:
-                self._discard(rec)
-                raise
-            self.table.set(rec, State.RUNNING)
-            return self.table.info(rec)
-
-    def _discard(self, rec: Record) -> None:
-        """Release everything of `rec` and forget it (its checkpoints stay in the store)."""
-        dirs = self.table.dirs(rec.id)
-        self.driver.drop_agent(rec.id)  # calls waiting on it fail now; commands die with the sandbox
-        try:
-            self.driver.destroy(rec.id, dirs)
-        except BaseException as e:
-            # Something is still held (a mount, a cgroup): keep the record so it stays visible.
-            self.table.set(rec, State.LOST, reason=f"kill failed: {e}")
-            raise
-        remove_tree(dirs.root)
-        self._unstage(rec.id)
-        self.table.drop(rec)
-        self._drop_own(rec.hibernation)
-
-    def kill(self, sid: str) -> None:
-        """Stop the sandbox and release its processes, memory, mounts, cgroups and files (a
-        background hibernation in flight stops after its current phase first)."""
-        self._hibernator.cancel(sid)
-        if self.table.get(sid) is not None:
-            # Calls on its agent end now, and fail from here on, those of an operation holding the
-            # lock included (a dump's quiesce of a stuck agent): the kill waits for none of their deadlines.
-            self.driver.agent(sid, self.table.dirs(sid)).cut("the sandbox is being killed")
-        with self.table.locked(sid) as rec:
-            self._discard(rec)
+    def _bind(self) -> None:
+        """The parts' public operations as this runtime's methods (their docstrings say what each does)."""
+        life, cks, cat = self.lifecycle, self.checkpoint_service, self.catalog
+        self.create, self.kill, self.pause, self.resume = life.create, life.kill, life.pause, life.resume
+        self.hibernate, self.set_timeout = life.hibernate, life.set_timeout
+        self.checkpoint, self.restore, self.fork = cks.checkpoint, cks.restore, cks.fork
+        self.checkpoints, self.get_checkpoint, self.delete_checkpoint = cat.list, cat.get, cat.delete
+        self.prefetch = self.prefetcher.prefetch
+        cmd = self.command_service
+        self.run, self.start_command, self.start_process = cmd.run, cmd.start_command, cmd.start_process
+        self.start_followed, self.follow_command, self.wait_command = (cmd.start_followed, cmd.follow_command,
+                                                                       cmd.wait_command)
+        self.send_stdin, self.signal_process, self.resize_pty = cmd.send_stdin, cmd.signal_process, cmd.resize_pty
+        self.command_exit, self.release_command, self.forget_command = (cmd.command_exit, cmd.release_command,
+                                                                        cmd.forget_command)
+        self.connect_command, self.processes, self.command_pid = cmd.connect_command, cmd.processes, cmd.command_pid
+        self.command_output, self.read_command_output = cmd.command_output, cmd.read_command_output
+        self.stream_command, self.command_running, self.kill_command = (cmd.stream_command, cmd.command_running,
+                                                                        cmd.kill_command)
+        fs = self.file_service
+        self.read_file, self.open_file, self.write_file, self.list_dir = (fs.read_file, fs.open_file, fs.write_file,
+                                                                          fs.list_dir)
+        self.stat, self.move, self.remove, self.make_dir = fs.stat, fs.move, fs.remove, fs.make_dir
+        self.exists, self.watch_dir = fs.exists, fs.watch_dir
 
     def info(self, sid: str) -> SandboxInfo:
         rec = self.table.get(sid)
@@ -197,116 +173,15 @@ class Runtime(Recovery, Checkpoints, Files, Commands):
         from 0 when a hibernated sandbox resumes, since it comes back in a new cgroup)."""
         return self.driver.cpu_seconds(sid)
 
-    def pause(self, sid: str, hibernate: bool = False) -> None:
-        """Freeze the sandbox: no CPU, memory kept; commands and files are refused until `resume`.
-
-        `hibernate`: and hibernate it in the background (E2B's pause): this returns once it is
-        frozen; a worker checkpoints and stops it `hibernate_delay_s` later, releasing its memory
-        once the checkpoint is durable. Meanwhile its info says "paused" with `then_hibernate`, then
-        "hibernating", then "hibernated"; a `resume` before the end is a thaw (background.py)."""
-        with self.table.locked(sid) as rec:
-            self.table.require(rec, "pause", State.RUNNING)
-            # For a hibernation: the agent drops the host's connections and holds its gate first, so
-            # the dump needs no thaw and saves exactly this state (the driver's `pause(sid, dirs)`).
-            self.driver.pause(sid, self.table.dirs(sid) if hibernate else None)
-            self.table.set(rec, State.PAUSED, then_hibernate=hibernate, reason="")
-            if hibernate:
-                self._hibernator.submit(sid)
-
-    def _hibernate_job(self, job: Job) -> None:
-        """A background worker's hibernation of `job.sid` (see `pause`)."""
-        try:
-            with self.table.locked(job.sid) as rec:
-                if not self._hibernator.active(job) or rec.state is not State.PAUSED or not rec.then_hibernate:
-                    return  # resumed, killed, or hibernated by someone else meanwhile
-                try:
-                    self._hibernate_tries(rec, job)
-                except Cancelled:
-                    pass
-                except Exception as e:  # noqa: BLE001 - the sandbox stays paused; its record says why
-                    _log.warning("background hibernation of %s failed: %s: %s", job.sid, type(e).__name__, e)
-                    self.table.set(rec, rec.state, reason=f"background hibernation failed: {type(e).__name__}: {e}")
-        except NotFoundError:
-            pass  # killed before its turn
-
-    def _hibernate_tries(self, rec: Record, job: Job | None = None) -> None:
-        """`_hibernate_locked`, made again (up to DUMP_TRIES times) when the dump or the agent's
-        quiesce before it fails. A sandbox the driver must thaw for that quiesce (one a restarted
-        runtime adopted frozen; the pause's own freeze needs none) wakes every process whose timer ran
-        out meanwhile at that instant: one exiting just as CRIU seizes it fails the dump ("Unseizable
-        non-zombie"). Each failure leaves the sandbox as it was (frozen), so a second try a moment
-        later, past that burst, is safe."""
-        for attempt in range(1, DUMP_TRIES + 1):
-            try:
-                self._hibernate_locked(rec, job, internal=True)
-                return
-            except (DriverError, AgentError) as e:
-                if isinstance(e, AgentTimeoutError):
-                    raise  # a stuck agent: it did not answer for seconds, a try a moment later will not help
-                if job is not None and job.cancelled:
-                    raise Cancelled(f"hibernation of {rec.id} cancelled after a failed dump") from e
-                if attempt == DUMP_TRIES:
-                    raise
-                _log.info("hibernation of %s: dump failed (try %d of %d), again: %s", rec.id, attempt, DUMP_TRIES, e)
-                time.sleep(0.05 * attempt)
-
-    def resume(self, sid: str, memory: bool = True) -> None:
-        """Thaw a paused sandbox, or restore a hibernated one (same id, same processes). `memory=False`
-        boots a hibernated one cold instead: its files as they were, none of its processes (E2B's
-        filesystem-only resume; a sandbox still hibernating in the background finishes that first).
-
-        A background hibernation in flight is cancelled: it stops after its current phase (the CRIU
-        dump, or the store commit) and the sandbox thaws, its processes never stopped."""
-        if memory:
-            self._hibernator.cancel(sid)  # before the lock: its worker holds it while it works
-        with self.table.locked(sid) as rec:
-            self.table.require(rec, "resume", State.PAUSED, State.HIBERNATED)
-            if rec.state is State.PAUSED and rec.then_hibernate and not memory:
-                self._hibernator.take(sid)
-                self._hibernate_tries(rec)
-            if rec.state is State.PAUSED:
-                self.driver.resume(sid)
-                if rec.then_hibernate:  # its gate is held since the pause
-                    self.driver.agent(sid, self.table.dirs(sid)).open_gate()
-                self.table.set(rec, State.RUNNING, then_hibernate=False)
-                return
-            with self.table.transition(sid, (State.HIBERNATED,), State.RESUMING, State.RUNNING, "resume"):
-                try:
-                    if memory:
-                        self._restore_into(rec, rec.head)
-                    else:  # the sealed fs of its last checkpoint under a fresh upper, the template's PID 1
-                        self.driver.create(sid, self.table.dirs(sid), rec.spec,
-                                           [self.layers.ensure(rec.head), template_rootfs(rec.spec.template)],
-                                           sealed_bytes=rec.sealed_bytes)
-                except BaseException:  # back to hibernated (`transition`), with nothing of the attempt left
-                    with contextlib.suppress(SandboxError):
-                        self.driver.destroy(sid, self.table.dirs(sid))
-                    self._wipe_upper(rec)
-                    raise
-                # A sandbox hibernated by its timeout gets a fresh `timeout_s` from now.
-                deadline = rec.deadline if rec.deadline or not rec.spec.timeout_s else time.time() + rec.spec.timeout_s
-                self.table.set(rec, rec.state, layer=rec.head, deadline=deadline, reason="")
-
-    def set_timeout(self, sid: str, timeout_s: float | None) -> None:
-        """The sandbox's `on_timeout` applies `timeout_s` seconds from now (None: never)."""
-        if timeout_s is not None:
-            check_number("timeout_s", timeout_s, 0, 1e9, "seconds (or None)")
-        with self.table.locked(sid) as rec:
-            self.table.set(rec, rec.state, deadline=None if timeout_s is None else time.time() + timeout_s)
-
     def close(self) -> None:
         """Let go of the directory; sandboxes keep running and the next runtime adopts them."""
-        if self._closed.is_set():
+        if self._lock_file.closed:
             return
-        self._closed.set()
-        self._reaper.join()
-        self._hibernator.close()  # after the hibernations in flight; queued ones are the next runtime's
-        for sid in list(self._staged):
-            self._unstage(sid)
-        self._cleaner.shutdown(wait=True)
+        self.recovery.close()
+        self.hibernator.close()  # after the hibernations in flight; queued ones are the next runtime's
+        self.prefetcher.close()
+        self.staging.close()
         self.driver.close()
-        with contextlib.suppress(OSError):
-            self.scratch.rmdir()
         self._lock_file.close()
 
     def kill_all(self) -> None:

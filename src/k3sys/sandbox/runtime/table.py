@@ -75,7 +75,8 @@ class SandboxTable:
                    op: str) -> Iterator[Record]:
         """`op` on the sandbox: with its lock held, InvalidStateError unless it is in `allowed_from`;
         the record says `via` (with `prev` the state before) while the block runs; then `to` (None: the
-        state before), or on an exception the state before again. The block may `set` other fields."""
+        state before), or on an exception the state before again, nothing `pending`. The block may
+        `set` other fields (with the state it is in); those it sets before raising stay."""
         with self.locked(sid) as rec:
             self.require(rec, op, *allowed_from)
             before = rec.state
@@ -83,7 +84,7 @@ class SandboxTable:
             try:
                 yield rec
             except BaseException:
-                self.set(rec, before, prev=None)
+                self.set(rec, before, prev=None, pending=None)
                 raise
             self.set(rec, to or before, prev=None)
 

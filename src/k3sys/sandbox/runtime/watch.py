@@ -99,7 +99,7 @@ class WatchHandle:
     def _follow(self) -> None:
         while not self._stopped.is_set():
             try:
-                with self._agent._call(None, stream=True) as st:
+                with self._agent.connection(None, stream=True) as st:
                     with self._mu:
                         self._sock = st.sock
                     if self._stopped.is_set():

@@ -1,0 +1,43 @@
+"""The agent of a sandbox (agent.py) as the runtime's parts call it: through the driver, as the
+sandbox's template user, and made again when a checkpoint cut the call."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+from k3sys.sandbox.errors import AgentError, AgentInterruptedError
+from k3sys.sandbox.runtime.agent import Agent
+from k3sys.sandbox.runtime.drivers.base import Driver
+from k3sys.sandbox.runtime.table import SandboxTable
+from k3sys.sandbox.runtime.templates import template_user
+
+T = TypeVar("T")
+
+
+class Agents:
+    """The agents of the sandboxes in `table`, reached through `driver`."""
+
+    def __init__(self, table: SandboxTable, driver: Driver) -> None:
+        self.table = table
+        self.driver = driver
+
+    def get(self, sid: str) -> Agent:
+        """The sandbox's agent; AgentError once it is killed."""
+        rec = self.table.get(sid)
+        if rec is None:  # killed: its agent went with it
+            raise AgentError(f"sandbox agent: sandbox {sid} is gone")
+        agent = self.driver.agent(sid, self.table.dirs(sid))
+        agent.user = template_user(rec.spec.template)  # calls naming no user run as the template's
+        return agent
+
+    def retrying(self, sid: str, call: Callable[[Agent], T], deadline: float | None = None) -> T:
+        """`call(agent)` on the sandbox's agent, made again when a checkpoint cut it (the agent's gate
+        holds the retry until the sandbox runs again); `deadline` in monotonic seconds."""
+        while True:
+            try:
+                return call(self.get(sid))
+            except AgentInterruptedError:
+                if deadline is not None and time.monotonic() > deadline:
+                    raise
