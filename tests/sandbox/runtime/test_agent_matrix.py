@@ -55,6 +55,8 @@ def start_kinds(rt: Runtime, sid: str, shell: str) -> list[Kind]:
     r = Sandbox.get(sid, runtime=rt).commands.run(
         f"mkfifo /root/in && setsid sh -c '{COUNTER} & exec cat' <>/root/in >/root/det.log 2>&1 &")
     assert r.exit_code == 0, r.stderr
+    # The `&` job opens its log after `run` has returned: wait for the file, not for a quiet machine.
+    wait_until(lambda: Sandbox.get(sid, runtime=rt).files.exists("/root/det.log"), 20, "the detached job's log")
     pty = Kind("pty", agent.start([shell, "-i"], pty=(24, 80), stdin=True))
     # The variable lives in the interactive shell; the counter is a background job of that shell.
     agent.write_stdin(pty.pid, f"X=42; ({COUNTER}) &\n".encode())
