@@ -127,6 +127,9 @@ def _worker(rank: int, c: StepSetup, methods: tuple[str, ...], port: int, out_fi
             "page_faults": statistics.median(r["faults"]), "max_over_mean_load": statistics.mean(r["load"]),
             "copies": statistics.mean(r["copies"]), "peak_rss_mib": float(rss),
         } for m, r in rec.items()}))
+    # Every rank reaches teardown together: a rank that destroyed its group while a peer still held the
+    # connection open died in gloo's teardown with SIGABRT (seen once in ~30 suite runs).
+    dist.barrier()
     dist.destroy_process_group()
 
 
