@@ -147,6 +147,7 @@ class Runtime:
         self.read_file, self.open_file, self.write_file, self.list_dir = (fs.read_file, fs.open_file, fs.write_file,
                                                                           fs.list_dir)
         self.stat, self.move, self.remove, self.make_dir = fs.stat, fs.move, fs.remove, fs.make_dir
+        self.read_stream = fs.read_stream
         self.exists, self.watch_dir = fs.exists, fs.watch_dir
 
     def info(self, sid: str) -> SandboxInfo:
