@@ -1,8 +1,8 @@
 """Warm templates (runtime/warm.py): a template whose template.json names a start command is
 checkpointed once its ready command passes, and every create from it is a restore, so its HTTP
 server answers the first request; two creates share nothing writable; a create's envs and metadata
-apply; a changed template builds a new checkpoint and deletes the old one; a start command that
-exits is a TemplateStartError that leaves nothing behind."""
+apply; a changed template builds a new checkpoint and deletes the old one; the checkpoint outlives a
+runtime restart; a start command that exits is a TemplateStartError that leaves nothing behind."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import uuid
 
 import pytest
 
-from k3sys.sandbox import Sandbox
+from k3sys.sandbox import Runtime, Sandbox
 from k3sys.sandbox.errors import TemplateStartError
 from k3sys.sandbox.runtime.system import system_paths
 from k3sys.sandbox.runtime.warm import WARM_KEY, WARM_TEMPLATE
@@ -100,3 +100,14 @@ def test_start_command_that_exits_is_an_error_and_leaves_nothing(rt, debian):
         assert _warm_checkpoints(rt, name) == []
     finally:
         shutil.rmtree(system_paths().templates / name)
+
+
+def test_warm_checkpoint_survives_a_runtime_restart(private_root, warm_name):
+    with Runtime(private_root) as first:
+        with Sandbox.create(warm_name, runtime=first, memory_mb=256) as s:
+            assert s.commands.run(PROBE.format(port=8000, path="")).exit_code == 0
+        built = _warm_checkpoints(first, warm_name)
+    with Runtime(private_root) as second:
+        with Sandbox.create(warm_name, runtime=second, memory_mb=256) as s:
+            assert s.commands.run(PROBE.format(port=8000, path="")).stdout == "served\n\n"
+        assert _warm_checkpoints(second, warm_name) == built and len(built) == 1  # restored, not rebuilt
