@@ -16,6 +16,7 @@ import pytest
 from k3sys.sandbox import Runtime, Sandbox
 from k3sys.sandbox.errors import TemplateStartError
 from k3sys.sandbox.runtime.system import system_paths
+from k3sys.sandbox.runtime.templates import template_rootfs
 from k3sys.sandbox.runtime.warm import WARM_KEY, WARM_TEMPLATE
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.embedded]  # debian: minutes the first time
@@ -26,12 +27,12 @@ PROBE = ("python3 -c \"import urllib.request as u; "
          "print(u.urlopen('http://127.0.0.1:{port}/{path}', timeout=5).read().decode())\"")
 
 
-def _write_template(name: str, debian, start: str, ready: str | None) -> None:
+def _write_template(name: str, rootfs, start: str, ready: str | None, **extra: str) -> None:
     d = system_paths().templates / name
     d.mkdir(exist_ok=True)
     if not (d / "rootfs").exists():
-        (d / "rootfs").symlink_to(debian)  # the debian template's files, under a name of the test's
-    meta = {"name": name, "built": time.time(), "start_cmd": start}
+        (d / "rootfs").symlink_to(rootfs)  # a built template's files, under a name of the test's
+    meta = {"name": name, "built": time.time(), "start_cmd": start, **extra}
     if ready is not None:
         meta["ready_cmd"] = ready
     (d / "template.json").write_text(json.dumps(meta))
@@ -111,3 +112,21 @@ def test_warm_checkpoint_survives_a_runtime_restart(private_root, warm_name):
         with Sandbox.create(warm_name, runtime=second, memory_mb=256) as s:
             assert s.commands.run(PROBE.format(port=8000, path="")).stdout == "served\n\n"
         assert _warm_checkpoints(second, warm_name) == built and len(built) == 1  # restored, not rebuilt
+
+
+def test_e2b_ready_helpers_on_base(rt):
+    """E2B's `set_start_cmd('python -m http.server 8000', wait_for_port(8000))` on `base` (as `user`):
+    its ready helpers' commands (ss, curl, pgrep) work there, and the warm create serves at once."""
+    from e2b import wait_for_port, wait_for_process, wait_for_url
+
+    name = f"k3sys-test-warm-{uuid.uuid4().hex[:8]}"
+    _write_template(name, template_rootfs("base"), "python3 -m http.server 8000", wait_for_port(8000).get_cmd(),
+                    user="user")
+    try:
+        with Sandbox.create(name, runtime=rt, memory_mb=256) as s:
+            for ready in (wait_for_url("http://127.0.0.1:8000/", 200), wait_for_process("python3")):
+                assert s.commands.run(ready.get_cmd()).exit_code == 0
+            assert [p.cmd for p in s.commands.list() if p.running] == ["python3 -m http.server 8000"]
+            assert s.commands.run("ps -o user= -C python3").stdout.split() == ["user"]
+    finally:
+        shutil.rmtree(system_paths().templates / name)

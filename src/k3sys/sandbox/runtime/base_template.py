@@ -1,8 +1,9 @@
 """E2B's `base` template: `debian` plus what E2B's base image gives an agent, and the user `user`.
 
 Contents (`PACKAGES`, Debian's own, installed with apt from the mirror the host's apt uses): Python 3
-with pip, venv and headers, Node.js with npm, git, curl, wget, procps (`ps`, `top`),
-build-essential (gcc, g++, make), ca-certificates; the user `user` (uid/gid 1000, /home/user,
+with pip, venv and headers, Node.js with npm, git, curl, wget, procps (`ps`, `top`, `pgrep`),
+iproute2 (`ss`, `ip`: E2B's `wait_for_port` ready command), build-essential (gcc, g++, make),
+ca-certificates; the user `user` (uid/gid 1000, /home/user,
 bash), whom the SDK's commands and files run as by default.
 
 Registries: `pip install` and `npm install` inside a sandbox with `network=True` go to the
@@ -37,7 +38,7 @@ from pathlib import Path
 from k3sys.sandbox.errors import DriverError
 
 PACKAGES = ("python3", "python3-pip", "python3-venv", "python3-dev", "nodejs", "npm", "git", "curl", "wget",
-            "procps", "build-essential", "ca-certificates", "bash", "less", "unzip", "xz-utils")
+            "procps", "iproute2", "build-essential", "ca-certificates", "bash", "less", "unzip", "xz-utils")
 RECIPE_VERSION = 3  # bump when the recipe changes in a way the package list does not show
 USER, USER_ID = "user", 1000
 _PEM = re.compile(rb"-----BEGIN CERTIFICATE-----\s.*?-----END CERTIFICATE-----", re.S)
