@@ -130,3 +130,15 @@ def test_e2b_ready_helpers_on_base(rt):
             assert s.commands.run("ps -o user= -C python3").stdout.split() == ["user"]
     finally:
         shutil.rmtree(system_paths().templates / name)
+
+
+def test_checkpoint_gone_between_lookup_and_restore_is_rebuilt(rt, warm_name):
+    """A create whose checkpoint was superseded after its lookup (another create's rebuild deleted
+    it; here the store's delete stands in for that) looks again and builds the new one."""
+    with Sandbox.create(warm_name, runtime=rt, memory_mb=256):
+        pass
+    [old] = _warm_checkpoints(rt, warm_name)
+    rt.store.delete(old)
+    with Sandbox.create(warm_name, runtime=rt, memory_mb=256) as s:
+        assert s.commands.run(PROBE.format(port=8000, path="")).stdout == "served\n\n"
+    assert len(_warm_checkpoints(rt, warm_name)) == 1 and _warm_checkpoints(rt, warm_name) != [old]

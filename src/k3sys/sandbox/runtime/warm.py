@@ -47,7 +47,7 @@ import threading
 import time
 from pathlib import Path
 
-from k3sys.sandbox.errors import CommandTimeoutError, SandboxError, TemplateStartError
+from k3sys.sandbox.errors import CheckpointNotFoundError, CommandTimeoutError, SandboxError, TemplateStartError
 from k3sys.sandbox.runtime.catalog import INTERNAL, Catalog
 from k3sys.sandbox.runtime.checkpoints import CheckpointService
 from k3sys.sandbox.runtime.commands import CommandService
@@ -122,7 +122,16 @@ class WarmTemplates:
         cmds = start_commands(spec.template) if isinstance(spec, SandboxSpec) else None
         if cmds is None:
             return self.lifecycle.create(spec, id)
-        ck = self.checkpoint_for(spec, cmds)
+        try:
+            return self._spawn(spec, self.checkpoint_for(spec, cmds), id)
+        except CheckpointNotFoundError:
+            # Superseded (the template changed) between the lookup and the restore: a second lookup
+            # from the store finds, or builds, the new one.
+            with self._mu:
+                self._index = None
+            return self._spawn(spec, self.checkpoint_for(spec, cmds), id)
+
+    def _spawn(self, spec: SandboxSpec, ck: str, id: str | None) -> SandboxInfo:
         return self.checkpoints.spawn(spec, ck, None, self.catalog.fs_bytes(ck), id)
 
     def key(self, spec: SandboxSpec) -> str:
