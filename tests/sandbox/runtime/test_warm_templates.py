@@ -19,7 +19,7 @@ from k3sys.sandbox.runtime.system import system_paths
 from k3sys.sandbox.runtime.templates import template_rootfs
 from k3sys.sandbox.runtime.warm import WARM_KEY, WARM_TEMPLATE
 
-pytestmark = [pytest.mark.timeout(600), pytest.mark.embedded]  # debian: minutes the first time
+pytestmark = pytest.mark.timeout(600)  # debian: minutes the first time
 
 SERVER = ("mkdir -p /srv/www && cd /srv/www && echo served > index.html && "
           "exec python3 -m http.server {port} --bind 127.0.0.1")
@@ -50,6 +50,7 @@ def _warm_checkpoints(rt, name: str) -> list[str]:
     return [m.id for m in rt.store.list() if m.meta.get(WARM_TEMPLATE) == name]
 
 
+@pytest.mark.embedded
 def test_server_answers_first_request_and_creates_are_independent(rt, warm_name):
     with Sandbox.create(warm_name, runtime=rt, memory_mb=256) as a, \
             Sandbox.create(warm_name, runtime=rt, memory_mb=256) as b:
@@ -70,6 +71,7 @@ def test_server_answers_first_request_and_creates_are_independent(rt, warm_name)
 
 
 def test_create_envs_and_metadata_apply(rt, warm_name):
+    """Embedded and through the service (its E2B envVars, applied by its envd)."""
     with Sandbox.create(warm_name, runtime=rt, memory_mb=256, envs={"GREETING": "hello"},
                         metadata={"run": "7"}, timeout_s=300) as s:
         assert s.commands.run("echo $GREETING").stdout == "hello\n"
@@ -77,6 +79,7 @@ def test_create_envs_and_metadata_apply(rt, warm_name):
         assert s.commands.run(PROBE.format(port=8000, path="")).stdout == "served\n\n"
 
 
+@pytest.mark.embedded
 def test_template_change_invalidates_the_checkpoint(rt, warm_name, debian):
     with Sandbox.create(warm_name, runtime=rt, memory_mb=256) as s:
         assert s.commands.run(PROBE.format(port=8000, path="")).exit_code == 0
@@ -90,6 +93,7 @@ def test_template_change_invalidates_the_checkpoint(rt, warm_name, debian):
     assert rt.store.get(after[0]).meta[WARM_KEY] != ""
 
 
+@pytest.mark.embedded
 def test_start_command_that_exits_is_an_error_and_leaves_nothing(rt, debian):
     name = f"k3sys-test-warm-{uuid.uuid4().hex[:8]}"
     _write_template(name, debian, "echo starting; exit 3", "false")
@@ -103,6 +107,7 @@ def test_start_command_that_exits_is_an_error_and_leaves_nothing(rt, debian):
         shutil.rmtree(system_paths().templates / name)
 
 
+@pytest.mark.embedded
 def test_warm_checkpoint_survives_a_runtime_restart(private_root, warm_name):
     with Runtime(private_root) as first:
         with Sandbox.create(warm_name, runtime=first, memory_mb=256) as s:
@@ -114,6 +119,7 @@ def test_warm_checkpoint_survives_a_runtime_restart(private_root, warm_name):
         assert _warm_checkpoints(second, warm_name) == built and len(built) == 1  # restored, not rebuilt
 
 
+@pytest.mark.embedded
 def test_e2b_ready_helpers_on_base(rt):
     """E2B's `set_start_cmd('python -m http.server 8000', wait_for_port(8000))` on `base` (as `user`):
     its ready helpers' commands (ss, curl, pgrep) work there, and the warm create serves at once."""
@@ -132,6 +138,7 @@ def test_e2b_ready_helpers_on_base(rt):
         shutil.rmtree(system_paths().templates / name)
 
 
+@pytest.mark.embedded
 def test_checkpoint_gone_between_lookup_and_restore_is_rebuilt(rt, warm_name):
     """A create whose checkpoint was superseded after its lookup (another create's rebuild deleted
     it; here the store's delete stands in for that) looks again and builds the new one."""
