@@ -179,10 +179,8 @@ done
 # rebuilds a template whose recipe changed (base's package list: template.json's `recipe` stamp), so
 # a re-run after such a change rebuilds it once; otherwise it returns at once.
 py=${K3SYS_PYTHON:-$ROOT/.venv/bin/python}
-for t in busybox base; do
-    if [ -x "$py" ]; then
-        K3SYS_SYSTEM_DIR="$PREFIX" PYTHONPATH="$ROOT/src" "$py" -c \
-            "from k3sys.sandbox.runtime.templates import main; main(['$t'])" | sed 's/^/[install-sandbox] /'
-    fi
-done
+if [ -x "$py" ]; then
+    K3SYS_SYSTEM_DIR="$PREFIX" PYTHONPATH="$ROOT/src" "$py" -c \
+        "from k3sys.sandbox.runtime.templates import main; main(['busybox', 'base'])" | sed 's/^/[install-sandbox] /'
+fi
 exit 0
