@@ -21,9 +21,10 @@ checkpoint, built on the first create that needs it:
 - **Invalidation**: the key hashes what the checkpoint depends on: template.json (its build time,
   recipe stamp and commands change with every rebuild), the rootfs directory's identity, the agent's
   and CRIU's binaries (a restore maps the agent the checkpoint was taken with) and the spec's shape
-  a restore cannot change (`network`, which decides the user namespace, and `memory_mb`, which sizes
-  the agent's rings). A create whose key has no checkpoint builds one and deletes the template's
-  older ones of the same shape; sandboxes restored from those keep their layers until they go.
+  a restore cannot change (`network`: a socket the server bound to the sandbox's address needs
+  that address in the restored namespace; `memory_mb`, which sizes the agent's rings). A create
+  whose key has no checkpoint builds one and deletes the template's older ones of the same shape;
+  sandboxes restored from those keep their layers until they go.
 - **Identity**: every sandbox has the hostname `sandbox` and learns its id from the host, never
   from inside, so a restore has nothing of the build sandbox's to shed; clocks are the host's
   (CLOCK_REALTIME and CLOCK_MONOTONIC go on from the build; timers fire when due). Each create gets
