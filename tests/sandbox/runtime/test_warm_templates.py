@@ -149,3 +149,16 @@ def test_checkpoint_gone_between_lookup_and_restore_is_rebuilt(rt, warm_name):
     with Sandbox.create(warm_name, runtime=rt, memory_mb=256) as s:
         assert s.commands.run(PROBE.format(port=8000, path="")).stdout == "served\n\n"
     assert len(_warm_checkpoints(rt, warm_name)) == 1 and _warm_checkpoints(rt, warm_name) != [old]
+
+
+@pytest.mark.embedded
+def test_warm_create_restores_lazily(rt, warm_name, monkeypatch):
+    """The restore streams the server's memory in behind it (its image is ~10 MB: past MIN_BYTES),
+    in a hardened sandbox: the lazy-pages daemon is started for the new sandbox, not for the build."""
+    if not rt.driver.lazy.supported:
+        pytest.skip("this kernel or CRIU cannot restore lazily")
+    spawned, spawn = [], rt.driver.lazy.spawn
+    monkeypatch.setattr(rt.driver.lazy, "spawn", lambda sid, *a, **k: (spawned.append(sid), spawn(sid, *a, **k))[1])
+    with Sandbox.create(warm_name, runtime=rt, memory_mb=256) as s:
+        assert s.commands.run(PROBE.format(port=8000, path="")).stdout == "served\n\n"
+        assert spawned == [s.id]
