@@ -172,16 +172,15 @@ for limit in "max_user_instances $INOTIFY_INSTANCES" "max_user_watches $INOTIFY_
 done
 
 # --- templates ---------------------------------------------------------------------------------
-# The runtime builds templates on first use; prebuild the small default one and E2B's `base` (a copy
-# of `debian` plus the user `user`: the first time, debootstrap takes minutes and needs the Debian
-# mirror) when the project's Python is at hand (the Makefile creates it before running this script;
-# K3SYS_PYTHON names another).
+# The runtime builds templates on first use; prebuild the small default one and E2B's `base` (`debian`
+# plus pip, venv, Node.js, npm, curl, wget, procps, build-essential and the user `user`: the first time,
+# debootstrap and apt take minutes and need the Debian mirror) when the project's Python is at hand
+# (the Makefile creates it before running this script; K3SYS_PYTHON names another). `main` also
+# rebuilds a template whose recipe changed (base's package list: template.json's `recipe` stamp), so
+# a re-run after such a change rebuilds it once; otherwise it returns at once.
 py=${K3SYS_PYTHON:-$ROOT/.venv/bin/python}
-for t in busybox base; do
-    if [ -x "$py" ] && [ ! -e "$PREFIX/templates/$t/rootfs" ]; then
-        log "building template $t"
-        K3SYS_SYSTEM_DIR="$PREFIX" PYTHONPATH="$ROOT/src" "$py" -c \
-            "from k3sys.sandbox.runtime.templates import main; main(['$t'])"
-    fi
-done
+if [ -x "$py" ]; then
+    K3SYS_SYSTEM_DIR="$PREFIX" PYTHONPATH="$ROOT/src" "$py" -c \
+        "from k3sys.sandbox.runtime.templates import main; main(['busybox', 'base'])" | sed 's/^/[install-sandbox] /'
+fi
 exit 0

@@ -13,6 +13,7 @@
     ├── CommandExitError                  the SDK's `commands.run` / `wait`: the command exited non-zero
     ├── RuntimeLockedError                another live process holds the runtime directory
     ├── DriverError                       runc / CRIU / the kernel refused; carries the tool's log tail
+    ├── TemplateStartError                a warm template's start command exited or never got ready
     ├── PermissionDeniedError (PermissionError)  the sandbox itself refused (EPERM, EACCES inside it)
     ├── AgentError                        the in-sandbox agent failed or cannot be reached
     │   ├── AgentInterruptedError         a call cut by a checkpoint / hibernate of its sandbox: retry
@@ -197,6 +198,14 @@ class DriverError(SandboxError):
     """The isolation layer (runc, CRIU, mounts, cgroups) failed; the message has the tool's log tail."""
 
     code = "driver_error"
+
+
+class TemplateStartError(SandboxError):
+    """A template's start command exited, or its ready command did not pass in time, while its warm
+    checkpoint was built (runtime/warm.py); the message carries both commands' output."""
+
+    code = "template_start"
+    http_status = 422
 
 
 class PermissionDeniedError(SandboxError, PermissionError):

@@ -3,15 +3,17 @@
 - `busybox` (default): busybox-static and its applets; built in about a second.
 - `debian`: `debootstrap --variant=minbase` of the host's release plus python3, git and
   ca-certificates; built on first use (a few minutes, network to the Debian mirror), then cached.
-- `base` (E2B's default template name): `debian` plus the user `user` (uid/gid 1000, /home/user,
-  bash), whom commands and file calls run as by default; a copy of `debian` (seconds, no network).
+- `base` (E2B's default template name): `debian` plus Python's pip and venv, Node.js and npm, curl,
+  wget, procps, build-essential and the user `user`, whom commands and file calls run as by default
+  (base_template.py; a copy of `debian` and an apt install from the mirror: a minute or two).
 
 A template's `template.json` holds its metadata; `user` there is the default user of its sandboxes
 (absent: root), read by `template_user`.
 
 A template lives at `<system dir>/templates/<name>/rootfs`. It is built in a temporary directory and
 renamed into place under a file lock, so a crashed or concurrent build never leaves a half template.
-`python -m k3sys.sandbox.runtime.templates NAME...` builds templates ahead of time.
+`python -m k3sys.sandbox.runtime.templates NAME...` builds templates ahead of time, and rebuilds
+one whose recipe changed since (`stale`: template.json's `recipe` stamp differs from the code's).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from k3sys.sandbox.errors import DriverError, UnknownTemplateError
+from k3sys.sandbox.runtime import base_template
 from k3sys.sandbox.runtime.system import debian_mirror, host_codename, system_paths
 
 _BUSYBOX = Path("/bin/busybox")
@@ -74,26 +77,8 @@ def _build_debian(rootfs: Path) -> None:
     (rootfs / "etc/hosts").write_text(_ETC["etc/hosts"])
 
 
-# E2B's `base` template's user: the SDK's commands and files run as `user` unless told otherwise.
-_BASE_USER, _BASE_ID = "user", 1000
-
-
 def _build_base(rootfs: Path) -> dict[str, str]:
-    debian = template_rootfs("debian", build=False)  # built by template_rootfs before its lock
-    rootfs.rmdir()  # cp makes it, with the template's owner and mode
-    subprocess.run(["cp", "-a", "--reflink=auto", str(debian), str(rootfs)], check=True)
-    name, uid = _BASE_USER, _BASE_ID
-    for rel, line in (("etc/passwd", f"{name}:x:{uid}:{uid}::/home/{name}:/bin/bash"),
-                      ("etc/group", f"{name}:x:{uid}:"),
-                      ("etc/shadow", f"{name}:!::0:99999:7:::")):  # no password: nobody logs in
-        with open(rootfs / rel, "a") as f:
-            f.write(line + "\n")
-    home = rootfs / "home" / name
-    shutil.copytree(rootfs / "etc/skel", home, symlinks=True)
-    home.chmod(0o755)
-    for p in (home, *home.rglob("*")):
-        os.lchown(p, uid, uid)
-    return {"user": name}
+    return base_template.build_base(rootfs, template_rootfs("debian", build=False))  # debian: built before the lock
 
 
 # A builder returns what its template.json adds (None: nothing).
@@ -107,12 +92,15 @@ _BASED_ON = {"base": "debian"}
 def template_names() -> list[str]:
     """Templates that can be asked for: the built-in recipes plus any already-built directory."""
     root = system_paths().templates
-    built = {p.name for p in root.iterdir() if (p / "rootfs").is_dir()} if root.is_dir() else set()
+    # Dot-names are builds in progress and replaced trees, never templates.
+    built = {p.name for p in root.iterdir() if not p.name.startswith(".") and (p / "rootfs").is_dir()} \
+        if root.is_dir() else set()
     return sorted(set(BUILDERS) | built)
 
 
-def template_rootfs(name: str, build: bool = True) -> Path:
+def template_rootfs(name: str, build: bool = True, refresh: bool = False) -> Path:
     """The read-only root file system of template `name`, built first if needed (and `build`).
+    `refresh`: and rebuilt if its recipe changed since (`stale`; the install script asks for that).
 
     Raises UnknownTemplateError for a name with neither a recipe nor a built directory.
     """
@@ -120,7 +108,7 @@ def template_rootfs(name: str, build: bool = True) -> Path:
         raise UnknownTemplateError(f"template: expected a template name, got {name!r}")
     root = system_paths().templates
     rootfs = root / name / "rootfs"
-    if rootfs.is_dir():
+    if rootfs.is_dir() and not (refresh and stale(name)):
         return rootfs
     if name not in BUILDERS:
         raise UnknownTemplateError(f"template: unknown template {name!r} (known: {', '.join(template_names())})")
@@ -131,10 +119,10 @@ def template_rootfs(name: str, build: bool = True) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     with open(root / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if rootfs.is_dir():  # another process built it while we waited
+        if rootfs.is_dir() and not stale(name):  # another process built it while we waited
             return rootfs
-        for stale in root.glob(f".{name}.build-*"):  # left by a crashed build; we hold the lock
-            shutil.rmtree(stale, ignore_errors=True)
+        for old in root.glob(f".{name}.build-*"):  # left by a crashed build; we hold the lock
+            shutil.rmtree(old, ignore_errors=True)
         tmp = root / f".{name}.build-{os.getpid()}"
         (tmp / "rootfs").mkdir(parents=True)
         t0 = time.monotonic()
@@ -142,11 +130,38 @@ def template_rootfs(name: str, build: bool = True) -> Path:
             extra = BUILDERS[name](tmp / "rootfs") or {}
             meta = {"name": name, "built": time.time(), "build_s": round(time.monotonic() - t0, 1), **extra}
             (tmp / "template.json").write_text(json.dumps(meta))
+            _replace(root / name)
             os.rename(tmp, root / name)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     return rootfs
+
+
+# Recipes whose output changes with a list (a package list): template.json's `recipe` must match.
+_STAMPS: dict[str, Callable[[], str]] = {"base": base_template.recipe_stamp}
+
+
+def stale(name: str) -> bool:
+    """Whether built template `name` came from an older recipe than this code's (its stamp differs)."""
+    if name not in _STAMPS:
+        return False
+    try:
+        meta = json.loads((system_paths().templates / name / "template.json").read_text())
+    except (OSError, ValueError):
+        return True
+    return not isinstance(meta, dict) or meta.get("recipe") != _STAMPS[name]()
+
+
+def _replace(path: Path) -> None:
+    """Make room for a rebuilt template at `path` (its build lock held). A link (to a shared system
+    directory's template) is removed, never followed; a directory is renamed aside, not deleted:
+    sandboxes made before may still stand on it (their overlays and idmapped views hold it)."""
+    if path.is_symlink():
+        path.unlink()
+    elif path.exists():
+        os.rename(path, path.with_name(f".{path.name}.replaced-{int(time.time())}"))
+    _USERS.pop(path / "template.json", None)
 
 
 _USERS: dict[Path, str | None] = {}  # template.json -> its user; a built template never changes
@@ -169,7 +184,7 @@ def template_user(name: str) -> str | None:
 def main(argv: list[str]) -> int:
     for name in argv or ["busybox"]:
         t0 = time.monotonic()
-        path = template_rootfs(name)
+        path = template_rootfs(name, refresh=True)
         print(f"[templates] {name}: {path} ({time.monotonic() - t0:.1f} s)")
     return 0
 
