@@ -4,7 +4,7 @@
 `/opt/k3sys`): `bin/criu` (CRIU 4.1 with our patches), `etc/criu.conf` and `etc/criu-override.conf`
 (options runc cannot pass it), `bin/k3sys-net-up` (the prestart hook), `bin/k3sys-criu-gate`
 (drivers/gate.py), `bin/k3sys-inotify-limit` (drivers/inotify.py), `templates/<name>/rootfs` and the
-`layers/` templates are composed from (build/layerstore.py). runc
+`layers/` templates are composed from (oci/layerstore.py). runc
 comes from the distribution.
 """
 
@@ -62,7 +62,7 @@ class SystemPaths:
 
     @property
     def layers(self) -> Path:
-        """Image and build layers, each unpacked once, that templates are composed from (build/layerstore.py)."""
+        """Image and build layers, each unpacked once, that templates are composed from (oci/layerstore.py)."""
         return self.root / "layers"
 
     @property

@@ -9,7 +9,7 @@
 A template's `template.json` holds its metadata and its sandboxes' defaults (`template_defaults`):
 `user` (absent: root), `env` (variables every command gets under its own) and `cwd` (where a command
 that names no directory starts). Templates imported from OCI images or built from Dockerfiles
-(build/) are also composed from shared layers: their `layers` field lists them, bottom first.
+(oci/) are also composed from shared layers: their `layers` field lists them, bottom first.
 
 A template lives at `<system dir>/templates/<name>/rootfs`. It is built in a temporary directory and
 renamed into place under a file lock, so a crashed or concurrent build never leaves a half template.
