@@ -14,7 +14,8 @@ A layer comes from whoever made the image, so every entry is an attacker's until
   `trusted.overlay.opaque=y` on the directory; the whited-out NAME must be a plain name;
 - only `user.*` and `security.capability` extended attributes are kept (a layer setting
   `trusted.overlay.*` would speak to overlayfs in our place);
-- headers are bounded (`MAX_HEADER`): a 1 GiB pax header does not become 1 GiB of host memory.
+- headers are bounded (`MAX_HEADER`): a 1 GiB pax header does not become 1 GiB of host memory, and
+  no header is kept once its entry is written (ten million empty entries cost no more memory than one).
 
 Each refusal is a `LayerEntryError` naming the layer and the entry. Owners are kept numerically
 (canonical ids: 0 is the sandbox's root, drivers/idmap.py), modes with their setuid bits (the
@@ -259,8 +260,9 @@ def unpack_layer(stream: BinaryIO, dest: Path, label: str) -> None:
     layer = _Layer(dest, label)
     try:
         with tarfile.open(fileobj=stream, mode="r|", tarinfo=_BoundedTarInfo) as tf:
-            for ti in tf:
+            while (ti := tf.next()) is not None:
                 _entry(layer, tf, ti)
+                tf.members.clear()  # tarfile keeps every header it read: memory would grow per entry
     except LayerEntryError as e:
         if str(e).startswith("layer "):
             raise
