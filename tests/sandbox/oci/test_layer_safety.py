@@ -33,7 +33,7 @@ HOSTILE = {
     "hard link through a symlink": ([Entry("etc", "symlink", link="/etc"), Entry("h", "hardlink", link="etc/passwd")],
                                     "symbolic link"),
     "hard link to a directory": ([Entry("d", "dir", mode=0o755), Entry("h", "hardlink", link="d")], "not a file"),
-    "device node": ([Entry("dev/mem", "chr", mode=0o666)], "device node 1:3"),
+    "device node": ([Entry("usr/bin/mem", "chr", mode=0o666)], "device node 1:3"),
     "whiteout of ..": ([Entry("a", "dir", mode=0o755), Entry("a/.wh...")], "not a plain name"),
     "whiteout outside": ([Entry("../" * 12 + ".wh.etc")], "'..' in the path"),
     "huge pax header": ([Entry("big", data=b"x", pax={"comment": "y" * (MAX_HEADER + 1)})], "tar header"),
@@ -79,6 +79,14 @@ def test_overlay_xattrs_of_a_layer_dropped(system_dir, tmp_path):
     layout = oci_layout(tmp_path / "img", [[Entry("f", data=b"x", pax=pax)]])
     rootfs = catalog.import_image(str(layout), "xattrs", log=lambda _: None)
     assert os.listxattr(rootfs / "f") == ["user.note"]
+
+
+def test_dev_nodes_skipped(system_dir, tmp_path):
+    # debootstrap's /dev nodes: not created (a sandbox's /dev is runc's), the image still imports
+    layout = oci_layout(tmp_path / "img", [[Entry("dev", "dir", mode=0o755), Entry("dev/null", "chr", mode=0o666),
+                                            Entry("f", data=b"x")]])
+    rootfs = catalog.import_image(str(layout), "devs", log=lambda _: None)
+    assert os.listdir(rootfs / "dev") == [] and (rootfs / "f").read_text() == "x"
 
 
 def test_not_an_image(system_dir, tmp_path):

@@ -9,7 +9,9 @@ A layer comes from whoever made the image, so every entry is an attacker's until
   `lib -> /etc`, then `lib/passwd`) or not a directory is refused, so nothing is written through a link;
 - a hard link must name a file this layer already holds (same path rules); never a directory or a
   device;
-- device nodes are refused (the sandbox's overlay is `nodev` anyway; a template has no use for them);
+- device nodes are refused (the sandbox's overlay is `nodev` anyway; a template has no use for them),
+  except under `dev/`, where they are skipped: images made by debootstrap carry /dev's standard
+  nodes, and a sandbox gets its /dev from runc;
 - whiteouts (`.wh.NAME`, `.wh..wh..opq`) become overlay's: a 0/0 character device NAME and
   `trusted.overlay.opaque=y` on the directory; the whited-out NAME must be a plain name;
 - only `user.*` and `security.capability` extended attributes are kept (a layer setting
@@ -161,6 +163,8 @@ def _entry(layer: _Layer, tf: tarfile.TarFile, ti: tarfile.TarInfo) -> None:
     if base.startswith(WHITEOUT) and not ti.isdir():
         return _whiteout(layer, parts, entry)
     if ti.ischr() or ti.isblk():
+        if parts[0] == "dev":
+            return  # images made by debootstrap carry /dev's nodes; a sandbox gets its /dev from runc
         raise layer.fail(entry, f"device node {ti.devmajor}:{ti.devminor}: refused")
     if ti.issparse():
         raise layer.fail(entry, "sparse file: not supported")
