@@ -14,7 +14,7 @@ import pytest
 from image_maker import Entry, oci_layout, tree_entries
 
 from k3sys.sandbox import Sandbox
-from k3sys.sandbox.errors import BuildError, DockerfileError
+from k3sys.sandbox.errors import BuildError, DockerfileError, LayerEntryError
 from k3sys.sandbox.runtime.oci.builder import Builder
 from k3sys.sandbox.runtime.oci.dockerfile import read_dockerfile
 from k3sys.sandbox.runtime.system import system_paths
@@ -157,3 +157,15 @@ def test_copy_never_follows_the_contexts_links_out(rt, system_dir, tmp_path):
         with pytest.raises(BuildError, match=why):
             build(rt, f"FROM busybox\nCOPY {src} /x\n", "escape", ctx)
         assert not (system_dir / "templates/escape").exists()
+
+
+def test_add_of_a_hostile_tar_refused(rt, system_dir, tmp_path):
+    ctx = tmp_path / "ctx"
+    ctx.mkdir()
+    with tarfile.open(ctx / "evil.tar", "w") as tf:
+        ti = tarfile.TarInfo("../../../../../../../../tmp/k3sys-add-escape")
+        ti.size = 1
+        tf.addfile(ti, io.BytesIO(b"x"))
+    with pytest.raises(LayerEntryError, match="'..' in the path"):
+        build(rt, "FROM busybox\nADD evil.tar /opt/\n", "evil-add", ctx)
+    assert not Path("/tmp/k3sys-add-escape").exists() and not (system_dir / "templates/evil-add").exists()

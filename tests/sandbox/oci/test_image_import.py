@@ -5,9 +5,12 @@ defaults (env, working directory, user) at create."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import stat
+import subprocess
+import tarfile
 
 import pytest
 from image_maker import Entry, docker_archive, oci_layout, tree_entries
@@ -112,3 +115,37 @@ def test_config_applied_at_create(rt, system_dir, tmp_path, busybox_layer):
         # a call's own env, cwd and user win over the template's
         r = s.commands.run('echo "$GREETING"; pwd; id -u', envs={"GREETING": "mine"}, cwd="/tmp", user="root")
         assert r.stdout == "mine\n/tmp\n0\n", r
+
+
+def test_oci_archive_and_zstd_layers(system_dir, tmp_path):
+    layout = oci_layout(tmp_path / "layout", [[Entry("a", data=b"plain")]], gzipped=False)
+    # the layer blob recompressed with zstd (a registry's newer media type), its digest renamed
+    blobs = layout / "blobs/sha256"
+    layer = next(p for p in blobs.iterdir() if b"plain" in p.read_bytes() and p.read_bytes()[:5] != b'{"sch')
+    zst = subprocess.run(["zstd", "-q", "-c", str(layer)], capture_output=True, check=True).stdout
+    zdigest = hashlib.sha256(zst).hexdigest()
+    (blobs / zdigest).write_bytes(zst)
+    manifest_path = next(p for p in blobs.iterdir() if layer.name.encode() in p.read_bytes())
+    manifest = manifest_path.read_bytes().replace(layer.name.encode(), zdigest.encode())
+    mdigest = hashlib.sha256(manifest).hexdigest()
+    (blobs / mdigest).write_bytes(manifest)
+    index = (layout / "index.json").read_text().replace(manifest_path.name, mdigest)
+    (layout / "index.json").write_text(index)
+    archive = tmp_path / "image.oci.tar"
+    with tarfile.open(archive, "w") as tf:
+        tf.add(layout, ".")
+    rootfs = catalog.import_image(f"oci-archive:{archive}:latest", "zstd", log=lambda _: None)
+    assert (rootfs / "a").read_text() == "plain"
+
+
+@pytest.mark.embedded
+def test_defaults_survive_checkpoint_and_restore(rt, system_dir, tmp_path, busybox_layer):
+    layout = oci_layout(tmp_path / "img", [busybox_layer, APP], CONFIG)
+    catalog.import_image(str(layout), "kept", log=lambda _: None)
+    with Sandbox.create("kept", runtime=rt, memory_mb=256) as s:
+        s.files.write("/srv/app/note", "written")
+        ck = s.checkpoint()
+    with Sandbox.restore(ck, runtime=rt) as r:
+        out = r.commands.run('echo "$GREETING"; pwd; id -u; cat note')
+        assert out.stdout == "hello from the image\n/srv/app\n65534\nwritten", out
+    ck.delete()
