@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+
 import pytest
 from image_maker import Entry, oci_layout, tree_entries
 from typer.testing import CliRunner
@@ -50,3 +53,16 @@ def test_import_build_list_rm_prune(leak_check, system_dir, tmp_path):
     assert not {"imported", "built"} & listed()
     r = cli("prune")
     assert r.exit_code == 0 and [p for p in (system_dir / "layers").iterdir() if not p.name.startswith(".")] == []
+
+
+def test_sweep_removes_what_a_dead_build_left(leak_check, system_dir):
+    from k3sys.sandbox.runtime.oci.builder import sweep
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    (system_dir / "layers" / f".runtime-{dead.pid}").mkdir(parents=True)
+    (system_dir / "templates" / f"_stage-{dead.pid}-abc" / "rootfs").mkdir(parents=True)
+    (system_dir / "templates" / f"_stage-{os.getpid()}-abc" / "rootfs").mkdir(parents=True)  # a live build's
+    assert sorted(sweep(system_dir / "layers")) == [f".runtime-{dead.pid}", f"_stage-{dead.pid}-abc"]
+    assert (system_dir / "templates" / f"_stage-{os.getpid()}-abc").is_dir()
+    assert leak_check(system_dir / "layers" / f".runtime-{dead.pid}") == []

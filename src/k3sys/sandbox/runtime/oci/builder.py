@@ -11,7 +11,7 @@ runs that step only. The cache is the layer store: layers no template lists go a
 
 RUN runs in a sandbox like any other, with the hardening of a normal one (user namespace, seccomp,
 cgroup limits, no network unless the build asks for it): the build's state is sealed as a stage
-template (`_stage-<key>`: its env, cwd and user are the step's defaults, as for any template), the
+template (`_stage-<pid>-<key>`: its env, cwd and user are the step's defaults, as for any template), the
 command runs as the sandbox's default user, a checkpoint seals what it wrote (overlay's diff, owners
 canonical: layers.seal), and that diff is the layer. What the runtime itself put in the root (runc's
 /dev entries, the agent's /.k3sys) and sockets are left out of it, and /dev, /proc and /sys, which a
@@ -115,8 +115,7 @@ class Builder:
             if layers is None:  # a built-in template's plain rootfs: one layer of hard links to it
                 meta = (system_paths().templates / source / "template.json").read_bytes()
                 lid = "rootfs-" + Step("from", {"source": source}).key(meta.decode(errors="replace"))
-                self.store.add(lid, lambda tree: (tree.rmdir(), link_tree(str(template_rootfs(source)), str(tree))),
-                               f"template {source}")
+                self.store.add(lid, lambda tree: _link_rootfs(source, tree), f"template {source}")
                 layers = [lid]
             config = catalog.template_config(source)
         else:
@@ -193,7 +192,7 @@ class Builder:
 
     def _run(self, st: _State, step: Step, key: str, tree: Path) -> None:
         """RUN `step` over the build's state (see the module docstring); its diff into `tree`."""
-        stage = f"{catalog.STAGE_PREFIX}stage-{key[:32]}"
+        stage = f"{catalog.STAGE_PREFIX}stage-{os.getpid()}-{key[:32]}"
         with self._stage(stage, st) as rt:
             info = rt.create(SandboxSpec(template=stage, **self.spec))
             ck = None
@@ -229,9 +228,6 @@ class Builder:
     @contextlib.contextmanager
     def _stage(self, stage: str, st: _State) -> Iterator:
         """The runtime, with the build's state sealed as template `stage` for the time of a RUN."""
-        with templates_lock() as root:
-            if (root / stage).exists():  # left by a build that crashed
-                shutil.rmtree(root / stage)
         catalog.seal(stage, st.layers, st.config, st.source, self.store)
         try:
             yield self._runtime()
@@ -245,6 +241,7 @@ class Builder:
         if self._own_runtime is None:
             from k3sys.sandbox.runtime.runtime import Runtime
 
+            sweep(self.store.root)
             self._own_runtime = Runtime(self.store.root / f".runtime-{os.getpid()}")
         return self._own_runtime
 
@@ -255,6 +252,46 @@ class Builder:
             self._own_runtime.close()
             shutil.rmtree(root, ignore_errors=True)
             self._own_runtime = None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def sweep(layers: Path) -> list[str]:
+    """Remove what builds of processes no longer alive left: their private runtimes under `layers`
+    (opened first, so recovery kills their sandboxes and unmounts what they held) and their stage
+    templates; returns what went."""
+    from k3sys.sandbox.runtime.runtime import Runtime
+
+    gone = []
+    for d in layers.glob(".runtime-*") if layers.is_dir() else []:
+        pid = d.name.removeprefix(".runtime-")
+        if pid.isdigit() and not _alive(int(pid)):
+            with Runtime(d) as rt:
+                rt.kill_all()
+            shutil.rmtree(d, ignore_errors=True)
+            gone.append(d.name)
+    with templates_lock() as root:
+        for t in root.glob(f"{catalog.STAGE_PREFIX}stage-*"):
+            pid = t.name.split("-")[1]
+            if pid.isdigit() and not _alive(int(pid)):
+                shutil.rmtree(t, ignore_errors=True)
+                gone.append(t.name)
+    return gone
+
+
+def _link_rootfs(template: str, tree: Path) -> None:
+    """Layer `tree` := hard links to built-in template `template`'s rootfs (its files are never
+    written: templates are read-only lowers)."""
+    tree.rmdir()
+    link_tree(str(template_rootfs(template)), str(tree))
 
 
 def _mkdirs(tree: Path, path: str, implied: bool = False) -> Path:
