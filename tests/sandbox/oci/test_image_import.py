@@ -94,6 +94,11 @@ def test_tampered_blob_refused_and_no_template(system_dir, tmp_path):
     with pytest.raises(ImageError, match="does not match its digest"):
         catalog.import_image(str(layout), "tampered", log=lambda _: None)
     assert not (system_dir / "templates/tampered").exists()
+    # a blob that is a link (to a host file) is not read through
+    blob.unlink()
+    os.symlink("/etc/os-release", blob)
+    with pytest.raises(ImageError, match="a link"):
+        catalog.import_image(str(layout), "tampered", log=lambda _: None)
     with pytest.raises(ImageError, match="does not exist"):
         catalog.import_image(str(tmp_path / "nothing"), "nothing", log=lambda _: None)
 

@@ -51,7 +51,8 @@ OUTPUT_TAIL = 4000  # characters of a failed RUN's output in its BuildError
 @dataclass
 class BuildResult:
     """What a build made: the template's `name`, its `layers`, and per step (in order) "cached",
-    "ran" or "config" (a step that makes no layer), with the build's seconds."""
+    "ran" or "config" (a step that makes no layer; FROM "ran" when it unpacked a layer the store
+    lacked), with the build's seconds."""
 
     name: str
     layers: list[str]
@@ -93,8 +94,9 @@ class Builder:
         result = BuildResult(name, [])
         ctx = Context(context)
         try:
+            held = set(self.store.ids())
             state = self._from(steps[0])
-            result.steps.append("cached")
+            result.steps.append("ran" if set(state.layers) - held else "cached")
             self.log(f"[1/{len(steps)}] {steps[0].where()}: {len(state.layers)} layer(s)")
             for i, step in enumerate(steps[1:], 2):
                 t1 = time.monotonic()

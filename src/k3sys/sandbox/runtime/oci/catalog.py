@@ -17,6 +17,7 @@ import os
 import re
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -144,7 +145,8 @@ def collect(pinned: set[str] = frozenset()) -> list[str]:
     return layer_store().collect(used)
 
 
-def import_layers(image_source: str, store: LayerStore, log=print) -> tuple[list[str], ImageConfig]:
+def import_layers(image_source: str, store: LayerStore,
+                  log: Callable[[str], None] = print) -> tuple[list[str], ImageConfig]:
     """Unpack the layers of image `image_source` (image.py) the store lacks; (ids, config)."""
     ids = []
     with open_image(image_source) as image:
@@ -163,7 +165,7 @@ def import_layers(image_source: str, store: LayerStore, log=print) -> tuple[list
         return ids, image.config
 
 
-def import_image(image_source: str, name: str, log=print) -> Path:
+def import_image(image_source: str, name: str, log: Callable[[str], None] = print) -> Path:
     """Template `name` from image `image_source`: its layers unpacked once into the layer store, its
     config as the template's defaults; the new template's rootfs. A failed import leaves no template
     (layers it unpacked stay, for the next try, until `collect`)."""

@@ -23,9 +23,11 @@ import contextlib
 import gzip
 import hashlib
 import json
+import os
 import platform
 import re
 import shutil
+import stat
 import subprocess
 import tarfile
 import tempfile
@@ -164,17 +166,29 @@ class _Files:
             m.name.removeprefix("./"): m for m in self.tar.getmembers() if m.isfile()}
 
     def exists(self, name: str) -> bool:
-        return (self.where / name).is_file() if self.tar is None else name in self.members
+        return (self.where / name).is_file() if self.tar is None else name in self.members  # then opened safely
 
     @contextlib.contextmanager
     def open(self, name: str) -> Iterator[BinaryIO]:
         if ".." in name.split("/") or name.startswith("/"):
             raise ImageError(f"{self.where}: blob path {name!r} leaves the image")
         if self.tar is None:
-            path = self.where / name
-            if path.is_symlink() or not path.is_file():
-                raise ImageError(f"{self.where}: {name} is missing or not a plain file")
-            with open(path, "rb") as f:
+            # Walked without following links: a layout from elsewhere must not make us read the
+            # host's files as its blobs.
+            fd = os.open(self.where, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                for part in name.split("/"):
+                    flags = os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_RDONLY if part == name.split("/")[-1]
+                                                            else os.O_PATH | os.O_DIRECTORY)
+                    nxt = os.open(part, flags, dir_fd=fd)
+                    os.close(fd)
+                    fd = nxt
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    raise OSError(f"{name} is not a regular file")
+            except OSError as e:
+                os.close(fd)
+                raise ImageError(f"{self.where}: {name} is missing, a link or not a plain file ({e})") from None
+            with open(fd, "rb") as f:
                 yield f
         else:
             if name not in self.members:
