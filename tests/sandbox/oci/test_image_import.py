@@ -150,7 +150,10 @@ def test_defaults_survive_checkpoint_and_restore(rt, system_dir, tmp_path, busyb
     with Sandbox.create("kept", runtime=rt, memory_mb=256) as s:
         s.files.write("/srv/app/note", "written")
         ck = s.checkpoint()
+        with pytest.raises(InvalidStateError, match="1 running sandbox"):
+            catalog.remove("kept")
     with Sandbox.restore(ck, runtime=rt) as r:
         out = r.commands.run('echo "$GREETING"; pwd; id -u; cat note')
         assert out.stdout == "hello from the image\n/srv/app\n65534\nwritten", out
     ck.delete()
+    catalog.remove("kept")  # nothing stands on it now

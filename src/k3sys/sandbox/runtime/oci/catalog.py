@@ -118,16 +118,31 @@ def template_config(name: str) -> ImageConfig:
     return ImageConfig(dict(env), m.get("cwd"), m.get("user"), m.get("entrypoint"), m.get("cmd"))
 
 
+def sandboxes_on(rootfs: Path) -> int:
+    """How many mounts of this host show the directory `rootfs` (a running sandbox's lower is an
+    idmapped mount of its template's rootfs: /proc/self/mountinfo names it by device and root)."""
+    st = os.stat(rootfs)
+    mount = rootfs.resolve()
+    while not os.path.ismount(mount):
+        mount = mount.parent
+    inner = "/" + os.path.relpath(rootfs.resolve(), mount).removeprefix(".")
+    dev = f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
+    with open("/proc/self/mountinfo") as f:
+        return sum(1 for line in f if line.split()[2:4] == [dev, inner.replace(" ", "\\040")])
+
+
 def remove(name: str, pinned: set[str] = frozenset()) -> list[str]:
     """Remove template `name` (never a built-in one), then every layer no template and no id in
-    `pinned` (the build cache's) uses; returns the layers removed. The caller makes sure no sandbox
-    or kept checkpoint stands on it (see `seal`)."""
+    `pinned` uses; returns the layers removed. InvalidStateError while a running sandbox stands on
+    it; a hibernated sandbox or kept checkpoint of it is the caller's to know of (see `seal`)."""
     if name in BUILDERS:
         raise InvalidArgumentError(f"template {name!r} is built in: it is not removed here")
     with templates_lock() as root:
         path = root / name
         if not (path / "rootfs").is_dir() or name.startswith("."):
             raise UnknownTemplateError(f"template: unknown template {name!r}")
+        if n := sandboxes_on(path / "rootfs"):
+            raise InvalidStateError(f"template {name!r}: {n} running sandbox(es) stand on it: kill them first")
         aside = root / f".{name}.gone-{os.getpid()}"
         os.rename(path, aside)
         shutil.rmtree(aside)
