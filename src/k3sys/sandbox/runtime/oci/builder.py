@@ -1,6 +1,6 @@
 """The template builder: build steps (steps.py) run one after the other, each cached by its key,
 the result sealed as a template (catalog.py). The one engine behind `k3sys sandbox template build`
-(a Dockerfile: dockerfile.py) and, later, E2B's template API.
+(a Dockerfile: dockerfile.py) and E2B's template definitions (e2b_template.py; its HTTP API later).
 
 A build's state is its layers (bottom first), its config (env, cwd, user, cmd, entrypoint) and the
 key of its last step. A step that makes files (RUN, COPY / ADD, a WORKDIR that is missing) makes one
@@ -28,6 +28,7 @@ import shlex
 import shutil
 import stat
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -126,6 +127,7 @@ class Builder:
 
     def _step(self, st: _State, step: Step, ctx: Context) -> tuple[_State, str]:
         op, a = step.op, step.args
+        nonce = uuid.uuid4().hex if a.get("force") else ""  # E2B's force: this step's cache is skipped
         if op == "env":
             return replace(st, config=replace(st.config, env={**st.config.env, **a["env"]}), key=step.key(st.key)), \
                 "config"
@@ -138,7 +140,7 @@ class Builder:
             found = self.store.lookup(st.layers, a["path"])
             if found is not None and stat.S_ISDIR(found.st_mode):
                 return st, "config"
-            return self._layer(st, step.key(st.key), lambda tree: _mkdirs(tree, a["path"]))
+            return self._layer(st, step.key(st.key, nonce), lambda tree: _mkdirs(tree, a["path"]))
         if op == "copy":
             dest_is_dir = a["dest"].endswith("/")
             if not dest_is_dir:
@@ -147,7 +149,7 @@ class Builder:
             sources, digest = ctx.plan(a["srcs"], dest_is_dir, step.where())
             owner = self._owner(st.layers, a["chown"], step)
             chmod = int(a["chmod"], 8) if a["chmod"] else None
-            key = step.key(st.key, digest)
+            key = step.key(st.key, digest + nonce)
             if a["extract"] and len(sources) == 1 and sources[0].kind == "file" and _TAR.search(sources[0].rel):
                 def fill(tree: Path) -> None:
                     dest = _mkdirs(tree, a["dest"], implied=True)
@@ -158,7 +160,7 @@ class Builder:
                     ctx.fill(tree, a["dest"], sources, owner, chmod)
             return self._layer(st, key, fill)
         if op == "run":
-            key = step.key(st.key)
+            key = step.key(st.key, nonce)
             return self._layer(st, key, lambda tree: self._run(st, step, key, tree))
         raise BuildError(f"{step.where()}: unknown step {op!r}")
 
@@ -200,12 +202,17 @@ class Builder:
             ck = None
             try:
                 cmd = step.args["cmd"]
+                # As the step's user (E2B's run_cmd(user=)) or the template's default, from its cwd
+                # (a Dockerfile without WORKDIR runs at /, as docker does).
+                cid = rt.start_process(info.id, cmd if isinstance(cmd, str) else shlex.join(cmd),
+                                       st.config.cwd or "/", step.args.get("env") or None, step.args.get("user"))
                 try:
-                    r = rt.run(info.id, cmd if isinstance(cmd, str) else shlex.join(cmd), timeout=self.run_timeout,
-                               env=step.args.get("env") or None)
+                    r = rt.wait_command(cid, self.run_timeout)
                 except CommandTimeoutError as e:
                     raise BuildError(f"{step.where()}: ran past {self.run_timeout} s and was killed\n"
                                      f"{_tail(e.stdout + e.stderr)}") from None
+                finally:
+                    rt.forget_command(cid)
                 for line in (r.stdout + r.stderr).splitlines():
                     self.log(f"    {line}")
                 if r.exit_code != 0:
