@@ -73,6 +73,14 @@ def test_links_out_are_kept_as_links_never_followed(system_dir, tmp_path):
     assert canary.read_text() == "untouched"
 
 
+def test_a_later_entry_replaces_a_directory(system_dir, tmp_path):
+    # tar's rule: the last entry for a path wins, a link replacing a directory (and what was in it)
+    layout = oci_layout(tmp_path / "img", [[Entry("a", "dir", mode=0o755), Entry("a/b", "dir", mode=0o755),
+                                            Entry("a/b/f", data=b"x"), Entry("a", "symlink", link="/tmp")]])
+    rootfs = catalog.import_image(str(layout), "replaced", log=lambda _: None)
+    assert os.readlink(rootfs / "a") == "/tmp"
+
+
 def test_overlay_xattrs_of_a_layer_dropped(system_dir, tmp_path):
     # A layer cannot speak to overlayfs (an opaque or redirect attribute of its own choosing).
     pax = {"SCHILY.xattr.trusted.overlay.redirect": "/etc", "SCHILY.xattr.user.note": "kept"}

@@ -42,6 +42,7 @@ OPAQUE = "trusted.overlay.opaque"
 IMPLIED = "trusted.k3sys.implied"
 WHITEOUT, OPAQUE_MARKER, META_PREFIX = ".wh.", ".wh..wh..opq", ".wh..wh."
 MAX_HEADER = 1 << 20  # bytes: a GNU long name or pax header past this is refused
+MAX_DIR_TIMES = 1 << 20  # directories whose times are set at the end; past this they keep the unpack's
 _KEEP_XATTR = ("user.", "security.capability")
 _CHUNK = 1 << 20
 _DIR_OPEN = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -113,7 +114,8 @@ class _Layer:
 
     def close(self) -> None:
         for parts, mtime in reversed(self.dir_times):  # children first: their times are final
-            with contextlib.suppress(FileNotFoundError):
+            # A directory a later entry replaced (or put under a link) keeps the time it has.
+            with contextlib.suppress(OSError, LayerEntryError):
                 pfd = self.parent(parts, "/".join(parts), create=False) if parts else os.dup(self.root)
                 try:
                     os.utime(parts[-1] if parts else ".", (mtime, mtime), dir_fd=pfd, follow_symlinks=False)
@@ -184,7 +186,8 @@ def _entry(layer: _Layer, tf: tarfile.TarFile, ti: tarfile.TarInfo) -> None:
                 with contextlib.suppress(OSError):  # named by an entry of its own now
                     os.removexattr(f"/proc/self/fd/{dfd}/{base}", IMPLIED)
             _meta(ti, base, dfd)
-            layer.dir_times.append((parts, ti.mtime))
+            if len(layer.dir_times) < MAX_DIR_TIMES:
+                layer.dir_times.append((parts, ti.mtime))
         elif ti.isreg():
             _remove(base, dfd)
             fd = os.open(base, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd)
