@@ -81,7 +81,7 @@ class Builder:
         self.spec = dict(network=network, memory_mb=memory_mb, disk_mb=disk_mb)
         self.run_timeout = run_timeout
         self.log = log
-        self.store = catalog.layer_store()
+        self.store = catalog.layer_store()  # set again by each build (K3SYS_SYSTEM_DIR is read then)
         self._own_runtime = None
 
     def build(self, steps: list[Step], name: str, context: Path | None = None) -> BuildResult:
@@ -92,6 +92,7 @@ class Builder:
         if not steps or steps[0].op != "from" or any(s.op == "from" for s in steps[1:]):
             raise BuildError("a build is one FROM followed by its steps")
         t0 = time.monotonic()
+        self.store = catalog.layer_store()
         result = BuildResult(name, [])
         ctx = Context(context)
         try:
