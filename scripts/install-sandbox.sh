@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # System pieces for k3sys.sandbox (idempotent; a cached re-run takes well under a second):
-#   - Debian packages: runc, busybox-static, debootstrap, e2fsprogs (mkfs.ext4: each sandbox's disk), and CRIU's build dependencies;
+#   - Debian packages: runc, busybox-static, debootstrap, e2fsprogs (mkfs.ext4: each sandbox's disk), skopeo and
+#     zstd (`k3sys sandbox template import`: registry pulls, zstd layers), and CRIU's build dependencies;
 #   - CRIU 4.1.x built from Debian trixie's source (bookworm's 3.17 fails on recent kernels' vDSO),
 #     with our patches (scripts/sandbox/patches: tolerate Linux >= 6.16's SO_PASSCRED refusal on inet
 #     sockets; skip the conntrack walk for empty network namespaces; read another user's rlimits
@@ -42,7 +43,8 @@ if [ "$(uname -s)" != Linux ] || ! command -v apt-get >/dev/null; then
 fi
 
 # --- Debian packages ---------------------------------------------------------------------------
-PKGS=(runc busybox-static debootstrap e2fsprogs
+# skopeo: `k3sys sandbox template import docker://...` pulls registry images with it; zstd: zstd layers.
+PKGS=(runc busybox-static debootstrap e2fsprogs skopeo zstd
       gcc make pkg-config libbsd-dev libcap-dev libnet1-dev libnl-3-dev
       libprotobuf-c-dev libprotobuf-dev protobuf-c-compiler protobuf-compiler uuid-dev)
 apt_ensure "${PKGS[@]}"

@@ -7,8 +7,10 @@
   wget, procps, build-essential and the user `user`, whom commands and file calls run as by default
   (base_template.py; a copy of `debian` and an apt install from the mirror: a minute or two).
 
-A template's `template.json` holds its metadata; `user` there is the default user of its sandboxes
-(absent: root), read by `template_user`.
+A template's `template.json` holds its metadata and its sandboxes' defaults (`template_defaults`):
+`user` (absent: root), `env` (variables every command gets under its own) and `cwd` (where a command
+that names no directory starts). Templates imported from OCI images or built from Dockerfiles
+(oci/) are also composed from shared layers: their `layers` field lists them, bottom first.
 
 A template lives at `<system dir>/templates/<name>/rootfs`. It is built in a temporary directory and
 renamed into place under a file lock, so a crashed or concurrent build never leaves a half template.
@@ -25,7 +27,9 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from k3sys.sandbox.errors import DriverError, UnknownTemplateError
@@ -116,9 +120,7 @@ def template_rootfs(name: str, build: bool = True, refresh: bool = False) -> Pat
         raise DriverError(f"template {name!r} is not built yet")
     if name in _BASED_ON:
         template_rootfs(_BASED_ON[name])
-    root.mkdir(parents=True, exist_ok=True)
-    with open(root / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with templates_lock():
         if rootfs.is_dir() and not stale(name):  # another process built it while we waited
             return rootfs
         for old in root.glob(f".{name}.build-*"):  # left by a crashed build; we hold the lock
@@ -161,24 +163,58 @@ def _replace(path: Path) -> None:
         path.unlink()
     elif path.exists():
         os.rename(path, path.with_name(f".{path.name}.replaced-{int(time.time())}"))
-    _USERS.pop(path / "template.json", None)
+    _DEFAULTS.pop(path / "template.json", None)
 
 
-_USERS: dict[Path, str | None] = {}  # template.json -> its user; a built template never changes
+@contextmanager
+def templates_lock() -> Iterator[Path]:
+    """Hold the lock every change to the templates directory takes; yields that directory."""
+    root = system_paths().templates
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield root
+
+
+@dataclass(frozen=True)
+class TemplateDefaults:
+    """What a template's sandboxes do unless a call says otherwise: run as `user` (None: root), with
+    `env` under the call's own variables, in `cwd` (None: the agent's default)."""
+
+    user: str | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    cwd: str | None = None
+
+
+_DEFAULTS: dict[Path, TemplateDefaults] = {}  # template.json -> its defaults; a built template never changes
+
+
+def template_defaults(name: str) -> TemplateDefaults:
+    """The defaults of template `name`'s sandboxes, from its `template.json` (none for a template not
+    built yet: not remembered)."""
+    meta_path = system_paths().templates / name / "template.json"
+    if meta_path not in _DEFAULTS:
+        try:
+            meta = json.loads(meta_path.read_text())
+        except (OSError, ValueError):
+            return TemplateDefaults()
+        meta = meta if isinstance(meta, dict) else {}
+        user, env, cwd = meta.get("user"), meta.get("env"), meta.get("cwd")
+        env = {k: v for k, v in (env if isinstance(env, dict) else {}).items() if isinstance(v, str)}
+        _DEFAULTS[meta_path] = TemplateDefaults(user if isinstance(user, str) and user else None, env,
+                                                cwd if isinstance(cwd, str) and cwd.startswith("/") else None)
+    return _DEFAULTS[meta_path]
+
+
+def forget_template(name: str) -> None:
+    """Drop what is remembered of template `name` (it was removed or replaced)."""
+    _DEFAULTS.pop(system_paths().templates / name / "template.json", None)
 
 
 def template_user(name: str) -> str | None:
     """The default user of template `name`'s sandboxes (its `template.json`'s `user`); None for
     root, or for a template not built (yet: not remembered)."""
-    meta_path = system_paths().templates / name / "template.json"
-    if meta_path not in _USERS:
-        try:
-            meta = json.loads(meta_path.read_text())
-        except (OSError, ValueError):
-            return None
-        user = meta.get("user") if isinstance(meta, dict) else None
-        _USERS[meta_path] = user if isinstance(user, str) and user else None
-    return _USERS[meta_path]
+    return template_defaults(name).user
 
 
 def main(argv: list[str]) -> int:
