@@ -40,10 +40,15 @@ def test_e2b_sdk_through_the_gateway(fleet, e2b_env):
         w.stop()
         h = b.commands.run("i=0; while true; do i=$((i+1)); echo $i > /tmp/c; sleep 0.05; done", background=True)
         assert h.pid > 0
+
+        def count(sbx) -> int:  # `>` truncates before echo writes: a read (or a dump) may fall between
+            return int(sbx.commands.run("cat /tmp/c 2>/dev/null || true").stdout or 0)
+        wait_until(lambda: count(b) > 0, 20, "the counter's first write", step=0.1)
         assert b.pause() is True
         assert fleet.info(b.sandbox_id).state == "hibernated"
         back = Sandbox.connect(b.sandbox_id, timeout=240)
-        assert int(back.commands.run("cat /tmp/c").stdout) > 0
+        before = wait_until(lambda: count(back), 20, "the counter read after the resume", step=0.1)
+        wait_until(lambda: count(back) > before, 20, "the restored loop counting on", step=0.1)
         snap = back.create_snapshot()
         copy = Sandbox.create(snap.snapshot_id, timeout=120)
         made.append(copy.sandbox_id)
