@@ -13,6 +13,7 @@
     ├── CommandExitError                  the SDK's `commands.run` / `wait`: the command exited non-zero
     ├── RuntimeLockedError                another live process holds the runtime directory
     ├── DriverError                       runc / CRIU / the kernel refused; carries the tool's log tail
+    ├── TemplateStartError                a template's start command exited or never passed its ready check
     ├── PermissionDeniedError (PermissionError)  the sandbox itself refused (EPERM, EACCES inside it)
     ├── AgentError                        the in-sandbox agent failed or cannot be reached
     │   ├── AgentInterruptedError         a call cut by a checkpoint / hibernate of its sandbox: retry
@@ -197,6 +198,14 @@ class DriverError(SandboxError):
     """The isolation layer (runc, CRIU, mounts, cgroups) failed; the message has the tool's log tail."""
 
     code = "driver_error"
+
+
+class TemplateStartError(SandboxError):
+    """A template's start command (template.json `start_cmd`) exited, or its `ready_cmd` did not pass
+    within the bound; the message names the template, the command and its output's tail. The
+    sandbox it was starting in is killed."""
+
+    code = "template_start"
 
 
 class PermissionDeniedError(SandboxError, PermissionError):

@@ -52,9 +52,10 @@ from k3sys.sandbox.runtime.prefetch import Prefetcher
 from k3sys.sandbox.runtime.reclaim import Reclaimer
 from k3sys.sandbox.runtime.recovery import Recovery
 from k3sys.sandbox.runtime.staging import Staging
+from k3sys.sandbox.runtime.startup import start_template
 from k3sys.sandbox.runtime.store import Store
 from k3sys.sandbox.runtime.table import SandboxTable
-from k3sys.sandbox.spec import ON_TIMEOUT, check_number
+from k3sys.sandbox.spec import ON_TIMEOUT, SandboxSpec, check_number
 from k3sys.sandbox.types import SandboxInfo
 
 # Seconds between E2B's pause (a freeze) and the start of its background hibernation: a connect
@@ -127,7 +128,7 @@ class Runtime:
     def _bind(self) -> None:
         """The parts' public operations as this runtime's methods (their docstrings say what each does)."""
         life, cks, cat = self.lifecycle, self.checkpoint_service, self.catalog
-        self.create, self.kill, self.pause, self.resume = life.create, life.kill, life.pause, life.resume
+        self.kill, self.pause, self.resume = life.kill, life.pause, life.resume
         self.hibernate, self.set_timeout = life.hibernate, life.set_timeout
         self.checkpoint, self.restore, self.fork = cks.checkpoint, cks.restore, cks.fork
         self.checkpoints, self.get_checkpoint, self.delete_checkpoint = cat.list, cat.get, cat.delete
@@ -148,6 +149,13 @@ class Runtime:
                                                                           fs.list_dir)
         self.stat, self.move, self.remove, self.make_dir = fs.stat, fs.move, fs.remove, fs.make_dir
         self.exists, self.watch_dir = fs.exists, fs.watch_dir
+
+    def create(self, spec: SandboxSpec, id: str | None = None) -> SandboxInfo:
+        """Start a new sandbox from `spec.template` (`id` chosen by the caller or generated), and the
+        template's start command if it has one, returning once that is ready (startup.py)."""
+        info = self.lifecycle.create(spec, id)
+        start_template(self.command_service, self.kill, info.id, spec.template)
+        return info
 
     def info(self, sid: str) -> SandboxInfo:
         rec = self.table.get(sid)

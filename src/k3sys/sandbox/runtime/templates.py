@@ -5,9 +5,13 @@
   ca-certificates; built on first use (a few minutes, network to the Debian mirror), then cached.
 - `base` (E2B's default template name): `debian` plus the user `user` (uid/gid 1000, /home/user,
   bash), whom commands and file calls run as by default; a copy of `debian` (seconds, no network).
+- `code-interpreter-v1` (E2B's name): `base` plus Jupyter, numpy, pandas, matplotlib and the
+  code-interpreter server as its start command (template_interpreter.py; a minute, PyPI on the host).
 
 A template's `template.json` holds its metadata; `user` there is the default user of its sandboxes
-(absent: root), read by `template_user`.
+(absent: root), read by `template_user`; `start_cmd` and `ready_cmd` (E2B's set_start_cmd(start,
+ready)) the command a new sandbox starts detached and the check that must pass before its create
+returns (`template_start`; startup.py runs them).
 
 A template lives at `<system dir>/templates/<name>/rootfs`. It is built in a temporary directory and
 renamed into place under a file lock, so a crashed or concurrent build never leaves a half template.
@@ -27,6 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from k3sys.sandbox.errors import DriverError, UnknownTemplateError
+from k3sys.sandbox.runtime import template_interpreter
 from k3sys.sandbox.runtime.system import debian_mirror, host_codename, system_paths
 
 _BUSYBOX = Path("/bin/busybox")
@@ -78,10 +83,14 @@ def _build_debian(rootfs: Path) -> None:
 _BASE_USER, _BASE_ID = "user", 1000
 
 
-def _build_base(rootfs: Path) -> dict[str, str]:
-    debian = template_rootfs("debian", build=False)  # built by template_rootfs before its lock
+def _copy_template(name: str, rootfs: Path) -> None:
+    """Make `rootfs` a copy of template `name` (built by template_rootfs before its lock)."""
     rootfs.rmdir()  # cp makes it, with the template's owner and mode
-    subprocess.run(["cp", "-a", "--reflink=auto", str(debian), str(rootfs)], check=True)
+    subprocess.run(["cp", "-a", "--reflink=auto", str(template_rootfs(name, build=False)), str(rootfs)], check=True)
+
+
+def _build_base(rootfs: Path) -> dict[str, str]:
+    _copy_template("debian", rootfs)
     name, uid = _BASE_USER, _BASE_ID
     for rel, line in (("etc/passwd", f"{name}:x:{uid}:{uid}::/home/{name}:/bin/bash"),
                       ("etc/group", f"{name}:x:{uid}:"),
@@ -96,12 +105,18 @@ def _build_base(rootfs: Path) -> dict[str, str]:
     return {"user": name}
 
 
+def _build_code_interpreter(rootfs: Path) -> dict[str, str]:
+    _copy_template("base", rootfs)
+    return {"user": _BASE_USER, **template_interpreter.install(rootfs)}
+
+
 # A builder returns what its template.json adds (None: nothing).
 BUILDERS: dict[str, Callable[[Path], dict[str, str] | None]] = {
-    "busybox": _build_busybox, "debian": _build_debian, "base": _build_base}
+    "busybox": _build_busybox, "debian": _build_debian, "base": _build_base,
+    template_interpreter.NAME: _build_code_interpreter}
 # Templates built from another: that one is built first, outside the build lock (flock is per open
 # file, so taking it again inside would wait for ourselves).
-_BASED_ON = {"base": "debian"}
+_BASED_ON = {"base": "debian", template_interpreter.NAME: "base"}
 
 
 def template_names() -> list[str]:
@@ -149,21 +164,33 @@ def template_rootfs(name: str, build: bool = True) -> Path:
     return rootfs
 
 
-_USERS: dict[Path, str | None] = {}  # template.json -> its user; a built template never changes
+_META: dict[Path, dict[str, str]] = {}  # template.json -> its string fields; a built template never changes
 
 
-def template_user(name: str) -> str | None:
-    """The default user of template `name`'s sandboxes (its `template.json`'s `user`); None for
-    root, or for a template not built (yet: not remembered)."""
+def _meta(name: str) -> dict[str, str]:
+    """The string fields of template `name`'s `template.json` ({} for a template not built: not
+    remembered, it may be built later)."""
     meta_path = system_paths().templates / name / "template.json"
-    if meta_path not in _USERS:
+    if meta_path not in _META:
         try:
             meta = json.loads(meta_path.read_text())
         except (OSError, ValueError):
-            return None
-        user = meta.get("user") if isinstance(meta, dict) else None
-        _USERS[meta_path] = user if isinstance(user, str) and user else None
-    return _USERS[meta_path]
+            return {}
+        meta = meta if isinstance(meta, dict) else {}
+        _META[meta_path] = {k: v for k, v in meta.items() if isinstance(v, str) and v}
+    return _META[meta_path]
+
+
+def template_user(name: str) -> str | None:
+    """The default user of template `name`'s sandboxes (its `template.json`'s `user`); None for root."""
+    return _meta(name).get("user")
+
+
+def template_start(name: str) -> tuple[str, str | None] | None:
+    """Template `name`'s start command and its readiness check (`start_cmd`, `ready_cmd`; None: the
+    template starts nothing)."""
+    meta = _meta(name)
+    return (meta["start_cmd"], meta.get("ready_cmd")) if "start_cmd" in meta else None
 
 
 def main(argv: list[str]) -> int:

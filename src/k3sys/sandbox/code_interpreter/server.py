@@ -1,0 +1,360 @@
+"""The code-interpreter server that runs INSIDE a `code-interpreter-v1` sandbox, on port 49999.
+
+It speaks the protocol of E2B's `e2b-code-interpreter` SDK (docs/code_interpreter.md) over
+`http.server` and backs every context with a real Jupyter kernel (`jupyter_client` +
+`ipykernel`), so all state lives in the sandbox's processes and follows it through pause,
+hibernate, checkpoint and fork. Standalone: the template's python runs it with the standard
+library and jupyter_client only (the template copies this file in; it imports nothing of k3sys).
+
+    POST   /execute                 {"code", "context_id"?, "language"?, "env_vars"?} -> JSON lines
+    POST   /contexts                {"language"?, "cwd"?} -> {"id", "language", "cwd"}
+    GET    /contexts                -> [context, ...]
+    DELETE /contexts/<id>
+    POST   /contexts/<id>/restart
+    GET    /health                  -> OK
+
+/execute streams one JSON object per line, in the kernel's order: {"type": "stdout"|"stderr",
+"text", "timestamp" (unix ns)}, {"type": "result", "text", "html", "png", "json", ...,
+"is_main_result"}, {"type": "error", "name", "value", "traceback"}, {"type":
+"number_of_executions", "execution_count"}, then {"type": "end_of_execution"}.
+
+Hostile code: a client that goes away mid-run (the SDK's `timeout`) interrupts the kernel, and a
+kernel that stays busy `INTERRUPT_GRACE_S` later is restarted; a run's output past `OUTPUT_CAP`
+bytes is dropped and counted in one last stderr line; a kernel found dead is restarted and the run
+answers an error saying so (its variables are gone) instead of running the code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import select
+import socket
+import sys
+import threading
+import time
+import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from jupyter_client import KernelManager
+
+PORT = 49999
+OUTPUT_CAP = 32 << 20  # bytes of output one run may stream; the rest is counted, not sent
+INTERRUPT_GRACE_S = 3.0  # after an interrupt, how long a kernel may stay busy before a restart
+READY_TIMEOUT_S = 60.0  # a kernel's start until it answers
+BODY_MAX = 16 << 20  # a request body (the code) larger than this is refused
+POLL_S = 0.05  # while a kernel is silent: how often the client's connection and the kernel are checked
+KERNELS = {"python": "python3"}  # language -> kernel spec; others join when their kernel is installed
+_MIME = {"text/plain": "text", "text/html": "html", "text/markdown": "markdown", "image/svg+xml": "svg",
+         "image/png": "png", "image/jpeg": "jpeg", "application/pdf": "pdf", "text/latex": "latex",
+         "application/json": "json", "application/javascript": "javascript", "e2b/data": "data",
+         "e2b/chart": "chart"}
+
+
+class Context:
+    """One kernel: its id, language, working directory; one run at a time (`lock`)."""
+
+    def __init__(self, language: str, cwd: str) -> None:
+        self.id = uuid.uuid4().hex
+        self.language, self.cwd = language, cwd
+        self.lock = threading.Lock()
+        self.km = KernelManager(kernel_name=KERNELS[language])
+        # No ANSI colours in tracebacks (E2B's kernel config says the same): they are read as text.
+        self.km.start_kernel(cwd=cwd, extra_arguments=["--InteractiveShell.colors=nocolor"])
+        self.kc = self.km.blocking_client()
+        self.kc.start_channels()
+        self.kc.wait_for_ready(timeout=READY_TIMEOUT_S)
+
+    def describe(self) -> dict[str, str]:
+        return {"id": self.id, "language": self.language, "cwd": self.cwd}
+
+    def restart(self) -> None:
+        self.km.restart_kernel(now=True)
+        self.kc.wait_for_ready(timeout=READY_TIMEOUT_S)
+        _drain(self.kc)
+
+    def shutdown(self) -> None:
+        self.kc.stop_channels()
+        self.km.shutdown_kernel(now=True)
+
+    def silent(self, code: str) -> None:
+        """Run `code` without output or history (the env-var set-up around a run)."""
+        self.kc.execute(code, silent=True, store_history=False)
+        _wait_idle(self.kc, READY_TIMEOUT_S)
+
+
+def _drain(kc: Any) -> None:
+    while True:
+        try:
+            kc.get_iopub_msg(timeout=0)
+        except queue.Empty:
+            return
+
+
+def _wait_idle(kc: Any, timeout: float) -> bool:
+    """Read iopub until the kernel says idle (True) or `timeout` s pass (False)."""
+    end = time.monotonic() + timeout
+    while (left := end - time.monotonic()) > 0:
+        try:
+            msg = kc.get_iopub_msg(timeout=min(left, POLL_S))
+        except queue.Empty:
+            continue
+        if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+            return True
+    return False
+
+
+class Contexts:
+    """Every context of this server, and each language's default one."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.by_id: dict[str, Context] = {}
+        self.default: dict[str, str] = {}
+
+    def create(self, language: str, cwd: str) -> Context:
+        if language not in KERNELS:
+            raise ValueError(f"unsupported language {language!r} (installed: {', '.join(KERNELS)})")
+        ctx = Context(language, cwd)
+        with self.lock:
+            self.by_id[ctx.id] = ctx
+        return ctx
+
+    def default_for(self, language: str) -> Context:
+        with self.lock:
+            cid = self.default.get(language)
+        if cid is None or cid not in self.by_id:
+            ctx = self.create(language, HOME)
+            with self.lock:
+                cid = self.default.setdefault(language, ctx.id)
+        return self.by_id[cid]
+
+
+HOME = os.environ.get("HOME") or "/"
+CONTEXTS = Contexts()
+
+
+def _normal_language(language: str | None) -> str:
+    language = (language or "python").strip().lower()
+    return {"py": "python", "python3": "python", "js": "javascript", "sh": "bash"}.get(language, language)
+
+
+def _result(data: dict[str, Any], main: bool) -> dict[str, Any]:
+    out: dict[str, Any] = {"type": "result", "is_main_result": main}
+    extra = {}
+    for mime, value in data.items():
+        if mime in _MIME:
+            out[_MIME[mime]] = value
+        else:
+            extra[mime] = value
+    text = out.get("text")
+    # E2B's server shows a string's repr without its quotes; the SDK users' code expects that.
+    if isinstance(text, str) and len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+        out["text"] = text[1:-1]
+    if extra:
+        out["extra"] = extra
+    return out
+
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (http.server's signature)
+        pass  # one line per request on stderr is noise in the sandbox's log
+
+    def _reply(self, status: int, body: Any = None) -> None:
+        data = b"" if body is None else (body.encode() if isinstance(body, str) else json.dumps(body).encode())
+        self.send_response(status)
+        self.send_header("Content-Type", "text/plain" if isinstance(body, str) else "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _body(self) -> dict[str, Any]:
+        n = int(self.headers.get("Content-Length") or 0)
+        if n > BODY_MAX:
+            raise ValueError(f"request body of {n} bytes is over {BODY_MAX}")
+        raw = self.rfile.read(n) if n else b""
+        body = json.loads(raw) if raw.strip() else {}
+        if not isinstance(body, dict):
+            raise ValueError("expected a JSON object")
+        return body
+
+    def do_GET(self) -> None:
+        if self.path == "/health":
+            return self._reply(200, "OK")
+        if self.path == "/contexts":
+            return self._reply(200, [c.describe() for c in list(CONTEXTS.by_id.values())])
+        self._reply(404, f"no GET {self.path}")
+
+    def do_DELETE(self) -> None:
+        parts = self.path.strip("/").split("/")
+        if len(parts) == 2 and parts[0] == "contexts":
+            with CONTEXTS.lock:
+                ctx = CONTEXTS.by_id.pop(parts[1], None)
+            if ctx is None:
+                return self._reply(404, f"Context {parts[1]} not found")
+            with ctx.lock:
+                ctx.shutdown()
+            return self._reply(204)
+        self._reply(404, f"no DELETE {self.path}")
+
+    def do_POST(self) -> None:
+        try:
+            body = self._body()
+        except ValueError as e:
+            return self._reply(400, str(e))
+        parts = self.path.strip("/").split("/")
+        try:
+            if parts == ["execute"]:
+                return self._execute(body)
+            if parts == ["contexts"]:
+                ctx = CONTEXTS.create(_normal_language(body.get("language")), body.get("cwd") or HOME)
+                return self._reply(200, ctx.describe())
+            if len(parts) == 3 and parts[0] == "contexts" and parts[2] == "restart":
+                ctx = CONTEXTS.by_id.get(parts[1])
+                if ctx is None:
+                    return self._reply(404, f"Context {parts[1]} not found")
+                with ctx.lock:
+                    ctx.restart()
+                return self._reply(204)
+        except ValueError as e:
+            return self._reply(400, str(e))
+        except Exception as e:  # a kernel that would not start: the client gets why
+            return self._reply(500, f"{type(e).__name__}: {e}")
+        self._reply(404, f"no POST {self.path}")
+
+    def _execute(self, body: dict[str, Any]) -> None:
+        code, cid, language = body.get("code"), body.get("context_id"), body.get("language")
+        if not isinstance(code, str):
+            return self._reply(400, "code: expected a string")
+        if cid and language:
+            return self._reply(400, "Only one of context_id or language can be provided")
+        if cid:
+            ctx = CONTEXTS.by_id.get(cid)
+            if ctx is None:
+                return self._reply(404, f"Context {cid} not found")
+        else:
+            ctx = CONTEXTS.default_for(_normal_language(language))
+        envs = body.get("env_vars") or {}
+        self.send_response(200)
+        self.send_header("Content-Type", "application/x-ndjson")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        with ctx.lock:
+            run = Run(ctx, self)
+            run.go(code, {str(k): str(v) for k, v in envs.items()})
+        if run.broken:
+            self.close_connection = True
+        else:
+            self._chunk(b"")
+
+    def _chunk(self, data: bytes) -> None:
+        self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+        self.wfile.flush()
+
+    def gone(self) -> bool:
+        """Whether the client closed its connection (readable with nothing to read)."""
+        sock = self.connection
+        try:
+            if not select.select([sock], [], [], 0)[0]:
+                return False
+            return sock.recv(1, socket.MSG_PEEK) == b""
+        except OSError:
+            return True
+
+
+class Run:
+    """One execution on `ctx`, streamed to `handler` as JSON lines."""
+
+    def __init__(self, ctx: Context, handler: Handler) -> None:
+        self.ctx, self.handler = ctx, handler
+        self.sent = self.dropped = 0
+        self.broken = False  # the client's connection failed a write: it is gone
+
+    def emit(self, item: dict[str, Any], capped: bool = True) -> None:
+        line = json.dumps(item).encode() + b"\n"
+        if capped and self.sent + len(line) > OUTPUT_CAP:
+            self.dropped += len(item.get("text") or line)
+            return
+        self.sent += len(line)
+        if not self.broken:
+            try:
+                self.handler._chunk(line)
+            except OSError:
+                self.broken = True
+
+    def error(self, name: str, value: str) -> None:
+        self.emit({"type": "error", "name": name, "value": value, "traceback": f"{name}: {value}"}, capped=False)
+
+    def go(self, code: str, envs: dict[str, str]) -> None:
+        ctx = self.ctx
+        if not ctx.km.is_alive():
+            ctx.restart()
+            return self.error("KernelRestarted", "the context's kernel had died and was restarted: its variables "
+                              "are gone; the code was not run")
+        if envs and ctx.language == "python":
+            ctx.silent(f"import os as __k3\n__k3_saved = {{k: __k3.environ.get(k) for k in {list(envs)!r}}}\n"
+                       f"__k3.environ.update({envs!r})")
+        try:
+            self.stream(ctx.kc.execute(code, store_history=True, allow_stdin=False, stop_on_error=True))
+        finally:
+            if envs and ctx.language == "python" and ctx.km.is_alive():
+                ctx.silent("[__k3.environ.pop(k, None) if v is None else __k3.environ.__setitem__(k, v)"
+                           " for k, v in __k3_saved.items()]\ndel __k3, __k3_saved")
+        if self.dropped:
+            self.emit({"type": "stderr", "text": f"[k3sys: {self.dropped} bytes of output dropped past the "
+                       f"run's cap of {OUTPUT_CAP} bytes]\n", "timestamp": time.time_ns()}, capped=False)
+        self.emit({"type": "end_of_execution"}, capped=False)
+
+    def stream(self, msg_id: str) -> None:
+        ctx, interrupted = self.ctx, None
+        while True:
+            try:
+                msg = ctx.kc.get_iopub_msg(timeout=POLL_S)
+            except queue.Empty:
+                if not ctx.km.is_alive():
+                    code = ctx.km.provisioner.exit_code if ctx.km.provisioner else None
+                    ctx.restart()
+                    return self.error("KernelDied", f"the kernel exited (code {code}) during this run and was "
+                                      "restarted: its variables are gone")
+                if interrupted is None and (self.broken or self.handler.gone()):
+                    ctx.km.interrupt_kernel()  # the client's timeout: stop the run, keep the kernel
+                    interrupted = time.monotonic()
+                elif interrupted is not None and time.monotonic() - interrupted > INTERRUPT_GRACE_S:
+                    ctx.restart()  # deaf to SIGINT (a C loop, a signal handler): a fresh kernel
+                    return
+                continue
+            if msg["parent_header"].get("msg_id") != msg_id:
+                continue
+            kind, content = msg["msg_type"], msg["content"]
+            if kind == "stream":
+                self.emit({"type": content["name"], "text": content["text"], "timestamp": time.time_ns()})
+            elif kind in ("execute_result", "display_data"):
+                self.emit(_result(content["data"], kind == "execute_result"))
+            elif kind == "error":
+                self.emit({"type": "error", "name": content["ename"], "value": content["evalue"],
+                           "traceback": "\n".join(content["traceback"])}, capped=False)
+            elif kind == "execute_input":
+                self.emit({"type": "number_of_executions", "execution_count": content["execution_count"]},
+                          capped=False)
+            elif kind == "status" and content["execution_state"] == "idle":
+                return
+            if self.broken and interrupted is None:
+                ctx.km.interrupt_kernel()
+                interrupted = time.monotonic()
+
+
+def main() -> int:
+    port = int(sys.argv[1]) if len(sys.argv) > 1 else PORT
+    CONTEXTS.default_for("python")  # the default context is up before the port answers: listening = ready
+    server = ThreadingHTTPServer(("0.0.0.0", port), Handler)
+    server.daemon_threads = True
+    server.serve_forever()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
