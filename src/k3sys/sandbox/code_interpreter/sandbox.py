@@ -25,7 +25,7 @@ from k3sys.sandbox.code_interpreter.models import (
     parse_line,
 )
 from k3sys.sandbox.code_interpreter.transport import Port, lines
-from k3sys.sandbox.errors import CommandTimeoutError, InvalidArgumentError
+from k3sys.sandbox.errors import CommandTimeoutError, InvalidArgumentError, SandboxError
 from k3sys.sandbox.sdk.aio import AsyncSandbox as _AsyncBase
 from k3sys.sandbox.sdk.api import Sandbox as _Base
 
@@ -51,8 +51,12 @@ class _Calls:
         try:
             # A run past `timeout` closes the connection: the server sees it go and interrupts the kernel.
             with self.port.request("POST", "/execute", body, timeout) as resp:
-                for line in lines(resp, self.port.sid):
-                    parse_line(execution, line, handlers)
+                last = b""
+                for last in lines(resp, self.port.sid):
+                    parse_line(execution, last, handlers)
+            if b'"end_of_execution"' not in last:
+                raise SandboxError(f"sandbox {self.port.sid}: the code interpreter's answer ended before the run "
+                                   "did (its server died or the sandbox was stopped)")
         except TimeoutError:
             raise CommandTimeoutError(f"Execution timed out after {timeout} s (sandbox {self.port.sid}); the "
                                       "kernel was interrupted. The 'timeout' option can be used to increase it",

@@ -245,7 +245,11 @@ class Handler(BaseHTTPRequestHandler):
         self.end_headers()
         with ctx.lock:
             run = Run(ctx, self)
-            run.go(code, {str(k): str(v) for k, v in envs.items()})
+            try:
+                run.go(code, {str(k): str(v) for k, v in envs.items()})
+            except Exception as e:  # the server's own failure: the client gets it as the run's error
+                run.error("ServerError", f"{type(e).__name__}: {e}")
+                run.emit({"type": "end_of_execution"}, capped=False)
         if run.broken:
             self.close_connection = True
         else:
@@ -277,8 +281,12 @@ class Run:
     def emit(self, item: dict[str, Any], capped: bool = True) -> None:
         line = json.dumps(item).encode() + b"\n"
         if capped and self.sent + len(line) > OUTPUT_CAP:
-            self.dropped += len(item.get("text") or line)
-            return
+            text, room = item.get("text"), OUTPUT_CAP - self.sent - 200  # what fits beside the line's keys
+            if not isinstance(text, str) or room <= 0:
+                self.dropped += len(line)
+                return
+            self.dropped += len(text) - room // 2  # a character may take two bytes escaped: keep room/2
+            line = json.dumps({**item, "text": text[:room // 2]}).encode() + b"\n"
         self.sent += len(line)
         if not self.broken:
             try:
@@ -293,21 +301,26 @@ class Run:
         ctx = self.ctx
         if not ctx.km.is_alive():
             ctx.restart()
-            return self.error("KernelRestarted", "the context's kernel had died and was restarted: its variables "
-                              "are gone; the code was not run")
-        if envs and ctx.language == "python":
-            ctx.silent(f"import os as __k3\n__k3_saved = {{k: __k3.environ.get(k) for k in {list(envs)!r}}}\n"
-                       f"__k3.environ.update({envs!r})")
+            self.error("KernelRestarted", "the context's kernel had died and was restarted: its variables are gone; "
+                       "the code was not run")
+        else:
+            if envs and ctx.language == "python":
+                ctx.silent(f"import os as __k3\n__k3_saved = {{k: __k3.environ.get(k) for k in {list(envs)!r}}}\n"
+                           f"__k3.environ.update({envs!r})")
+            self.run(code, envs)
+        if self.dropped:
+            self.emit({"type": "stderr", "text": f"[k3sys: {self.dropped} bytes of output dropped past the "
+                       f"run's cap of {OUTPUT_CAP} bytes]\n", "timestamp": time.time_ns()}, capped=False)
+        self.emit({"type": "end_of_execution"}, capped=False)
+
+    def run(self, code: str, envs: dict[str, str]) -> None:
+        ctx = self.ctx
         try:
             self.stream(ctx.kc.execute(code, store_history=True, allow_stdin=False, stop_on_error=True))
         finally:
             if envs and ctx.language == "python" and ctx.km.is_alive():
                 ctx.silent("[__k3.environ.pop(k, None) if v is None else __k3.environ.__setitem__(k, v)"
                            " for k, v in __k3_saved.items()]\ndel __k3, __k3_saved")
-        if self.dropped:
-            self.emit({"type": "stderr", "text": f"[k3sys: {self.dropped} bytes of output dropped past the "
-                       f"run's cap of {OUTPUT_CAP} bytes]\n", "timestamp": time.time_ns()}, capped=False)
-        self.emit({"type": "end_of_execution"}, capped=False)
 
     def stream(self, msg_id: str) -> None:
         ctx, interrupted = self.ctx, None
@@ -316,10 +329,9 @@ class Run:
                 msg = ctx.kc.get_iopub_msg(timeout=POLL_S)
             except queue.Empty:
                 if not ctx.km.is_alive():
-                    code = ctx.km.provisioner.exit_code if ctx.km.provisioner else None
                     ctx.restart()
-                    return self.error("KernelDied", f"the kernel exited (code {code}) during this run and was "
-                                      "restarted: its variables are gone")
+                    return self.error("KernelDied", "the kernel died during this run (killed, or out of memory) "
+                                      "and was restarted: its variables are gone")
                 if interrupted is None and (self.broken or self.handler.gone()):
                     ctx.km.interrupt_kernel()  # the client's timeout: stop the run, keep the kernel
                     interrupted = time.monotonic()
