@@ -47,6 +47,41 @@ READY_TIMEOUT_S = 60.0  # a kernel's start until it answers
 BODY_MAX = 16 << 20  # a request body (the code) larger than this is refused
 POLL_S = 0.05  # while a kernel is silent: how often the client's connection and the kernel are checked
 KERNELS = {"python": "python3"}  # language -> kernel spec; others join when their kernel is installed
+# Run silently in every new python kernel, so that output is bounded where it is made: a run
+# writes at most `cap` characters to stdout and stderr together (the rest is counted, and a line on
+# stderr says so at the end of the run). IPython keeps every cell's printed text in memory
+# (`history_manager.outputs`, through a `write` it installs per cell), and ipykernel sends a run's
+# output 0.2 s at a time, unbounded: without this a loop of prints fills the kernel's memory. The
+# bound wraps IPython's per-cell `write` (installed before `pre_run_cell`), so IPython sees only
+# what passes it; the kept outputs are dropped after each cell. Code that goes around it fills only
+# its own kernel, which is the first the OOM killer takes (`_victim`).
+_PYTHON_SETUP = """
+def __k3_setup(cap):
+    import sys
+    ip, state = get_ipython(), {"n": 0, "dropped": 0}
+    say = sys.stderr.write
+    def bound(stream):
+        write = stream.write
+        def bounded(text, *args, **kwargs):
+            room = max(cap - state["n"], 0)
+            if len(text) > room:
+                state["dropped"] += len(text) - room
+                text = text[:room]
+            state["n"] += len(text)
+            return write(text, *args, **kwargs)
+        stream.write = bounded
+    def start(*_):
+        state.update(n=0, dropped=0)
+        bound(sys.stdout), bound(sys.stderr)
+    def end(*_):
+        ip.history_manager.outputs.clear()
+        if state["dropped"]:
+            say(f"[k3sys: {state['dropped']} characters of output dropped past the run's cap of {cap}]\\n")
+    ip.events.register("pre_run_cell", start)
+    ip.events.register("post_run_cell", end)
+__k3_setup(CAP)
+del __k3_setup
+""".replace("CAP", str(OUTPUT_CAP // 2))
 _MIME = {"text/plain": "text", "text/html": "html", "text/markdown": "markdown", "image/svg+xml": "svg",
          "image/png": "png", "image/jpeg": "jpeg", "application/pdf": "pdf", "text/latex": "latex",
          "application/json": "json", "application/javascript": "javascript", "e2b/data": "data",
@@ -63,17 +98,25 @@ class Context:
         self.km = KernelManager(kernel_name=KERNELS[language])
         # No ANSI colours in tracebacks (E2B's kernel config says the same): they are read as text.
         self.km.start_kernel(cwd=cwd, extra_arguments=["--InteractiveShell.colors=nocolor"])
+        _victim(self.km)
         self.kc = self.km.blocking_client()
         self.kc.start_channels()
         self.kc.wait_for_ready(timeout=READY_TIMEOUT_S)
+        self._setup()
 
-    def describe(self) -> dict[str, str]:
-        return {"id": self.id, "language": self.language, "cwd": self.cwd}
+    def _setup(self) -> None:
+        if self.language == "python":
+            _drain(self.kc)
+            self.silent(_PYTHON_SETUP)
 
     def restart(self) -> None:
         self.km.restart_kernel(now=True)
+        _victim(self.km)
         self.kc.wait_for_ready(timeout=READY_TIMEOUT_S)
-        _drain(self.kc)
+        self._setup()
+
+    def describe(self) -> dict[str, str]:
+        return {"id": self.id, "language": self.language, "cwd": self.cwd}
 
     def shutdown(self) -> None:
         self.kc.stop_channels()
@@ -83,6 +126,15 @@ class Context:
         """Run `code` without output or history (the env-var set-up around a run)."""
         self.kc.execute(code, silent=True, store_history=False)
         _wait_idle(self.kc, READY_TIMEOUT_S)
+
+
+def _victim(km: KernelManager) -> None:
+    """Make the kernel the sandbox's first choice when it runs out of memory: user code that eats
+    it all then kills its kernel (the run answers KernelDied), not this server."""
+    pid = getattr(km.provisioner, "pid", None)
+    if pid:
+        with open(f"/proc/{pid}/oom_score_adj", "w") as f:
+            f.write("1000")
 
 
 def _drain(kc: Any) -> None:

@@ -22,9 +22,10 @@ POLL_S = 0.01  # between two ready checks (each is a command in the sandbox: ~2 
 
 
 def start_template(commands: CommandService, kill: Callable[[str], None], sid: str, template: str,
-                   timeout_s: float = READY_TIMEOUT_S) -> None:
-    """Start template `template`'s start command in sandbox `sid` and wait until it is ready (see
-    the module docstring); on failure kill `sid` and raise TemplateStartError."""
+                   timeout_s: float | None = None) -> None:
+    """Start template `template`'s start command in sandbox `sid` and wait until it is ready, at most
+    `timeout_s` (None: READY_TIMEOUT_S) seconds (see the module docstring); on failure kill `sid` and
+    raise TemplateStartError."""
     plan = template_start(template)
     if plan is None:
         return
@@ -32,7 +33,7 @@ def start_template(commands: CommandService, kill: Callable[[str], None], sid: s
     try:
         cid = commands.start_process(sid, start)
         if ready is not None:
-            _wait_ready(commands, cid, sid, template, start, ready, time.monotonic() + timeout_s)
+            _wait_ready(commands, cid, sid, template, start, ready, time.monotonic() + (timeout_s or READY_TIMEOUT_S))
         commands.forget_command(cid)  # it runs on, a process of the sandbox like any other
     except BaseException:
         with contextlib.suppress(SandboxError):
