@@ -15,7 +15,9 @@
 #     bin/k3sys-inotify-limit, which sets the inotify limits inside a sandbox's user namespace;
 #   - the cgroup2 mount option favordynmods (no RCU grace period on each move into a cgroup);
 #   - the host's inotify limits raised to the sandboxes' budget (runtime/drivers/inotify.py);
-#   - the templates `busybox` and `base` (E2B's default: `debian` plus the user `user`).
+#   - the templates `busybox`, `base` (E2B's default: `debian` plus the user `user`) and
+#     `code-interpreter-v1` (`base` plus Jupyter, numpy, pandas, matplotlib and the code-interpreter
+#     server; its wheels are downloaded once from the package index into $K3SYS_SYSTEM_DIR/cache).
 # Everything lands under K3SYS_SYSTEM_DIR (default /opt/k3sys); the system's apt sources are untouched
 # (trixie's source index goes to a private apt state directory).
 set -euo pipefail
@@ -177,11 +179,19 @@ done
 # mirror) when the project's Python is at hand (the Makefile creates it before running this script;
 # K3SYS_PYTHON names another).
 py=${K3SYS_PYTHON:-$ROOT/.venv/bin/python}
-for t in busybox base; do
+for t in busybox base code-interpreter-v1; do
     if [ -x "$py" ] && [ ! -e "$PREFIX/templates/$t/rootfs" ]; then
         log "building template $t"
         K3SYS_SYSTEM_DIR="$PREFIX" PYTHONPATH="$ROOT/src" "$py" -c \
             "from k3sys.sandbox.runtime.templates import main; main(['$t'])"
     fi
 done
+# A built template is never changed under the sandboxes and checkpoints standing on it: one holding
+# an older code-interpreter server is only reported (remove its directory and rerun to rebuild).
+if [ -x "$py" ] && [ -e "$PREFIX/templates/code-interpreter-v1/template.json" ] \
+   && want=$(PYTHONPATH="$ROOT/src" "$py" -c \
+       "from k3sys.sandbox.runtime.template_interpreter import server_sha256; print(server_sha256())") \
+   && ! grep -q "\"server_sha256\": \"$want\"" "$PREFIX/templates/code-interpreter-v1/template.json"; then
+    log "template code-interpreter-v1 holds an older server: rm -r $PREFIX/templates/code-interpreter-v1 and rerun to rebuild"
+fi
 exit 0

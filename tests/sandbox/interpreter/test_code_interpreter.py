@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import json
 import time
 
 import pytest
 
 from k3sys.sandbox import NotFoundError, SandboxError, TimeoutException
 from k3sys.sandbox.code_interpreter import Context, Execution, Sandbox
+from k3sys.sandbox.runtime import template_interpreter
+from k3sys.sandbox.runtime.system import system_paths
 
 pytestmark = pytest.mark.timeout(600)
 PROXY_SKIP = "needs the port proxy (i26-ports): a remote client reaches port 49999 through it"
@@ -23,7 +26,16 @@ PROXY_SKIP = "needs the port proxy (i26-ports): a remote client reaches port 499
 _no_proxy: list[str] = []  # why the service did not reach port 49999, once a probe found out
 
 
+def _check_template() -> None:
+    """Fail naming the fix when the built template holds other server files than this checkout's (a
+    built template is never changed under its sandboxes: it is rebuilt by hand)."""
+    meta = system_paths().templates / template_interpreter.NAME / "template.json"
+    if meta.exists() and json.loads(meta.read_text()).get("server_sha256") != template_interpreter.server_sha256():
+        pytest.fail(f"{meta.parent} was built with another server: remove it to rebuild (about a minute)")
+
+
 def _open(rt, **kw) -> Sandbox:
+    _check_template()
     remote = getattr(rt, "api_url", None) is not None
     if remote and _no_proxy:
         pytest.skip(_no_proxy[0])
@@ -95,6 +107,14 @@ def test_output_streams_to_the_callbacks_while_the_code_runs(ci):
     ex = ci.run_code(code, on_stdout=on_stdout, on_stderr=errs.append)
     assert "".join(m.line for m in got) == "waiting\nsaw it\n" == "".join(ex.logs.stdout)
     assert [m.line for m in errs] == ["err\n"] and errs[0].error and got[0].timestamp > 0
+
+
+def test_bash_runs_in_its_own_kernel_and_other_languages_are_refused(ci):
+    ex = ci.run_code("n=$((2 + 3)); echo $n", language="bash")
+    assert ex.logs.stdout == ["5\n"] and ex.error is None
+    assert ci.run_code("echo $n", language="bash").logs.stdout == ["5\n"]  # its state is kept too
+    with pytest.raises(ValueError, match=r"unsupported language 'cobol' \(installed: python, bash\)"):
+        ci.run_code("1", language="cobol")
 
 
 def test_env_vars_hold_for_one_run(ci):

@@ -8,9 +8,10 @@
         kid = sbx.fork(1)[0]                               # a running copy of the live kernel
 
 The name mirrors E2B's package (`e2b_code_interpreter` -> `k3sys.sandbox.code_interpreter`) so code
-written for it changes only its import. Each sandbox of the template runs server.py (Jupyter
-kernels behind E2B's protocol on port 49999); sandbox.py holds the SDK calls, models.py the result
-types, transport.py how the host reaches the port (docs/code_interpreter.md).
+written for it changes only its import. Each sandbox of the template runs inside/server.py (Jupyter
+kernels, inside/kernels.py, behind E2B's protocol on port 49999; never imported on the host);
+sandbox.py holds the SDK calls, models.py the result types, transport.py how the host reaches the
+port (docs/code_interpreter.md).
 """
 
 from k3sys.sandbox.code_interpreter.models import (

@@ -26,9 +26,9 @@ per layer), staging directories (staging.py), the sandboxes' agents (agents.py),
 checkpoints as listed (catalog.py), prefetched images (prefetch.py), releasing a sandbox
 (reclaim.py), the checkpoint service (checkpoints.py: checkpoint, hibernate, restore, fork), the
 life cycle (lifecycle.py: create, pause, resume, hibernate, kill; it owns the background
-hibernations), recovery and the reaper (recovery.py), the command and file services (commands.py
-with window.py, files.py). Its public methods are theirs, bound here; it holds the directory's lock
-and the queries.
+hibernations; `create` then starts the template's start command, startup.py), recovery and the
+reaper (recovery.py), the command and file services (commands.py with window.py, files.py). Its
+public methods are theirs, bound here; it holds the directory's lock and the queries.
 """
 
 from __future__ import annotations

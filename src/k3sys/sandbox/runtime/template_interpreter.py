@@ -1,6 +1,6 @@
 """The `code-interpreter-v1` template (E2B's name): `base` plus pip, Jupyter's kernel and client,
-numpy, pandas and matplotlib, and the code-interpreter server (`k3sys.sandbox.code_interpreter.server`)
-as the template's start command.
+numpy, pandas and matplotlib, and the code-interpreter server (`k3sys/sandbox/code_interpreter/inside/`)
+as the template's start command (`inside/`, copied to SERVER_DIR).
 
 Built on the host, the sandbox itself staying offline: the host's pip downloads the pinned wheels
 for the template's python (CPython 3.11, manylinux x86-64) into a cache under the system directory
@@ -24,13 +24,15 @@ NAME = "code-interpreter-v1"
 PORT = 49999
 # Pinned so a rebuild is the same template; what `pip download` resolved for these on 2026-12-03.
 PINS = ("pip==26.3", "ipykernel==7.4.0", "jupyter_client==8.10.0", "ipython==9.18.1", "pyzmq==27.3.0",
-        "tornado==6.6.1", "numpy==2.4.6", "pandas==3.1.1", "matplotlib==3.11.2", "pillow==13.0.0")
+        "tornado==6.6.1", "numpy==2.4.6", "pandas==3.1.1", "matplotlib==3.11.2", "pillow==13.0.0",
+        "bash_kernel==0.10.0")
 _PLATFORMS = ("manylinux2014_x86_64", "manylinux_2_17_x86_64", "manylinux_2_28_x86_64")
-SERVER = "/usr/local/lib/k3sys/code_interpreter_server.py"
+SERVER_DIR = "/usr/local/lib/k3sys/code_interpreter"  # the server and its kernels module
 # The template's start command and its readiness check (E2B's set_start_cmd(start, ready)): the
 # server listens only once its default kernel answers, so a connect that succeeds means ready.
-START_CMD = f"python3 {SERVER}"
+START_CMD = f"python3 {SERVER_DIR}/server.py"
 READY_CMD = f"bash -c ': </dev/tcp/127.0.0.1/{PORT}'"
+_SERVER_SRC = Path(__file__).parent.parent / "code_interpreter" / "inside"  # what runs in the sandbox
 _USER_ID = 1000  # base's `user`: the server and its kernels run as the sandbox's default user
 
 
@@ -77,11 +79,26 @@ def install(rootfs: Path) -> dict[str, str]:
                           "--disable-pip-version-check", "--no-warn-script-location", *PINS])
     finally:
         shutil.rmtree(inside)
-    server = rootfs / SERVER.lstrip("/")
-    server.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copy2(Path(__file__).parent.parent / "code_interpreter" / "server.py", server)
-    server.chmod(0o644)
+    server = rootfs / SERVER_DIR.lstrip("/")
+    server.mkdir(parents=True)
+    for f in _server_files():
+        shutil.copy2(f, server / f.name)
+        (server / f.name).chmod(0o644)
+    _in_root(rootfs, ["python3", "-m", "bash_kernel.install", "--sys-prefix"])  # the `bash` language's kernel
     # matplotlib's font list and IPython's profile, made now instead of in each sandbox's first run.
     _in_root(rootfs, ["python3", "-c", "import matplotlib.pyplot, IPython.core.profiledir as p, IPython.paths as q;"
                       "p.ProfileDir.create_profile_dir_by_name(q.get_ipython_dir(), 'default')"], user=True)
-    return {"start_cmd": START_CMD, "ready_cmd": READY_CMD}
+    # The server's hash: tests and `k3sys` can tell a template built with an older server.py.
+    return {"start_cmd": START_CMD, "ready_cmd": READY_CMD, "server_sha256": server_sha256()}
+
+
+def _server_files() -> list[Path]:
+    return sorted(_SERVER_SRC.glob("*.py"))
+
+
+def server_sha256() -> str:
+    """The hash of the server files this checkout would put into the template."""
+    h = hashlib.sha256()
+    for f in _server_files():
+        h.update(f.name.encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()

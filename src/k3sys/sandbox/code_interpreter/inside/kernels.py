@@ -1,27 +1,12 @@
-"""The code-interpreter server that runs INSIDE a `code-interpreter-v1` sandbox, on port 49999.
-
-It speaks the protocol of E2B's `e2b-code-interpreter` SDK (docs/code_interpreter.md) over
-`http.server` and backs every context with a real Jupyter kernel (`jupyter_client` +
-`ipykernel`), so all state lives in the sandbox's processes and follows it through pause,
-hibernate, checkpoint and fork. Standalone: the template's python runs it with the standard
-library and jupyter_client only (the template copies this file in; it imports nothing of k3sys).
-
-    POST   /execute                 {"code", "context_id"?, "language"?, "env_vars"?} -> JSON lines
-    POST   /contexts                {"language"?, "cwd"?} -> {"id", "language", "cwd"}
-    GET    /contexts                -> [context, ...]
-    DELETE /contexts/<id>
-    POST   /contexts/<id>/restart
-    GET    /health                  -> OK
-
-/execute streams one JSON object per line, in the kernel's order: {"type": "stdout"|"stderr",
-"text", "timestamp" (unix ns)}, {"type": "result", "text", "html", "png", "json", ...,
-"is_main_result"}, {"type": "error", "name", "value", "traceback"}, {"type":
-"number_of_executions", "execution_count"}, then {"type": "end_of_execution"}.
+"""The kernels behind the code-interpreter server (server.py, beside this file in the sandbox):
+contexts, each one Jupyter kernel (`jupyter_client.KernelManager`, ipykernel), and a run of code on
+one, turned into E2B's JSON lines. Runs INSIDE the sandbox with the template's python; imports
+nothing of k3sys.
 
 Hostile code: a client that goes away mid-run (the SDK's `timeout`) interrupts the kernel, and a
-kernel that stays busy `INTERRUPT_GRACE_S` later is restarted; a run's output past `OUTPUT_CAP`
-bytes is dropped and counted in one last stderr line; a kernel found dead is restarted and the run
-answers an error saying so (its variables are gone) instead of running the code.
+kernel that stays busy `INTERRUPT_GRACE_S` later is restarted; output is bounded in the kernel
+(`_PYTHON_SETUP`) and again here (`OUTPUT_CAP`, the rest counted in one last stderr line); a kernel
+that died is restarted and the run answers an error saying so (its variables are gone).
 """
 
 from __future__ import annotations
@@ -29,24 +14,19 @@ from __future__ import annotations
 import json
 import os
 import queue
-import select
-import socket
-import sys
 import threading
 import time
 import uuid
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, Protocol
 
 from jupyter_client import KernelManager
 
-PORT = 49999
 OUTPUT_CAP = 32 << 20  # bytes of output one run may stream; the rest is counted, not sent
 INTERRUPT_GRACE_S = 3.0  # after an interrupt, how long a kernel may stay busy before a restart
 READY_TIMEOUT_S = 60.0  # a kernel's start until it answers
-BODY_MAX = 16 << 20  # a request body (the code) larger than this is refused
 POLL_S = 0.05  # while a kernel is silent: how often the client's connection and the kernel are checked
-KERNELS = {"python": "python3"}  # language -> kernel spec; others join when their kernel is installed
+# language -> kernel spec name: python always; bash when bash_kernel is installed (the template has it)
+KERNELS = {"python": "python3", "bash": "bash"}
 # Run silently in every new python kernel, so that output is bounded where it is made: a run
 # writes at most `cap` characters to stdout and stderr together (the rest is counted, and a line on
 # stderr says so at the end of the run). IPython keeps every cell's printed text in memory
@@ -167,8 +147,9 @@ class Contexts:
         self.default: dict[str, str] = {}
 
     def create(self, language: str, cwd: str) -> Context:
-        if language not in KERNELS:
-            raise ValueError(f"unsupported language {language!r} (installed: {', '.join(KERNELS)})")
+        installed = [lang for lang, spec in KERNELS.items() if lang == "python" or spec in _specs()]
+        if language not in installed:
+            raise ValueError(f"unsupported language {language!r} (installed: {', '.join(installed)})")
         ctx = Context(language, cwd)
         with self.lock:
             self.by_id[ctx.id] = ctx
@@ -188,7 +169,13 @@ HOME = os.environ.get("HOME") or "/"
 CONTEXTS = Contexts()
 
 
-def _normal_language(language: str | None) -> str:
+def _specs() -> dict[str, str]:
+    from jupyter_client.kernelspec import find_kernel_specs
+
+    return find_kernel_specs()
+
+
+def normal_language(language: str | None) -> str:
     language = (language or "python").strip().lower()
     return {"py": "python", "python3": "python", "js": "javascript", "sh": "bash"}.get(language, language)
 
@@ -210,123 +197,19 @@ def _result(data: dict[str, Any], main: bool) -> dict[str, Any]:
     return out
 
 
-class Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
+class Client(Protocol):
+    """Where a run's lines go: the HTTP connection of the request (server.py)."""
 
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (http.server's signature)
-        pass  # one line per request on stderr is noise in the sandbox's log
+    def send(self, line: bytes) -> None: ...
 
-    def _reply(self, status: int, body: Any = None) -> None:
-        data = b"" if body is None else (body.encode() if isinstance(body, str) else json.dumps(body).encode())
-        self.send_response(status)
-        self.send_header("Content-Type", "text/plain" if isinstance(body, str) else "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def _body(self) -> dict[str, Any]:
-        n = int(self.headers.get("Content-Length") or 0)
-        if n > BODY_MAX:
-            raise ValueError(f"request body of {n} bytes is over {BODY_MAX}")
-        raw = self.rfile.read(n) if n else b""
-        body = json.loads(raw) if raw.strip() else {}
-        if not isinstance(body, dict):
-            raise ValueError("expected a JSON object")
-        return body
-
-    def do_GET(self) -> None:
-        if self.path == "/health":
-            return self._reply(200, "OK")
-        if self.path == "/contexts":
-            return self._reply(200, [c.describe() for c in list(CONTEXTS.by_id.values())])
-        self._reply(404, f"no GET {self.path}")
-
-    def do_DELETE(self) -> None:
-        parts = self.path.strip("/").split("/")
-        if len(parts) == 2 and parts[0] == "contexts":
-            with CONTEXTS.lock:
-                ctx = CONTEXTS.by_id.pop(parts[1], None)
-            if ctx is None:
-                return self._reply(404, f"Context {parts[1]} not found")
-            with ctx.lock:
-                ctx.shutdown()
-            return self._reply(204)
-        self._reply(404, f"no DELETE {self.path}")
-
-    def do_POST(self) -> None:
-        try:
-            body = self._body()
-        except ValueError as e:
-            return self._reply(400, str(e))
-        parts = self.path.strip("/").split("/")
-        try:
-            if parts == ["execute"]:
-                return self._execute(body)
-            if parts == ["contexts"]:
-                ctx = CONTEXTS.create(_normal_language(body.get("language")), body.get("cwd") or HOME)
-                return self._reply(200, ctx.describe())
-            if len(parts) == 3 and parts[0] == "contexts" and parts[2] == "restart":
-                ctx = CONTEXTS.by_id.get(parts[1])
-                if ctx is None:
-                    return self._reply(404, f"Context {parts[1]} not found")
-                with ctx.lock:
-                    ctx.restart()
-                return self._reply(204)
-        except ValueError as e:
-            return self._reply(400, str(e))
-        except Exception as e:  # a kernel that would not start: the client gets why
-            return self._reply(500, f"{type(e).__name__}: {e}")
-        self._reply(404, f"no POST {self.path}")
-
-    def _execute(self, body: dict[str, Any]) -> None:
-        code, cid, language = body.get("code"), body.get("context_id"), body.get("language")
-        if not isinstance(code, str):
-            return self._reply(400, "code: expected a string")
-        if cid and language:
-            return self._reply(400, "Only one of context_id or language can be provided")
-        if cid:
-            ctx = CONTEXTS.by_id.get(cid)
-            if ctx is None:
-                return self._reply(404, f"Context {cid} not found")
-        else:
-            ctx = CONTEXTS.default_for(_normal_language(language))
-        envs = body.get("env_vars") or {}
-        self.send_response(200)
-        self.send_header("Content-Type", "application/x-ndjson")
-        self.send_header("Transfer-Encoding", "chunked")
-        self.end_headers()
-        with ctx.lock:
-            run = Run(ctx, self)
-            try:
-                run.go(code, {str(k): str(v) for k, v in envs.items()})
-            except Exception as e:  # the server's own failure: the client gets it as the run's error
-                run.error("ServerError", f"{type(e).__name__}: {e}")
-                run.emit({"type": "end_of_execution"}, capped=False)
-        if run.broken:
-            self.close_connection = True
-        else:
-            self._chunk(b"")
-
-    def _chunk(self, data: bytes) -> None:
-        self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
-        self.wfile.flush()
-
-    def gone(self) -> bool:
-        """Whether the client closed its connection (readable with nothing to read)."""
-        sock = self.connection
-        try:
-            if not select.select([sock], [], [], 0)[0]:
-                return False
-            return sock.recv(1, socket.MSG_PEEK) == b""
-        except OSError:
-            return True
+    def gone(self) -> bool: ...
 
 
 class Run:
-    """One execution on `ctx`, streamed to `handler` as JSON lines."""
+    """One execution on `ctx`, streamed to `client` as JSON lines."""
 
-    def __init__(self, ctx: Context, handler: Handler) -> None:
-        self.ctx, self.handler = ctx, handler
+    def __init__(self, ctx: Context, client: Client) -> None:
+        self.ctx, self.client = ctx, client
         self.sent = self.dropped = 0
         self.broken = False  # the client's connection failed a write: it is gone
 
@@ -342,7 +225,7 @@ class Run:
         self.sent += len(line)
         if not self.broken:
             try:
-                self.handler._chunk(line)
+                self.client.send(line)
             except OSError:
                 self.broken = True
 
@@ -384,7 +267,7 @@ class Run:
                     ctx.restart()
                     return self.error("KernelDied", "the kernel died during this run (killed, or out of memory) "
                                       "and was restarted: its variables are gone")
-                if interrupted is None and (self.broken or self.handler.gone()):
+                if interrupted is None and (self.broken or self.client.gone()):
                     ctx.km.interrupt_kernel()  # the client's timeout: stop the run, keep the kernel
                     interrupted = time.monotonic()
                 elif interrupted is not None and time.monotonic() - interrupted > INTERRUPT_GRACE_S:
@@ -409,16 +292,3 @@ class Run:
             if self.broken and interrupted is None:
                 ctx.km.interrupt_kernel()
                 interrupted = time.monotonic()
-
-
-def main() -> int:
-    port = int(sys.argv[1]) if len(sys.argv) > 1 else PORT
-    CONTEXTS.default_for("python")  # the default context is up before the port answers: listening = ready
-    server = ThreadingHTTPServer(("0.0.0.0", port), Handler)
-    server.daemon_threads = True
-    server.serve_forever()
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
