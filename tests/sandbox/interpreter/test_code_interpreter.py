@@ -7,6 +7,7 @@ The template is built on first use (about a minute; PyPI on the host), then cach
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
 import json
@@ -224,3 +225,29 @@ def test_a_new_sandbox_answers_its_first_run(rt):
     with Sandbox.create(runtime=rt, memory_mb=1024) as sbx:
         assert sbx.run_code("1 + 1").text == "2"
     assert time.monotonic() - t0 < 120
+
+
+def test_the_async_sandbox_runs_code_with_async_callbacks(rt):
+    from k3sys.sandbox.code_interpreter import AsyncSandbox
+
+    async def main() -> None:
+        sbx = await AsyncSandbox.create(runtime=rt, memory_mb=1024)
+        try:
+            seen = []
+
+            async def on_stdout(msg) -> None:
+                await asyncio.sleep(0)
+                seen.append(msg.line)
+            ex = await sbx.run_code("print('async')\n20 + 1", on_stdout=on_stdout, on_result=lambda r: seen.append(r))
+            assert ex.text == "21" and seen[0] == "async\n" and seen[1].text == "21"
+            ctx = await sbx.create_code_context(cwd="/tmp")
+            assert (await sbx.run_code("import os; os.getcwd()", context=ctx)).text == "/tmp"
+            assert ctx.id in {c.id for c in await sbx.list_code_contexts()}
+            await sbx.remove_code_context(ctx)
+            with pytest.raises(TimeoutException):
+                await sbx.run_code("import time; time.sleep(60)", timeout=2)
+        finally:
+            await sbx.kill()
+    if getattr(rt, "api_url", None) is not None:
+        _open(rt).kill()  # skips while the service does not proxy port 49999
+    asyncio.run(main())
