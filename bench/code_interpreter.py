@@ -41,12 +41,12 @@ MIB = 1 << 20
 # The floor: jupyter_client's own execute round trip, from a process inside the sandbox, against a
 # kernel of its own (the server's kernels are busy being ours); prints the median in ms.
 KERNEL_FLOOR = """
-import statistics, time
+import statistics, sys, time
 from jupyter_client import KernelManager
 km = KernelManager(kernel_name="python3"); km.start_kernel(); kc = km.blocking_client(); kc.start_channels()
 kc.wait_for_ready(timeout=120)
 ts = []
-for _ in range(N + 1):
+for _ in range(int(sys.argv[1]) + 1):
     t = time.perf_counter(); kc.execute_interactive("1", output_hook=lambda m: None, timeout=60)
     ts.append(time.perf_counter() - t)
 print(round(1e3 * statistics.median(ts[1:]), 3)); kc.stop_channels(); km.shutdown_kernel(now=True)
@@ -66,7 +66,8 @@ def median_ms(fn: Callable[[], object], n: int) -> float:
 def round_trip(rt: Runtime, n: int) -> dict[str, object]:
     with Sandbox.create(runtime=rt, memory_mb=1024) as sbx:
         embedded = median_ms(lambda: sbx.run_code("1"), n)
-        floor = float(sbx.commands.run(f"python3 -c '{KERNEL_FLOOR.replace('N', str(n))}'", timeout=300).stdout)
+        sbx.files.write("/tmp/floor.py", KERNEL_FLOOR)
+        floor = float(sbx.commands.run(f"cd /tmp && python3 /tmp/floor.py {n}", timeout=300).stdout)
     return {"embedded_ms": embedded, "kernel_floor_ms": floor, "overhead_ms": round(embedded - floor, 3),
             "http_ms": None, "http_note": "n/a: needs the service's port proxy (issue 26, ports part)",
             "targets_ms": {"embedded": 5, "http": 15}}

@@ -156,6 +156,21 @@ def test_a_timeout_interrupts_the_run_and_keeps_the_kernel(ci):
     assert ci.run_code("kept").text == "still here"
 
 
+def test_a_run_deaf_to_the_interrupt_gets_its_kernel_restarted(ci):
+    ctx = ci.create_code_context()
+    try:
+        ci.run_code("lost = 1", context=ctx)
+        with pytest.raises(TimeoutException):
+            ci.run_code("import signal\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\nwhile True: pass",
+                        context=ctx, timeout=2)
+        # The next run waits for the restart, then says what happened and runs nothing.
+        ex = ci.run_code("1", context=ctx)
+        assert ex.error.name == "KernelRestarted" and "past its timeout" in ex.error.value
+        assert ci.run_code("lost", context=ctx).error.name == "NameError"
+    finally:
+        ci.remove_code_context(ctx)
+
+
 def test_a_kernel_killed_from_inside_is_restarted_with_a_clear_error(rt):
     sbx = _open(rt)
     try:

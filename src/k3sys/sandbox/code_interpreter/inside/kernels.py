@@ -83,6 +83,9 @@ class Context:
         self.kc.start_channels()
         self.kc.wait_for_ready(timeout=READY_TIMEOUT_S)
         self._setup()
+        # Why the kernel was replaced behind the client's back (a run past its timeout that did not
+        # stop on an interrupt); the next run answers it as its error and runs nothing.
+        self.notice: str | None = None
 
     def _setup(self) -> None:
         if self.language == "python":
@@ -236,8 +239,10 @@ class Run:
         ctx = self.ctx
         if not ctx.km.is_alive():
             ctx.restart()
-            self.error("KernelRestarted", "the context's kernel had died and was restarted: its variables are gone; "
-                       "the code was not run")
+            ctx.notice = "the context's kernel had died and was restarted"
+        if ctx.notice is not None:
+            self.error("KernelRestarted", f"{ctx.notice}: its variables are gone; the code was not run")
+            ctx.notice = None
         else:
             if envs and ctx.language == "python":
                 ctx.silent(f"import os as __k3\n__k3_saved = {{k: __k3.environ.get(k) for k in {list(envs)!r}}}\n"
@@ -250,14 +255,16 @@ class Run:
 
     def run(self, code: str, envs: dict[str, str]) -> None:
         ctx = self.ctx
+        restarted = True
         try:
-            self.stream(ctx.kc.execute(code, store_history=True, allow_stdin=False, stop_on_error=True))
+            restarted = self.stream(ctx.kc.execute(code, store_history=True, allow_stdin=False, stop_on_error=True))
         finally:
-            if envs and ctx.language == "python" and ctx.km.is_alive():
+            if envs and ctx.language == "python" and not restarted:
                 ctx.silent("[__k3.environ.pop(k, None) if v is None else __k3.environ.__setitem__(k, v)"
                            " for k, v in __k3_saved.items()]\ndel __k3, __k3_saved")
 
-    def stream(self, msg_id: str) -> None:
+    def stream(self, msg_id: str) -> bool:
+        """Forward the run's messages until the kernel is idle; True if the kernel had to be replaced."""
         ctx, interrupted = self.ctx, None
         while True:
             try:
@@ -265,14 +272,17 @@ class Run:
             except queue.Empty:
                 if not ctx.km.is_alive():
                     ctx.restart()
-                    return self.error("KernelDied", "the kernel died during this run (killed, or out of memory) "
-                                      "and was restarted: its variables are gone")
+                    self.error("KernelDied", "the kernel died during this run (killed, or out of memory) and was "
+                               "restarted: its variables are gone")
+                    return True
                 if interrupted is None and (self.broken or self.client.gone()):
                     ctx.km.interrupt_kernel()  # the client's timeout: stop the run, keep the kernel
                     interrupted = time.monotonic()
                 elif interrupted is not None and time.monotonic() - interrupted > INTERRUPT_GRACE_S:
                     ctx.restart()  # deaf to SIGINT (a C loop, a signal handler): a fresh kernel
-                    return
+                    ctx.notice = (f"the previous run went on past its timeout and an interrupt, and its kernel was "
+                                  f"restarted {INTERRUPT_GRACE_S:g} s after the interrupt")
+                    return True
                 continue
             if msg["parent_header"].get("msg_id") != msg_id:
                 continue
@@ -288,7 +298,7 @@ class Run:
                 self.emit({"type": "number_of_executions", "execution_count": content["execution_count"]},
                           capped=False)
             elif kind == "status" and content["execution_state"] == "idle":
-                return
+                return False
             if self.broken and interrupted is None:
                 ctx.km.interrupt_kernel()
                 interrupted = time.monotonic()

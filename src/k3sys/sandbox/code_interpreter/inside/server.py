@@ -37,6 +37,7 @@ BODY_MAX = 16 << 20  # a request body (the code) larger than this is refused
 
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True  # a run's lines are small writes: each goes out at once
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (http.server's signature)
         pass  # one line per request on stderr is noise in the sandbox's log
