@@ -42,6 +42,13 @@ class Handler(BaseHTTPRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (http.server's signature)
         pass  # one line per request on stderr is noise in the sandbox's log
 
+    def end_headers(self) -> None:
+        # A client that asked for `Connection: close` is told so: a proxy between keeps no
+        # connection this server is about to close (it would fail the next request on it).
+        if self.close_connection:
+            self.send_header("Connection", "close")
+        super().end_headers()
+
     def _reply(self, status: int, body: Any = None) -> None:
         data = b"" if body is None else (body.encode() if isinstance(body, str) else json.dumps(body).encode())
         self.send_response(status)
