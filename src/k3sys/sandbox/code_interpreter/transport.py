@@ -1,12 +1,14 @@
 """How the SDK reaches a sandbox's port 49999: one HTTP/1.1 request per call, its answer read as
 lines with a bound on what the host holds.
 
-- Embedded (a `Runtime` backend): a TCP connection made inside the sandbox's network namespace. A
-  short-lived thread joins the namespace of the sandbox's PID 1 (setns(2) moves only the calling
-  thread), connects to 127.0.0.1:49999 there and ends; the connected socket stays in that namespace
-  and works from any thread. So it works without `network=True`, and costs no process in the
-  sandbox. One connection per request, closed at its end: no connection of ours is open between
-  calls, so a checkpoint, pause or fork never holds one.
+- Embedded (a `Runtime` backend): a TCP connection made inside the sandbox's network namespace, so
+  it works without `network=True` and costs no process in the sandbox. The runtime's own
+  `open_socket` when it has one (the port proxy's, issue 26: PID 1 checked through a pidfd, the
+  socket reset by a checkpoint); else `_connect_in_netns`: a short-lived thread joins the namespace
+  of the sandbox's PID 1 (setns(2) moves only the calling thread), connects to 127.0.0.1:49999 there
+  and ends; the connected socket stays in that namespace and works from any thread. One connection
+  per request, closed at its end: no connection of ours is open between calls, so a checkpoint,
+  pause or fork never holds one.
 - A sandbox service (`api_url`): the service's port proxy, E2B's header routing (`E2b-Sandbox-Id`,
   `E2b-Sandbox-Port`) on the service's own address.
 
@@ -22,7 +24,7 @@ import json
 import os
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -81,32 +83,47 @@ class Port:
         self.rt, self.sid = rt, sid
         self.api_url: str | None = getattr(rt, "api_url", None)
 
-    def _open(self, timeout: float | None) -> http.client.HTTPConnection:
+    def _open(self, timeout: float | None) -> tuple[http.client.HTTPConnection, Callable[[], None] | None]:
+        """A connection for one request, and what releases its socket first (None: nothing)."""
         if self.api_url is not None:
             from urllib.parse import urlsplit
 
             u = urlsplit(self.api_url)
             cls = http.client.HTTPSConnection if u.scheme == "https" else http.client.HTTPConnection
-            return cls(u.hostname or "127.0.0.1", u.port, timeout=timeout)
+            return cls(u.hostname or "127.0.0.1", u.port, timeout=timeout), None
         info = self.rt.info(self.sid)
         if info.state != "running":
             raise InvalidStateError(f"sandbox {self.sid} is {info.state}: connect() (resume) it before running code")
-        pid = self.rt.driver.init_pid(self.sid)
-        if pid is None:
-            raise InvalidStateError(f"sandbox {self.sid} has no running PID 1")
         conn = http.client.HTTPConnection("127.0.0.1", PORT, timeout=timeout)
+        release = None
         try:
-            conn.sock = _connect_in_netns(pid, PORT, timeout)
-        except ConnectionRefusedError:
-            raise UnavailableError(f"sandbox {self.sid}: nothing listens on port {PORT} (is it a "
-                                   "code-interpreter-v1 sandbox?)") from None
-        return conn
+            open_socket = getattr(self.rt, "open_socket", None)
+            if open_socket is not None:
+                # The runtime's own (the port proxy's, runtime/netns.py): PID 1 checked through a
+                # pidfd, and the socket reset by a checkpoint; it must be released, not just closed.
+                sock, release = open_socket(self.sid)
+                sock.settimeout(timeout)
+                sock.connect(("127.0.0.1", PORT))
+            else:
+                pid = self.rt.driver.init_pid(self.sid)
+                if pid is None:
+                    raise InvalidStateError(f"sandbox {self.sid} has no running PID 1")
+                sock = _connect_in_netns(pid, PORT, timeout)
+        except BaseException as e:
+            if release is not None:
+                release()
+            if isinstance(e, ConnectionRefusedError):
+                raise UnavailableError(f"sandbox {self.sid}: nothing listens on port {PORT} (is it a "
+                                       "code-interpreter-v1 sandbox?)") from None
+            raise
+        conn.sock = sock
+        return conn, release
 
     @contextmanager
     def request(self, method: str, path: str, body: Any = None, timeout: float | None = None
                 ) -> Iterator[http.client.HTTPResponse]:
         """Send one request; yields the response (status 2xx; else `_server_error`'s exception)."""
-        conn = self._open(timeout)
+        conn, release = self._open(timeout)
         try:
             headers = {"Content-Type": "application/json", "Connection": "close"}
             if self.api_url is not None:
@@ -120,6 +137,8 @@ class Port:
                 raise _server_error(resp.status, resp.read(4096).decode(errors="replace"))
             yield resp
         finally:
+            if release is not None:
+                release()
             conn.close()
 
     def call(self, method: str, path: str, body: Any = None, timeout: float | None = None) -> Any:
