@@ -4,15 +4,15 @@ about as fast as it copies any process holding as much.
 
 1. Round trip: median of `run_code("1")` embedded (host -> netns socket -> server -> kernel), beside
    the floor measured in the same sandbox: the same execute through jupyter_client from a process
-   inside the sandbox (kernel only, no HTTP, no host). Over HTTP through the service's port proxy
-   (official e2b-code-interpreter SDK) when the service has one (issue 26's ports part), else "n/a".
+   inside the sandbox (kernel only, no HTTP, no host). Over HTTP with `--api-url URL --api-key KEY`: the
+   official e2b-code-interpreter SDK through that service's port proxy (issue 26's ports part).
 2. Cold start: `create()` of code-interpreter-v1 until the first `run_code("1")` answers (create
    returns once the template's ready check passes), beside `create()` of `base` (the same root
    file system without a start command) + one command.
 3. Fork: `fork(1)` of a sandbox whose kernel holds 200 MiB (numpy, random bytes), until the copy's
    kernel answers, beside `fork(1)` of a base sandbox where a plain python process holds as much.
 
-    python bench/code_interpreter.py [--repeats 30] [--creates 5] [--forks 3]
+    python bench/code_interpreter.py [--repeats 30] [--creates 5] [--forks 3] [--api-url URL --api-key KEY]
 
 Writes bench/results/code_interpreter.json, with the load average before and after. Needs root,
 runc, our CRIU (scripts/install-sandbox.sh) and the template (built on first use).
@@ -63,14 +63,24 @@ def median_ms(fn: Callable[[], object], n: int) -> float:
     return round(1e3 * statistics.median(ts), 3)
 
 
-def round_trip(rt: Runtime, n: int) -> dict[str, object]:
+def round_trip(rt: Runtime, n: int, api_url: str | None, api_key: str | None) -> dict[str, object]:
     with Sandbox.create(runtime=rt, memory_mb=1024) as sbx:
         embedded = median_ms(lambda: sbx.run_code("1"), n)
         sbx.files.write("/tmp/floor.py", KERNEL_FLOOR)
         floor = float(sbx.commands.run(f"cd /tmp && python3 /tmp/floor.py {n}", timeout=300).stdout)
-    return {"embedded_ms": embedded, "kernel_floor_ms": floor, "overhead_ms": round(embedded - floor, 3),
-            "http_ms": None, "http_note": "n/a: needs the service's port proxy (issue 26, ports part)",
-            "targets_ms": {"embedded": 5, "http": 15}}
+    out: dict[str, object] = {"embedded_ms": embedded, "kernel_floor_ms": floor,
+                              "embedded_over_floor_ms": round(embedded - floor, 3), "http_ms": None,
+                              "targets_ms": {"embedded": 5, "http": 15}}
+    if api_url:
+        os.environ.update(E2B_API_URL=api_url, E2B_SANDBOX_URL=api_url, E2B_API_KEY=api_key or "")
+        import e2b_code_interpreter
+
+        remote = e2b_code_interpreter.Sandbox.create(timeout=600)
+        try:
+            out["http_ms"] = median_ms(lambda: remote.run_code("1"), n)
+        finally:
+            remote.kill()
+    return out
 
 
 def cold_start(rt: Runtime, n: int) -> dict[str, object]:
@@ -129,11 +139,13 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--creates", type=int, default=5)
     ap.add_argument("--forks", type=int, default=3)
+    ap.add_argument("--api-url", help="a k3sys service with the port proxy: the HTTP round trip through it")
+    ap.add_argument("--api-key")
     args = ap.parse_args()
     result: dict[str, object] = {"load_before": os.getloadavg(), "cpus": os.cpu_count()}
     with tempfile.TemporaryDirectory(prefix="k3sys-bench-ci-") as d, Runtime(d) as rt:
         try:
-            result["round_trip"] = round_trip(rt, args.repeats)
+            result["round_trip"] = round_trip(rt, args.repeats, args.api_url, args.api_key)
             print(json.dumps(result["round_trip"]), flush=True)
             result["cold_start"] = cold_start(rt, args.creates)
             print(json.dumps(result["cold_start"]), flush=True)
