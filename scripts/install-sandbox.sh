@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # System pieces for k3sys.sandbox (idempotent; a cached re-run takes well under a second):
-#   - Debian packages: runc, busybox-static, debootstrap, e2fsprogs (mkfs.ext4: each sandbox's disk), and CRIU's build dependencies;
+#   - Debian packages: runc, busybox-static, debootstrap, e2fsprogs (mkfs.ext4: each sandbox's disk), skopeo and
+#     zstd (`k3sys sandbox template import`: registry pulls, zstd layers), and CRIU's build dependencies;
 #   - CRIU 4.1.x built from Debian trixie's source (bookworm's 3.17 fails on recent kernels' vDSO),
 #     with our patches (scripts/sandbox/patches: tolerate Linux >= 6.16's SO_PASSCRED refusal on inet
 #     sockets; skip the conntrack walk for empty network namespaces; read another user's rlimits
@@ -15,9 +16,7 @@
 #     bin/k3sys-inotify-limit, which sets the inotify limits inside a sandbox's user namespace;
 #   - the cgroup2 mount option favordynmods (no RCU grace period on each move into a cgroup);
 #   - the host's inotify limits raised to the sandboxes' budget (runtime/drivers/inotify.py);
-#   - the templates `busybox`, `base` (E2B's default: `debian` plus the user `user`) and
-#     `code-interpreter-v1` (`base` plus Jupyter, numpy, pandas, matplotlib and the code-interpreter
-#     server; its wheels are downloaded once from the package index into $K3SYS_SYSTEM_DIR/cache).
+#   - the templates `busybox` and `base` (E2B's default: `debian` plus the user `user`).
 # Everything lands under K3SYS_SYSTEM_DIR (default /opt/k3sys); the system's apt sources are untouched
 # (trixie's source index goes to a private apt state directory).
 set -euo pipefail
@@ -44,7 +43,8 @@ if [ "$(uname -s)" != Linux ] || ! command -v apt-get >/dev/null; then
 fi
 
 # --- Debian packages ---------------------------------------------------------------------------
-PKGS=(runc busybox-static debootstrap e2fsprogs
+# skopeo: `k3sys sandbox template import docker://...` pulls registry images with it; zstd: zstd layers.
+PKGS=(runc busybox-static debootstrap e2fsprogs skopeo zstd
       gcc make pkg-config libbsd-dev libcap-dev libnet1-dev libnl-3-dev
       libprotobuf-c-dev libprotobuf-dev protobuf-c-compiler protobuf-compiler uuid-dev)
 apt_ensure "${PKGS[@]}"
@@ -174,24 +174,19 @@ for limit in "max_user_instances $INOTIFY_INSTANCES" "max_user_watches $INOTIFY_
 done
 
 # --- templates ---------------------------------------------------------------------------------
-# The runtime builds templates on first use; prebuild the small default one and E2B's `base` (a copy
-# of `debian` plus the user `user`: the first time, debootstrap takes minutes and needs the Debian
-# mirror) when the project's Python is at hand (the Makefile creates it before running this script;
-# K3SYS_PYTHON names another).
+# The runtime builds templates on first use; prebuild the small default one and E2B's `base` (`debian`
+# plus pip, venv, Node.js, npm, curl, wget, procps, build-essential and the user `user`: the first time,
+# debootstrap and apt take minutes and need the Debian mirror) when the project's Python is at hand
+# (the Makefile creates it before running this script; K3SYS_PYTHON names another). `main` also
+# rebuilds a template whose recipe changed (base's package list: template.json's `recipe` stamp), so
+# a re-run after such a change rebuilds it once; otherwise it returns at once. `code-interpreter-v1`
+# (`base` plus Jupyter, numpy, pandas, matplotlib and the code-interpreter server): its wheels are
+# downloaded once from the package index into $PREFIX/cache; its stamp covers the pins, the server's
+# files and base's stamp.
 py=${K3SYS_PYTHON:-$ROOT/.venv/bin/python}
-for t in busybox base code-interpreter-v1; do
-    if [ -x "$py" ] && [ ! -e "$PREFIX/templates/$t/rootfs" ]; then
-        log "building template $t"
-        K3SYS_SYSTEM_DIR="$PREFIX" PYTHONPATH="$ROOT/src" "$py" -c \
-            "from k3sys.sandbox.runtime.templates import main; main(['$t'])"
-    fi
-done
-# A built template is never changed under the sandboxes and checkpoints standing on it: one holding
-# an older code-interpreter server is only reported (remove its directory and rerun to rebuild).
-if [ -x "$py" ] && [ -e "$PREFIX/templates/code-interpreter-v1/template.json" ] \
-   && want=$(PYTHONPATH="$ROOT/src" "$py" -c \
-       "from k3sys.sandbox.runtime.template_interpreter import server_sha256; print(server_sha256())") \
-   && ! grep -q "\"server_sha256\": \"$want\"" "$PREFIX/templates/code-interpreter-v1/template.json"; then
-    log "template code-interpreter-v1 holds an older server: rm -r $PREFIX/templates/code-interpreter-v1 and rerun to rebuild"
+if [ -x "$py" ]; then
+    K3SYS_SYSTEM_DIR="$PREFIX" PYTHONPATH="$ROOT/src" "$py" -c \
+        "from k3sys.sandbox.runtime.templates import main; main(['busybox', 'base', 'code-interpreter-v1'])" \
+        | sed 's/^/[install-sandbox] /'
 fi
 exit 0

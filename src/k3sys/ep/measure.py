@@ -15,6 +15,7 @@ processes per call, so with one method and `malloc="release"` it is that method'
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import resource
@@ -92,6 +93,17 @@ def _worker(rank: int, c: StepSetup, methods: tuple[str, ...], port: int, out_fi
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=c.ranks,
                             timeout=timedelta(minutes=10))
+    _measure(rank, c, methods, out_file)
+    # The layers (and their buffers, which hold the group) died with _measure's frame: the group is
+    # destroyed here, not by the interpreter's exit, where gloo's threads died with SIGABRT ("terminate
+    # called without an active exception", 2 of ~30 loaded suite runs). Every rank meets first.
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _measure(rank: int, c: StepSetup, methods: tuple[str, ...], out_file: str) -> None:
+    """The timed steps on this rank; rank 0 writes the medians to `out_file`."""
     layers = {}
     for m in methods:
         torch.manual_seed(0)  # same weights for every method
@@ -127,10 +139,6 @@ def _worker(rank: int, c: StepSetup, methods: tuple[str, ...], port: int, out_fi
             "page_faults": statistics.median(r["faults"]), "max_over_mean_load": statistics.mean(r["load"]),
             "copies": statistics.mean(r["copies"]), "peak_rss_mib": float(rss),
         } for m, r in rec.items()}))
-    # Every rank reaches teardown together: a rank that destroyed its group while a peer still held the
-    # connection open died in gloo's teardown with SIGABRT (seen once in ~30 suite runs).
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 def _minor_faults() -> int:

@@ -8,6 +8,7 @@
     CK=$(k3sys sandbox checkpoint $SID); k3sys sandbox fork $SID -n 2; k3sys sandbox restore $CK
     k3sys sandbox ls; k3sys sandbox kill $SID
     k3sys sandbox keys add --tenant alice     # a tenant's API key for the service (cli_keys.py)
+    k3sys sandbox template build -f Dockerfile -t web .   # templates from images, Dockerfiles (cli_templates.py)
 
 Results meant for scripts (ids, file contents, command output) go to stdout, everything else to
 stderr. Exit codes:
@@ -39,6 +40,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from k3sys.sandbox.cli_keys import app as keys_app
+from k3sys.sandbox.cli_templates import app as templates_app
 from k3sys.sandbox.egress import EgressPolicy
 from k3sys.sandbox.errors import (
     CommandExitError,
@@ -58,6 +60,7 @@ app = typer.Typer(no_args_is_help=True, add_completion=False,
                        "kill; `serve` runs the HTTP service.")
 err = Console(stderr=True, soft_wrap=True)  # messages stay one line in logs
 app.add_typer(keys_app, name="keys")
+app.add_typer(templates_app, name="template")
 
 ApiUrl = Annotated[str | None, typer.Option("--api-url", envvar="K3SYS_API_URL",
                                             help="A sandbox service; default: the embedded runtime.")]

@@ -7,13 +7,17 @@
     │   ├── UnknownTemplateError          no template with that name
     │   ├── PathEscapeError               a sandbox path leaving the sandbox root (`..`, symlinks)
     │   ├── WrongFileTypeError            a directory where a file is needed, or the other way round
-    │   └── TooLargeError                 a request body, or a `run`'s output, over its size limit
+    │   ├── TooLargeError                 a request body, or a `run`'s output, over its size limit
+    │   ├── ImageError                    an OCI / docker image that cannot be read or is refused
+    │   │   └── LayerEntryError           a layer's tar entry refused (names the layer and the entry)
+    │   └── DockerfileError               a Dockerfile instruction refused (names it and its line)
     ├── SandboxFileNotFoundError (FileNotFoundError)  no such file inside the sandbox
     ├── CommandTimeoutError (TimeoutError)  a command ran past its timeout and was killed
     ├── CommandExitError                  the SDK's `commands.run` / `wait`: the command exited non-zero
     ├── RuntimeLockedError                another live process holds the runtime directory
+    ├── BuildError                        a template build step failed (a RUN's exit code and output)
     ├── DriverError                       runc / CRIU / the kernel refused; carries the tool's log tail
-    ├── TemplateStartError                a template's start command exited or never passed its ready check
+    ├── TemplateStartError                a warm template's start command exited or never got ready
     ├── PermissionDeniedError (PermissionError)  the sandbox itself refused (EPERM, EACCES inside it)
     ├── AgentError                        the in-sandbox agent failed or cannot be reached
     │   ├── AgentInterruptedError         a call cut by a checkpoint / hibernate of its sandbox: retry
@@ -107,6 +111,27 @@ class WrongFileTypeError(InvalidArgumentError):
     code = "wrong_file_type"
 
 
+class ImageError(InvalidArgumentError):
+    """An OCI image layout, OCI / `docker save` archive or registry image that cannot be read, or
+    whose manifest, config or blobs are refused (a digest that does not match, a missing blob)."""
+
+    code = "bad_image"
+
+
+class LayerEntryError(ImageError):
+    """A tar entry of an image layer that would land outside the root file system or is not allowed
+    there (`..` or an absolute path, a link to outside, a device node, a write through a symlink)."""
+
+    code = "bad_layer_entry"
+
+
+class DockerfileError(InvalidArgumentError):
+    """A Dockerfile that cannot be built: a syntax error, an unsupported instruction or a bad
+    argument; the message names the instruction and its line."""
+
+    code = "bad_dockerfile"
+
+
 class SandboxFileNotFoundError(SandboxError, FileNotFoundError):
     """No such file or directory inside the sandbox."""
 
@@ -194,6 +219,13 @@ class RuntimeLockedError(SandboxError):
     exit_code = 7
 
 
+class BuildError(SandboxError):
+    """A template build step failed: a RUN exited non-zero (the message holds its output's tail), a
+    COPY source is missing. No template is left behind."""
+
+    code = "build_failed"
+
+
 class DriverError(SandboxError):
     """The isolation layer (runc, CRIU, mounts, cgroups) failed; the message has the tool's log tail."""
 
@@ -201,11 +233,11 @@ class DriverError(SandboxError):
 
 
 class TemplateStartError(SandboxError):
-    """A template's start command (template.json `start_cmd`) exited, or its `ready_cmd` did not pass
-    within the bound; the message names the template, the command and its output's tail. The
-    sandbox it was starting in is killed."""
+    """A template's start command exited, or its ready command did not pass in time, while its warm
+    checkpoint was built (runtime/warm.py); the message carries both commands' output."""
 
     code = "template_start"
+    http_status = 422
 
 
 class PermissionDeniedError(SandboxError, PermissionError):

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
-import json
 import time
 
 import pytest
@@ -19,6 +18,7 @@ from k3sys.sandbox import NotFoundError, SandboxError, TimeoutException
 from k3sys.sandbox.code_interpreter import Context, Execution, Sandbox
 from k3sys.sandbox.runtime import template_interpreter
 from k3sys.sandbox.runtime.system import system_paths
+from k3sys.sandbox.runtime.templates import stale
 
 pytestmark = pytest.mark.timeout(600)
 PROXY_SKIP = "needs the port proxy (i26-ports): a remote client reaches port 49999 through it"
@@ -28,11 +28,11 @@ _no_proxy: list[str] = []  # why the service did not reach port 49999, once a pr
 
 
 def _check_template() -> None:
-    """Fail naming the fix when the built template holds other server files than this checkout's (a
-    built template is never changed under its sandboxes: it is rebuilt by hand)."""
-    meta = system_paths().templates / template_interpreter.NAME / "template.json"
-    if meta.exists() and json.loads(meta.read_text()).get("server_sha256") != template_interpreter.server_sha256():
-        pytest.fail(f"{meta.parent} was built with another server: remove it to rebuild (about a minute)")
+    """Fail naming the fix when the built template is stale (an older server, pins or base: a create
+    does not rebuild it, the install script does)."""
+    if (system_paths().templates / template_interpreter.NAME).exists() and stale(template_interpreter.NAME):
+        pytest.fail(f"template {template_interpreter.NAME} is stale (another server, pins or base): rebuild it with "
+                    f"`python -m k3sys.sandbox.runtime.templates {template_interpreter.NAME}` (a minute or two)")
 
 
 def _open(rt, **kw) -> Sandbox:

@@ -226,10 +226,16 @@ def test_pty_output_is_whole_at_its_end_and_the_master_is_the_relays(agent):
     assert (end.exit, text) == (7, b"x" * 200_000)
     assert end.end == 200_000
     # A long-lived one: the master is open in its relay only, never in the agent (CRIU's rule).
-    pid = agent.start(["cat"], pty=(24, 80), stdin=True)
     agent_pid = agent._pid()
-    relay = wait_until(lambda: [c for c, _ in _children(agent_pid) if Path(f"/proc/{c}/comm").read_text().strip()
-                                == "k3sys-pty"], 10, "the relay naming itself (maybe after the start's answer)")
+
+    def relays() -> list[int]:
+        return [c for c, _ in _children(agent_pid) if Path(f"/proc/{c}/comm").read_text().strip() == "k3sys-pty"]
+
+    # The first command's relay exits after handing over its last bytes, which under load can be
+    # after the end was reported: wait for it, so the one found next is cat's.
+    wait_until(lambda: not relays(), 10, "the first command's relay exiting")
+    pid = agent.start(["cat"], pty=(24, 80), stdin=True)
+    relay = wait_until(relays, 10, "the relay naming itself (maybe after the start's answer)")
     assert len(relay) == 1
 
     def ptmx(p: int) -> int:

@@ -30,9 +30,12 @@ class Agent(AgentLink):
     def __init__(self, root: Path, pid: Callable[[], int | None] = lambda: None, *, sandbox: str = "",
                  deadlines: Deadlines | None = None, frozen: Callable[[], bool] = lambda: False) -> None:
         super().__init__(root, pid, sandbox=sandbox, deadlines=deadlines, frozen=frozen)
-        # Who a start or file call that names no user runs as: its template's default user
-        # (templates.template_user, set by the runtime); None leaves it to the agent (root).
+        # Who a start or file call that names no user runs as, the variables a start gets under its
+        # own, and where one that names no directory starts: its template's defaults
+        # (templates.template_defaults, set by the runtime); None leaves it to the agent (root, home).
         self.user: str | None = None
+        self.env: dict[str, str] = {}
+        self.cwd: str | None = None
 
     def _request(self, op: str, fields: Iterable[tuple[str, object]] = (),
                  timeout: float | None = None) -> dict[str, str]:
@@ -45,8 +48,9 @@ class Agent(AgentLink):
     def start_fields(self, cmd: str | list[str], env: dict[str, str] | None, cwd: str | None, user: str | None,
                       stdin: bool, pty: tuple[int, int] | None, ring: int | None) -> list[tuple[str, object]]:
         f: list[tuple[str, object]] = [("cmd", cmd)] if isinstance(cmd, str) else [("arg", a) for a in cmd]
-        f += [("env", f"{k}={v}") for k, v in (env or {}).items()]
-        f += [("cwd", cwd), ("user", self.user if user is None else user), ("stdin", stdin), ("ring", ring)]
+        f += [("env", f"{k}={v}") for k, v in {**self.env, **(env or {})}.items()]
+        f += [("cwd", cwd or self.cwd), ("user", self.user if user is None else user), ("stdin", stdin),
+              ("ring", ring)]
         if pty:
             f.append(("pty", f"{pty[0]}x{pty[1]}"))
         return f

@@ -1,5 +1,5 @@
 """The agent of a sandbox (agent.py) as the runtime's parts call it: through the driver, as the
-sandbox's template user, and made again when a checkpoint cut the call."""
+sandbox's template defaults (user, env, cwd), and made again when a checkpoint cut the call."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from k3sys.sandbox.errors import AgentError, AgentInterruptedError
 from k3sys.sandbox.runtime.agent import Agent
 from k3sys.sandbox.runtime.drivers.base import Driver
 from k3sys.sandbox.runtime.table import SandboxTable
-from k3sys.sandbox.runtime.templates import template_user
+from k3sys.sandbox.runtime.templates import template_defaults
 
 T = TypeVar("T")
 
@@ -29,8 +29,14 @@ class Agents:
         if rec is None:  # killed: its agent went with it
             raise AgentError(f"sandbox agent: sandbox {sid} is gone")
         agent = self.driver.agent(sid, self.table.dirs(sid))
-        agent.user = template_user(rec.spec.template)  # calls naming no user run as the template's
+        d = template_defaults(rec.spec.template)  # calls naming no user / cwd take the template's, and its env
+        agent.user, agent.env, agent.cwd = d.user, d.env, d.cwd
         return agent
+
+    def cwd(self, sid: str) -> str | None:
+        """Where a command of the sandbox that names no directory starts (its template's `cwd`)."""
+        rec = self.table.get(sid)
+        return template_defaults(rec.spec.template).cwd if rec is not None else None
 
     def retrying(self, sid: str, call: Callable[[Agent], T], deadline: float | None = None) -> T:
         """`call(agent)` on the sandbox's agent, made again when a checkpoint cut it (the agent's gate

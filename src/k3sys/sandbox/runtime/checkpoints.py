@@ -16,6 +16,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from k3sys.sandbox.errors import SandboxError
 from k3sys.sandbox.runtime import layers
@@ -87,26 +88,28 @@ class CheckpointService:
             raise
         return snap
 
-    def _commit(self, rec: Record, snap: Snapshot, internal: bool = False) -> Manifest:
+    def _commit(self, rec: Record, snap: Snapshot, internal: bool = False,
+                extra: dict[str, Any] | None = None) -> Manifest:
         """Commit `snap` as the sandbox's next checkpoint, with what its sealed fs holds of a disk
-        (`FS_BYTES`); `internal`: the sandbox's own (`INTERNAL`)."""
+        (`FS_BYTES`) and `extra` in its meta; `internal`: the sandbox's own (`INTERNAL`)."""
         t0 = time.perf_counter()  # "measure", within "store"
-        meta = {"sandbox": rec.id, "spec": rec.spec.to_json(), FS_BYTES: layers.tree_bytes(snap.fs)}
+        meta = {**(extra or {}), "sandbox": rec.id, "spec": rec.spec.to_json(), FS_BYTES: layers.tree_bytes(snap.fs)}
         if internal:
             meta[INTERNAL] = True
         snap.t["measure"] = time.perf_counter() - t0
         return self.store.commit({"images": snap.images, "fs": snap.fs}, parent=rec.head, meta=meta,
                                  id=snap.ck, follower=snap.follower)
 
-    def checkpoint(self, sid: str) -> CheckpointInfo:
-        """Snapshot a running or paused sandbox into the store; the sandbox carries on as it was."""
+    def checkpoint(self, sid: str, meta: dict[str, Any] | None = None) -> CheckpointInfo:
+        """Snapshot a running or paused sandbox into the store; the sandbox carries on as it was.
+        `meta`: added to the checkpoint's manifest (a warm template's marks: warm.py)."""
         with self.table.locked(sid):
             t0 = time.perf_counter()
             with self.table.transition(sid, LIVE, State.CHECKPOINTING, None, "checkpoint") as rec:
                 snap = self._snapshot(rec, thaw=True)
             try:  # the sandbox runs again already; a failed commit only loses this checkpoint
                 t1 = time.perf_counter()
-                m = self._commit(rec, snap)
+                m = self._commit(rec, snap, extra=meta)
                 snap.t["store"] = time.perf_counter() - t1
             except BaseException:
                 snap.abandon()

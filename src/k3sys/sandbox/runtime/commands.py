@@ -67,7 +67,7 @@ class CommandService:
     def start_command(self, sid: str, cmd: str, cwd: str | None = None, env: dict[str, str] | None = None,
                       stdin: bytes | None = None) -> str:
         """Start `sh -c cmd` in the sandbox; returns a command id for `wait_command` / `kill_command`."""
-        return self.start_process(sid, cmd, cwd or "/", env, stdin=stdin)
+        return self.start_process(sid, cmd, cwd or self.agents.cwd(sid) or "/", env, stdin=stdin)
 
     def start_process(self, sid: str, cmd: str | list[str], cwd: str | None = None,
                       env: dict[str, str] | None = None, user: str | None = None, stdin: bool | bytes | None = None,
@@ -282,7 +282,7 @@ class CommandService:
                 self.table.require(rec, "run a command in", State.RUNNING)
                 agent = self.agents.get(sid)
             try:
-                out, end = agent.run(cmd, env=env, cwd=cwd or "/", timeout=timeout, limit=RUN_OUTPUT_MAX)
+                out, end = agent.run(cmd, env=env, cwd=cwd or agent.cwd or "/", timeout=timeout, limit=RUN_OUTPUT_MAX)
             except CommandTimeoutError as e:
                 raise CommandTimeoutError(f"command in sandbox {sid} ran past {timeout} s and was killed",
                                           e.stdout, e.stderr) from None

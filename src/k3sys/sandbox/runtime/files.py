@@ -108,6 +108,12 @@ class _Sized(io.BytesIO):
         self.size = len(data)
 
 
+def _chunks(f: BinaryIO) -> Iterator[bytes]:
+    with f:
+        while chunk := f.read(_CHUNK):
+            yield chunk
+
+
 class FileService:
     """The files of the sandboxes in `table` (see the module docstring)."""
 
@@ -124,6 +130,11 @@ class FileService:
     def read_file(self, sid: str, path: str, user: str | None = None) -> bytes:
         with self.open_file(sid, path, user) as f:
             return f.read()
+
+    def read_stream(self, sid: str, path: str, user: str | None = None) -> Iterator[bytes]:
+        """The file's contents in chunks of at most 1 MiB, never held whole; opened (and refused, as
+        `open_file` refuses) before the first chunk is asked for."""
+        return _chunks(self.open_file(sid, path, user))
 
     def open_file(self, sid: str, path: str, user: str | None = None) -> BinaryIO:
         """The regular file at `path` for streaming out (`.size`: its size now, what the stream

@@ -154,13 +154,13 @@ def _copy_entry(src: str, dst: str, st: os.stat_result, uid_base: int) -> None:
     _copy_meta(src, dst, st, uid_base)
 
 
-def _link_tree(src: str, dst: str) -> None:
+def link_tree(src: str, dst: str) -> None:
     """`dst` := a copy of the immutable tree `src`: directories recreated, everything else hard-linked."""
     os.mkdir(dst)
     with os.scandir(src) as it:
         for e in it:
             if e.is_dir(follow_symlinks=False):
-                _link_tree(e.path, os.path.join(dst, e.name))
+                link_tree(e.path, os.path.join(dst, e.name))
             else:
                 os.link(e.path, os.path.join(dst, e.name), follow_symlinks=False)
     _copy_meta(src, dst, os.lstat(src))  # after the children, which would bump its mtime
@@ -199,7 +199,7 @@ def seal(upper: Path, dest: Path, layer: Path | None = None, uid_base: int = 0) 
     id of the sandbox's range when it runs in a user namespace (sealed trees keep canonical owners).
     """
     if layer is not None:
-        _link_tree(str(layer), str(dest))
+        link_tree(str(layer), str(dest))
     else:
         os.mkdir(dest)
     _apply_upper(str(upper), str(dest), uid_base)

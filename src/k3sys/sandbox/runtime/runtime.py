@@ -26,9 +26,10 @@ per layer), staging directories (staging.py), the sandboxes' agents (agents.py),
 checkpoints as listed (catalog.py), prefetched images (prefetch.py), releasing a sandbox
 (reclaim.py), the checkpoint service (checkpoints.py: checkpoint, hibernate, restore, fork), the
 life cycle (lifecycle.py: create, pause, resume, hibernate, kill; it owns the background
-hibernations; `create` then starts the template's start command, startup.py), recovery and the
-reaper (recovery.py), the command and file services (commands.py with window.py, files.py). Its
-public methods are theirs, bound here; it holds the directory's lock and the queries.
+hibernations), creates from warm templates (warm.py: a restore of the template's checkpoint),
+recovery and the reaper (recovery.py), the command and file services (commands.py with window.py,
+files.py). Its public methods are theirs, bound here; it holds the directory's lock
+and the queries.
 """
 
 from __future__ import annotations
@@ -52,10 +53,10 @@ from k3sys.sandbox.runtime.prefetch import Prefetcher
 from k3sys.sandbox.runtime.reclaim import Reclaimer
 from k3sys.sandbox.runtime.recovery import Recovery
 from k3sys.sandbox.runtime.staging import Staging
-from k3sys.sandbox.runtime.startup import start_template
 from k3sys.sandbox.runtime.store import Store
 from k3sys.sandbox.runtime.table import SandboxTable
-from k3sys.sandbox.spec import ON_TIMEOUT, SandboxSpec, check_number
+from k3sys.sandbox.runtime.warm import WarmTemplates
+from k3sys.sandbox.spec import ON_TIMEOUT, check_number
 from k3sys.sandbox.types import SandboxInfo
 
 # Seconds between E2B's pause (a freeze) and the start of its background hibernation: a connect
@@ -116,10 +117,12 @@ class Runtime:
         self.lifecycle = Lifecycle(self.table, self.layers, driver, self.checkpoint_service, self.reclaimer,
                                    hibernate_delay_s, hibernate_workers)
         self.hibernator = self.lifecycle.hibernator
+        self.command_service = CommandService(self.table, self.agents, driver)
+        self.warm = WarmTemplates(self.lifecycle, self.checkpoint_service, self.command_service, self.catalog,
+                                  self.store, self.layers)
         self.recovery = Recovery(self.root, self.table, self.layers, self.store, driver, self.staging,
                                  self.prefetcher, self.catalog, self.reclaimer, self.checkpoint_service,
                                  self.hibernator, on_timeout)
-        self.command_service = CommandService(self.table, self.agents, driver)
         self.file_service = FileService(self.table, self.agents)
         self._bind()
         self.recovery.recover()
@@ -128,7 +131,7 @@ class Runtime:
     def _bind(self) -> None:
         """The parts' public operations as this runtime's methods (their docstrings say what each does)."""
         life, cks, cat = self.lifecycle, self.checkpoint_service, self.catalog
-        self.kill, self.pause, self.resume = life.kill, life.pause, life.resume
+        self.create, self.kill, self.pause, self.resume = self.warm.create, life.kill, life.pause, life.resume
         self.hibernate, self.set_timeout = life.hibernate, life.set_timeout
         self.checkpoint, self.restore, self.fork = cks.checkpoint, cks.restore, cks.fork
         self.checkpoints, self.get_checkpoint, self.delete_checkpoint = cat.list, cat.get, cat.delete
@@ -148,14 +151,8 @@ class Runtime:
         self.read_file, self.open_file, self.write_file, self.list_dir = (fs.read_file, fs.open_file, fs.write_file,
                                                                           fs.list_dir)
         self.stat, self.move, self.remove, self.make_dir = fs.stat, fs.move, fs.remove, fs.make_dir
+        self.read_stream = fs.read_stream
         self.exists, self.watch_dir = fs.exists, fs.watch_dir
-
-    def create(self, spec: SandboxSpec, id: str | None = None) -> SandboxInfo:
-        """Start a new sandbox from `spec.template` (`id` chosen by the caller or generated), and the
-        template's start command if it has one, returning once that is ready (startup.py)."""
-        info = self.lifecycle.create(spec, id)
-        start_template(self.command_service, self.kill, info.id, spec.template)
-        return info
 
     def info(self, sid: str) -> SandboxInfo:
         rec = self.table.get(sid)

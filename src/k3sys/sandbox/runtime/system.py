@@ -3,7 +3,8 @@
 `scripts/install-sandbox.sh` installs them under one system directory (`K3SYS_SYSTEM_DIR`, default
 `/opt/k3sys`): `bin/criu` (CRIU 4.1 with our patches), `etc/criu.conf` and `etc/criu-override.conf`
 (options runc cannot pass it), `bin/k3sys-net-up` (the prestart hook), `bin/k3sys-criu-gate`
-(drivers/gate.py), `bin/k3sys-inotify-limit` (drivers/inotify.py), `templates/<name>/rootfs`. runc
+(drivers/gate.py), `bin/k3sys-inotify-limit` (drivers/inotify.py), `templates/<name>/rootfs` and the
+`layers/` templates are composed from (oci/layerstore.py). runc
 comes from the distribution.
 """
 
@@ -58,6 +59,11 @@ class SystemPaths:
     @property
     def templates(self) -> Path:
         return self.root / "templates"
+
+    @property
+    def layers(self) -> Path:
+        """Image and build layers, each unpacked once, that templates are composed from (oci/layerstore.py)."""
+        return self.root / "layers"
 
     @property
     def runc(self) -> str | None:

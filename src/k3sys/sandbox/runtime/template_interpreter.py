@@ -1,12 +1,15 @@
 """The `code-interpreter-v1` template (E2B's name): `base` plus pip, Jupyter's kernel and client,
-numpy, pandas and matplotlib, and the code-interpreter server (`k3sys/sandbox/code_interpreter/inside/`)
-as the template's start command (`inside/`, copied to SERVER_DIR).
+numpy, pandas, matplotlib and bash_kernel, and the code-interpreter server
+(`k3sys/sandbox/code_interpreter/inside/`, copied to SERVER_DIR) as the template's start command:
+a warm template (warm.py), so every create after the first restores the server and its kernel.
 
 Built on the host, the sandbox itself staying offline: the host's pip downloads the pinned wheels
 for the template's python (CPython 3.11, manylinux x86-64) into a cache under the system directory
 (`<system dir>/cache/wheels/<hash of the pins>`; a second build downloads nothing), then the
 template's own python installs them inside the new root (`chroot`, pip run from its wheel, no
 index). Fonts and IPython's profile are made once at build time so a sandbox's first run does not.
+template.json's `recipe` stamp covers the pins, the server's files and base's stamp: a change to any
+of them makes the template stale (templates.stale), rebuilt by the install script.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import sys
 from pathlib import Path
 
 from k3sys.sandbox.errors import DriverError
+from k3sys.sandbox.runtime import base_template
 from k3sys.sandbox.runtime.system import system_paths
 
 NAME = "code-interpreter-v1"
@@ -33,7 +37,7 @@ SERVER_DIR = "/usr/local/lib/k3sys/code_interpreter"  # the server and its kerne
 START_CMD = f"python3 {SERVER_DIR}/server.py"
 READY_CMD = f"bash -c ': </dev/tcp/127.0.0.1/{PORT}'"
 _SERVER_SRC = Path(__file__).parent.parent / "code_interpreter" / "inside"  # what runs in the sandbox
-_USER_ID = 1000  # base's `user`: the server and its kernels run as the sandbox's default user
+_USER_ID = base_template.USER_ID  # the server and its kernels run as the sandbox's default user
 
 
 def wheels() -> Path:
@@ -60,14 +64,17 @@ def _check(proc: subprocess.CompletedProcess[str], cmd: list[str]) -> None:
 
 def _in_root(rootfs: Path, args: list[str], user: bool = False) -> None:
     """Run `args` with the template's own programs, chrooted into `rootfs` (as `user` if asked)."""
-    home = "/home/user" if user else "/root"
+    home = f"/home/{base_template.USER}" if user else "/root"
     cmd = ["chroot", *([f"--userspec={_USER_ID}:{_USER_ID}"] if user else []), str(rootfs),
            "/usr/bin/env", "-i", "PATH=/usr/local/bin:/usr/bin:/bin", f"HOME={home}", "LANG=C.UTF-8", *args]
     _check(subprocess.run(cmd, capture_output=True, text=True), cmd)
 
 
-def install(rootfs: Path) -> dict[str, str]:
-    """Install the interpreter into `rootfs` (a copy of `base`); returns its template.json additions."""
+def build(rootfs: Path, base: Path) -> dict[str, str]:
+    """Build the template at `rootfs` (an empty directory) from the `base` template's rootfs; returns
+    what its template.json adds: the default user, the start and ready commands, the recipe's stamp."""
+    rootfs.rmdir()  # cp makes it, with the template's owner and mode
+    subprocess.run(["cp", "-a", "--reflink=auto", str(base), str(rootfs)], check=True)
     src = wheels()
     inside = rootfs / "tmp" / "k3sys-wheels"
     shutil.copytree(src, inside)
@@ -88,17 +95,17 @@ def install(rootfs: Path) -> dict[str, str]:
     # matplotlib's font list and IPython's profile, made now instead of in each sandbox's first run.
     _in_root(rootfs, ["python3", "-c", "import matplotlib.pyplot, IPython.core.profiledir as p, IPython.paths as q;"
                       "p.ProfileDir.create_profile_dir_by_name(q.get_ipython_dir(), 'default')"], user=True)
-    # The server's hash: tests and `k3sys` can tell a template built with an older server.py.
-    return {"start_cmd": START_CMD, "ready_cmd": READY_CMD, "server_sha256": server_sha256()}
+    return {"user": base_template.USER, "start_cmd": START_CMD, "ready_cmd": READY_CMD, "recipe": recipe_stamp()}
 
 
 def _server_files() -> list[Path]:
     return sorted(_SERVER_SRC.glob("*.py"))
 
 
-def server_sha256() -> str:
-    """The hash of the server files this checkout would put into the template."""
-    h = hashlib.sha256()
+def recipe_stamp() -> str:
+    """What template.json's `recipe` must say for a template built by this code (16 hex digits): the
+    pins, the server's files and base's own stamp (a rebuilt base rebuilds this one too)."""
+    h = hashlib.sha256(f"{base_template.recipe_stamp()}:{','.join(PINS)}".encode())
     for f in _server_files():
         h.update(f.name.encode() + b"\0" + f.read_bytes())
-    return h.hexdigest()
+    return h.hexdigest()[:16]

@@ -3,19 +3,22 @@
 - `busybox` (default): busybox-static and its applets; built in about a second.
 - `debian`: `debootstrap --variant=minbase` of the host's release plus python3, git and
   ca-certificates; built on first use (a few minutes, network to the Debian mirror), then cached.
-- `base` (E2B's default template name): `debian` plus the user `user` (uid/gid 1000, /home/user,
-  bash), whom commands and file calls run as by default; a copy of `debian` (seconds, no network).
+- `base` (E2B's default template name): `debian` plus Python's pip and venv, Node.js and npm, curl,
+  wget, procps, build-essential and the user `user`, whom commands and file calls run as by default
+  (base_template.py; a copy of `debian` and an apt install from the mirror: a minute or two).
 - `code-interpreter-v1` (E2B's name): `base` plus Jupyter, numpy, pandas, matplotlib and the
-  code-interpreter server as its start command (template_interpreter.py; a minute, PyPI on the host).
+  code-interpreter server as its start command (template_interpreter.py; a minute or two, pinned
+  wheels from the package index on the host): a warm template (warm.py).
 
-A template's `template.json` holds its metadata; `user` there is the default user of its sandboxes
-(absent: root), read by `template_user`; `start_cmd` and `ready_cmd` (E2B's set_start_cmd(start,
-ready)) the command a new sandbox starts detached and the check that must pass before its create
-returns (`template_start`; startup.py runs them).
+A template's `template.json` holds its metadata and its sandboxes' defaults (`template_defaults`):
+`user` (absent: root), `env` (variables every command gets under its own) and `cwd` (where a command
+that names no directory starts). Templates imported from OCI images or built from Dockerfiles
+(oci/) are also composed from shared layers: their `layers` field lists them, bottom first.
 
 A template lives at `<system dir>/templates/<name>/rootfs`. It is built in a temporary directory and
 renamed into place under a file lock, so a crashed or concurrent build never leaves a half template.
-`python -m k3sys.sandbox.runtime.templates NAME...` builds templates ahead of time.
+`python -m k3sys.sandbox.runtime.templates NAME...` builds templates ahead of time, and rebuilds
+one whose recipe changed since (`stale`: template.json's `recipe` stamp differs from the code's).
 """
 
 from __future__ import annotations
@@ -27,11 +30,13 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from k3sys.sandbox.errors import DriverError, UnknownTemplateError
-from k3sys.sandbox.runtime import template_interpreter
+from k3sys.sandbox.runtime import base_template, template_interpreter
 from k3sys.sandbox.runtime.system import debian_mirror, host_codename, system_paths
 
 _BUSYBOX = Path("/bin/busybox")
@@ -79,35 +84,12 @@ def _build_debian(rootfs: Path) -> None:
     (rootfs / "etc/hosts").write_text(_ETC["etc/hosts"])
 
 
-# E2B's `base` template's user: the SDK's commands and files run as `user` unless told otherwise.
-_BASE_USER, _BASE_ID = "user", 1000
-
-
-def _copy_template(name: str, rootfs: Path) -> None:
-    """Make `rootfs` a copy of template `name` (built by template_rootfs before its lock)."""
-    rootfs.rmdir()  # cp makes it, with the template's owner and mode
-    subprocess.run(["cp", "-a", "--reflink=auto", str(template_rootfs(name, build=False)), str(rootfs)], check=True)
-
-
 def _build_base(rootfs: Path) -> dict[str, str]:
-    _copy_template("debian", rootfs)
-    name, uid = _BASE_USER, _BASE_ID
-    for rel, line in (("etc/passwd", f"{name}:x:{uid}:{uid}::/home/{name}:/bin/bash"),
-                      ("etc/group", f"{name}:x:{uid}:"),
-                      ("etc/shadow", f"{name}:!::0:99999:7:::")):  # no password: nobody logs in
-        with open(rootfs / rel, "a") as f:
-            f.write(line + "\n")
-    home = rootfs / "home" / name
-    shutil.copytree(rootfs / "etc/skel", home, symlinks=True)
-    home.chmod(0o755)
-    for p in (home, *home.rglob("*")):
-        os.lchown(p, uid, uid)
-    return {"user": name}
+    return base_template.build_base(rootfs, template_rootfs("debian", build=False))  # debian: built before the lock
 
 
 def _build_code_interpreter(rootfs: Path) -> dict[str, str]:
-    _copy_template("base", rootfs)
-    return {"user": _BASE_USER, **template_interpreter.install(rootfs)}
+    return template_interpreter.build(rootfs, template_rootfs("base", build=False))  # base: built before the lock
 
 
 # A builder returns what its template.json adds (None: nothing).
@@ -122,12 +104,15 @@ _BASED_ON = {"base": "debian", template_interpreter.NAME: "base"}
 def template_names() -> list[str]:
     """Templates that can be asked for: the built-in recipes plus any already-built directory."""
     root = system_paths().templates
-    built = {p.name for p in root.iterdir() if (p / "rootfs").is_dir()} if root.is_dir() else set()
+    # Dot-names are builds in progress and replaced trees, never templates.
+    built = {p.name for p in root.iterdir() if not p.name.startswith(".") and (p / "rootfs").is_dir()} \
+        if root.is_dir() else set()
     return sorted(set(BUILDERS) | built)
 
 
-def template_rootfs(name: str, build: bool = True) -> Path:
+def template_rootfs(name: str, build: bool = True, refresh: bool = False) -> Path:
     """The read-only root file system of template `name`, built first if needed (and `build`).
+    `refresh`: and rebuilt if its recipe changed since (`stale`; the install script asks for that).
 
     Raises UnknownTemplateError for a name with neither a recipe nor a built directory.
     """
@@ -135,7 +120,7 @@ def template_rootfs(name: str, build: bool = True) -> Path:
         raise UnknownTemplateError(f"template: expected a template name, got {name!r}")
     root = system_paths().templates
     rootfs = root / name / "rootfs"
-    if rootfs.is_dir():
+    if rootfs.is_dir() and not (refresh and stale(name)):
         return rootfs
     if name not in BUILDERS:
         raise UnknownTemplateError(f"template: unknown template {name!r} (known: {', '.join(template_names())})")
@@ -143,13 +128,11 @@ def template_rootfs(name: str, build: bool = True) -> Path:
         raise DriverError(f"template {name!r} is not built yet")
     if name in _BASED_ON:
         template_rootfs(_BASED_ON[name])
-    root.mkdir(parents=True, exist_ok=True)
-    with open(root / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if rootfs.is_dir():  # another process built it while we waited
+    with templates_lock():
+        if rootfs.is_dir() and not stale(name):  # another process built it while we waited
             return rootfs
-        for stale in root.glob(f".{name}.build-*"):  # left by a crashed build; we hold the lock
-            shutil.rmtree(stale, ignore_errors=True)
+        for old in root.glob(f".{name}.build-*"):  # left by a crashed build; we hold the lock
+            shutil.rmtree(old, ignore_errors=True)
         tmp = root / f".{name}.build-{os.getpid()}"
         (tmp / "rootfs").mkdir(parents=True)
         t0 = time.monotonic()
@@ -157,6 +140,7 @@ def template_rootfs(name: str, build: bool = True) -> Path:
             extra = BUILDERS[name](tmp / "rootfs") or {}
             meta = {"name": name, "built": time.time(), "build_s": round(time.monotonic() - t0, 1), **extra}
             (tmp / "template.json").write_text(json.dumps(meta))
+            _replace(root / name)
             os.rename(tmp, root / name)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -164,39 +148,88 @@ def template_rootfs(name: str, build: bool = True) -> Path:
     return rootfs
 
 
-_META: dict[Path, dict[str, str]] = {}  # template.json -> its string fields; a built template never changes
+# Recipes whose output changes with a list (a package list): template.json's `recipe` must match.
+_STAMPS: dict[str, Callable[[], str]] = {"base": base_template.recipe_stamp,
+                                         template_interpreter.NAME: template_interpreter.recipe_stamp}
 
 
-def _meta(name: str) -> dict[str, str]:
-    """The string fields of template `name`'s `template.json` ({} for a template not built: not
-    remembered, it may be built later)."""
+def stale(name: str) -> bool:
+    """Whether built template `name` came from an older recipe than this code's (its stamp differs)."""
+    if name not in _STAMPS:
+        return False
+    try:
+        meta = json.loads((system_paths().templates / name / "template.json").read_text())
+    except (OSError, ValueError):
+        return True
+    return not isinstance(meta, dict) or meta.get("recipe") != _STAMPS[name]()
+
+
+def _replace(path: Path) -> None:
+    """Make room for a rebuilt template at `path` (its build lock held). A link (to a shared system
+    directory's template) is removed, never followed; a directory is renamed aside, not deleted:
+    sandboxes made before may still stand on it (their overlays and idmapped views hold it)."""
+    if path.is_symlink():
+        path.unlink()
+    elif path.exists():
+        os.rename(path, path.with_name(f".{path.name}.replaced-{int(time.time())}"))
+    _DEFAULTS.pop(path / "template.json", None)
+
+
+@contextmanager
+def templates_lock() -> Iterator[Path]:
+    """Hold the lock every change to the templates directory takes; yields that directory."""
+    root = system_paths().templates
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield root
+
+
+@dataclass(frozen=True)
+class TemplateDefaults:
+    """What a template's sandboxes do unless a call says otherwise: run as `user` (None: root), with
+    `env` under the call's own variables, in `cwd` (None: the agent's default)."""
+
+    user: str | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    cwd: str | None = None
+
+
+_DEFAULTS: dict[Path, TemplateDefaults] = {}  # template.json -> its defaults; a built template never changes
+
+
+def template_defaults(name: str) -> TemplateDefaults:
+    """The defaults of template `name`'s sandboxes, from its `template.json` (none for a template not
+    built yet: not remembered)."""
     meta_path = system_paths().templates / name / "template.json"
-    if meta_path not in _META:
+    if meta_path not in _DEFAULTS:
         try:
             meta = json.loads(meta_path.read_text())
         except (OSError, ValueError):
-            return {}
+            return TemplateDefaults()
         meta = meta if isinstance(meta, dict) else {}
-        _META[meta_path] = {k: v for k, v in meta.items() if isinstance(v, str) and v}
-    return _META[meta_path]
+        user, env, cwd = meta.get("user"), meta.get("env"), meta.get("cwd")
+        env = {k: v for k, v in (env if isinstance(env, dict) else {}).items() if isinstance(v, str)}
+        _DEFAULTS[meta_path] = TemplateDefaults(user if isinstance(user, str) and user else None, env,
+                                                cwd if isinstance(cwd, str) and cwd.startswith("/") else None)
+    return _DEFAULTS[meta_path]
+
+
+def forget_template(name: str) -> None:
+    """Drop what is remembered of template `name` (it was removed or replaced)."""
+    _DEFAULTS.pop(system_paths().templates / name / "template.json", None)
 
 
 def template_user(name: str) -> str | None:
-    """The default user of template `name`'s sandboxes (its `template.json`'s `user`); None for root."""
-    return _meta(name).get("user")
-
-
-def template_start(name: str) -> tuple[str, str | None] | None:
-    """Template `name`'s start command and its readiness check (`start_cmd`, `ready_cmd`; None: the
-    template starts nothing)."""
-    meta = _meta(name)
-    return (meta["start_cmd"], meta.get("ready_cmd")) if "start_cmd" in meta else None
+    """The default user of template `name`'s sandboxes (its `template.json`'s `user`); None for
+    root, or for a template not built (yet: not remembered)."""
+    return template_defaults(name).user
 
 
 def main(argv: list[str]) -> int:
     for name in argv or ["busybox"]:
         t0 = time.monotonic()
-        path = template_rootfs(name)
+        path = template_rootfs(name, refresh=True)
         print(f"[templates] {name}: {path} ({time.monotonic() - t0:.1f} s)")
     return 0
 

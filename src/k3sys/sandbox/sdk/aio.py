@@ -17,7 +17,8 @@ from __future__ import annotations
 from collections.abc import Awaitable
 from dataclasses import dataclass
 
-from k3sys.sandbox.sdk.api import _CheckpointBase, _Facade, _found_later, _gather_later, _later, _later_chain
+from k3sys.sandbox.sdk import steps
+from k3sys.sandbox.sdk.api import _CheckpointBase, _Facade
 from k3sys.sandbox.sdk.commands import AsyncCommandHandle, AsyncCommands
 from k3sys.sandbox.sdk.connection import ConnectionConfig
 from k3sys.sandbox.sdk.files import AsyncFiles
@@ -27,10 +28,10 @@ from k3sys.sandbox.types import SandboxInfo
 class _Awaiting:
     """How the asyncio facades reach their backend: every backend call returns an awaitable."""
 
-    _then = staticmethod(_later)
-    _chain = staticmethod(_later_chain)
-    _gather = staticmethod(_gather_later)
-    _found = staticmethod(_found_later)
+    _then = staticmethod(steps.later)
+    _chain = staticmethod(steps.later_chain)
+    _gather = staticmethod(steps.gather_later)
+    _found = staticmethod(steps.found_later)
     _connect = staticmethod(lambda conn: ConnectionConfig(**conn).async_backend())
 
 

@@ -16,72 +16,33 @@ itself holds nothing but the backend and an id, so every call reads the same whi
 
 The facade is written once for both SDKs: `AsyncSandbox` (aio.py) is `_Facade` over a backend whose
 methods return awaitables. Each method hands the backend's answer to `_then`, which applies the
-wrapping step at once here (`_now`) and after an `await` there (`_later`) (`_chain` for a step that
-makes a second call, `_gather` to join several); so in `AsyncSandbox` and `AsyncCheckpoint` every
-method below returns an awaitable of what it returns here. `.commands` and `.files` are E2B's
-(commands.py, files.py): there the asyncio side has typed coroutine siblings, `AsyncCommands` and
-`AsyncFiles`, over the same call descriptions.
+wrapping step at once here and after an `await` there (steps.py; `_chain` for a step that makes a
+second call, `_gather` to join several); so in `AsyncSandbox` and `AsyncCheckpoint` every
+method below returns an awaitable of what it returns here. The methods marked `by_id` are also
+called on the class with a sandbox id first, as E2B's are: `Sandbox.kill(sandbox_id)` (by_id.py).
+`.commands` and `.files` are E2B's (commands.py, files.py): there the asyncio side has typed
+coroutine siblings, `AsyncCommands` and `AsyncFiles`, over the same call descriptions.
 """
 
 from __future__ import annotations
 
-import asyncio
-import inspect
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, TypeVar, Unpack
+from typing import Any, ClassVar, Unpack
 
 from k3sys.sandbox.egress import EgressPolicy
-from k3sys.sandbox.errors import InvalidArgumentError, NotFoundError
+from k3sys.sandbox.errors import InvalidArgumentError
+from k3sys.sandbox.sdk import steps
 from k3sys.sandbox.sdk.backend import Backend
+from k3sys.sandbox.sdk.by_id import by_id
 from k3sys.sandbox.sdk.commands import CommandHandle, Commands
 from k3sys.sandbox.sdk.connection import ConnectionConfig, ConnectionOpts, default_runtime
 from k3sys.sandbox.sdk.files import Files, WriteInfo
 from k3sys.sandbox.spec import SandboxSpec
 from k3sys.sandbox.types import CheckpointInfo, SandboxInfo
 
-T = TypeVar("T")
-R = TypeVar("R")
 __all__ = ["Backend", "Checkpoint", "CommandHandle", "Commands", "Files", "Sandbox", "SandboxList", "WriteInfo",
            "default_runtime"]
-
-
-def _now(value: T, then: Callable[[T], R]) -> R:
-    """The blocking facades' step: the backend has answered already."""
-    return then(value)
-
-
-async def _later(value: Awaitable[T], then: Callable[[T], R]) -> R:
-    """The asyncio facades' step: the backend gave an awaitable."""
-    return then(await value)
-
-
-async def _later_chain(value: Awaitable[T], then: Callable[[T], Any]) -> Any:
-    """`_later` where the step itself may give an awaitable (a second call that needs the first's answer)."""
-    step = then(await value)
-    return await step if inspect.isawaitable(step) else step
-
-
-async def _gather_later(values: list[Awaitable[Any]]) -> list[Any]:
-    return list(await asyncio.gather(*values))
-
-
-def _found_now(call: Callable[[], T]) -> bool:
-    """The blocking facades' E2B-style answer of a call on something that may be gone: True, or
-    False on NotFoundError."""
-    try:
-        call()
-    except NotFoundError:
-        return False
-    return True
-
-
-async def _found_later(call: Callable[[], Awaitable[T]]) -> bool:
-    try:
-        await call()
-    except NotFoundError:
-        return False
-    return True
 
 
 class _Blocking:
@@ -89,10 +50,10 @@ class _Blocking:
     `_then` applies a step to an answer, `_chain` a step that makes another call, `_gather` joins
     answers to a list."""
 
-    _then = staticmethod(_now)
-    _chain = staticmethod(_now)
+    _then = staticmethod(steps.now)
+    _chain = staticmethod(steps.now)
     _gather = staticmethod(list)
-    _found = staticmethod(_found_now)
+    _found = staticmethod(steps.found_now)
     _connect = staticmethod(lambda conn: ConnectionConfig(**conn).backend())
 
 
@@ -218,17 +179,17 @@ class _Facade:
                            metadata=dict(metadata or {}), envs=dict(envs or {}))
         return cls._then(rt.create(spec, id), lambda info: cls._of(rt, info))
 
-    @classmethod
-    def connect(cls, sandbox_id: str, timeout: float | None = None, **conn: Unpack[ConnectionOpts]) -> Any:
-        """The running sandbox `sandbox_id`, resumed first when paused or hibernated (E2B's connect);
-        `timeout` s: its new lifetime from now."""
-        rt = cls._connect(conn)
+    @by_id
+    def connect(self, timeout: float | None = None) -> Any:
+        """This sandbox running, resumed first when paused or hibernated (E2B's connect; also
+        `Sandbox.connect(sandbox_id, timeout, **conn)`); `timeout` s: its new lifetime from now."""
+        rt, cls = self._rt, type(self)
 
         def ready(info: SandboxInfo) -> Any:
-            steps = [rt.resume(info.id)] if info.state in ("paused", "hibernated") else []
-            steps += [rt.set_timeout(info.id, timeout)] if timeout else []
-            return cls._then(cls._gather(steps), lambda _: cls._of(rt, info))
-        return cls._chain(rt.info(sandbox_id), ready)
+            calls = [rt.resume(info.id)] if info.state in ("paused", "hibernated") else []
+            calls += [rt.set_timeout(info.id, timeout)] if timeout else []
+            return cls._then(cls._gather(calls), lambda _: cls._of(rt, info))
+        return self._chain(rt.info(self.id), ready)
 
     @classmethod
     def restore(cls, checkpoint: _CheckpointBase | str, *, id: str | None = None, timeout_s: float | None = None,
@@ -266,6 +227,7 @@ class _Facade:
             return SandboxList([cls._of(rt, i) for i in infos], infos)
         return cls._then(rt.list(), page)
 
+    @by_id
     def get_info(self) -> Any:
         """The sandbox's SandboxInfo now (E2B's name; `info` is k3sys's earlier one)."""
         return self._rt.info(self.id)
@@ -273,6 +235,7 @@ class _Facade:
     def is_running(self, request_timeout: float | None = None) -> Any:
         return self._then(self._rt.info(self.id), lambda info: info.state == "running")
 
+    @by_id
     def set_timeout(self, timeout: float) -> Any:
         """The sandbox's lifetime: `timeout` s from now."""
         return self._rt.set_timeout(self.id, timeout)
@@ -285,6 +248,7 @@ class _Facade:
         """CPU seconds charged to the sandbox's cgroup so far (restarts at 0 after a hibernation)."""
         return self._rt.cpu_seconds(self.id)
 
+    @by_id
     def pause(self, keep_memory: bool | None = None, *, hibernate: bool = False) -> Any:
         """Freeze every process (no CPU; memory kept); True. Commands and files are refused until
         `resume` (or E2B's `connect`). `keep_memory` is E2B's and changes nothing (memory is always
@@ -301,11 +265,13 @@ class _Facade:
         """Snapshot processes, memory and files into the store; the sandbox keeps running."""
         return self._then(self._rt.checkpoint(self.id), lambda info: self._checkpoint._of(info, self._rt))
 
+    @by_id
     def create_snapshot(self, name: str | None = None) -> Any:
         """E2B's name of `checkpoint`: the Checkpoint's `snapshot_id` makes new sandboxes with
         `Sandbox.create(template=snapshot_id)`. `name` is accepted; checkpoints are named by id."""
         return self.checkpoint()
 
+    @by_id
     def fork(self, n: int | None = None, *, count: int | None = None, timeout: float | None = None) -> Any:
         """`n` (E2B's `count`; default 1) new running sandboxes, each with this one's processes,
         memory and files as of now, each living `timeout` s (None: until killed). Nothing is added
@@ -331,6 +297,7 @@ class _Facade:
         hibernated); they are dropped after `ttl_s` seconds unless a resume used them."""
         return self._rt.prefetch(self.id, ttl_s)
 
+    @by_id
     def kill(self) -> Any:
         """Stop the sandbox and release everything it held (its checkpoints stay in the store): True,
         or False if there was no such sandbox (E2B's answer)."""

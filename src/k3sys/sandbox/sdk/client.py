@@ -39,13 +39,9 @@ from k3sys.sandbox._envd import (
     ProcessStream,
 )
 from k3sys.sandbox._wire import checkpoint_info, error_of, sandbox_info
-from k3sys.sandbox.errors import (
-    InvalidArgumentError,
-    SandboxError,
-    UnavailableError,
-)
+from k3sys.sandbox.errors import InvalidArgumentError, SandboxError, UnavailableError
 from k3sys.sandbox.sdk.backend import AsyncBackend
-from k3sys.sandbox.sdk.envd_calls import EnvdCalls, split_cid, texts
+from k3sys.sandbox.sdk.envd_calls import EnvdCalls, rooted, split_cid, texts
 from k3sys.sandbox.sdk.envd_calls import no_answer as _none
 from k3sys.sandbox.spec import MAX_FORK, CommandResult, OutputPieces, SandboxSpec, check_number
 from k3sys.sandbox.types import CheckpointInfo, SandboxInfo
@@ -187,15 +183,22 @@ class _Routes(EnvdCalls):
         return "POST", "/process.Process/Connect", {"content": frame({"process": {"pid": pid}}), "headers": headers,
                                                     "timeout": _STREAM_TIMEOUT}
 
+    def _read_stream(self, sid: str, path: str, user: str | None) -> httpx.Request:
+        """`read_stream`'s request: envd's GET /files, its body read as it arrives."""
+        return self._http.build_request("GET", "/files", **self._files_args(sid, rooted(path), user),
+                                        timeout=_STREAM_TIMEOUT)
+
     def _files(self, method: str, sid: str, path: str, parse: Callable[[httpx.Response], Any] = _none,
                content: bytes | Iterable[bytes] | None = None, user: str | None = None) -> Any:
-        """envd's /files; `user` its `username` query (as envd reads it: never a header)."""
-        h = {SANDBOX_HEADER: sid, **({API_KEY_HEADER: self.api_key} if self.api_key else {})}
+        args = self._files_args(sid, path, user)
         if content is not None:
-            h["content-type"] = "application/octet-stream"
-        params = {"path": path, **({} if user is None else {"username": user})}
-        return self._do(_Call(method, "/files", params=params, content=content, headers=h, parse=parse,
-                              errors=http_error_of))
+            args["headers"]["content-type"] = "application/octet-stream"
+        return self._do(_Call(method, "/files", content=content, parse=parse, errors=http_error_of, **args))
+
+    def _files_args(self, sid: str, path: str, user: str | None) -> dict[str, Any]:
+        """envd's /files query and headers; `user` its `username` query (as envd reads it: never a header)."""
+        return {"params": {"path": path, **({} if user is None else {"username": user})},
+                "headers": {SANDBOX_HEADER: sid, **({API_KEY_HEADER: self.api_key} if self.api_key else {})}}
 
     def _follow(self, sid: str, method: str, msg: dict[str, Any], timeout: float | None) -> CommandResult:
         """Start or Connect to the end of the process; past `timeout` (s) it is killed (CommandTimeoutError)."""
@@ -269,6 +272,18 @@ class HTTPBackend(_Routes):
         answer = self._answer(call, r)
         return answer if (more := self._next_page(call, r)) is None else answer + self._do(more)
 
+    def read_stream(self, sid: str, path: str, user: str | None = None) -> Iterator[bytes]:
+        """The file's contents as they arrive; an error answer raises here, before the first chunk."""
+        with self._reaching():
+            r = self._http.send(self._read_stream(sid, path, user), stream=True)
+        if r.status_code >= 400:
+            raise http_error_of(r.status_code, r.read(), r.headers)  # read() closes it
+
+        def chunks() -> Iterator[bytes]:
+            with contextlib.closing(r), self._reaching():  # closed also when the reader stops early
+                yield from r.iter_bytes()
+        return chunks()
+
     def stream_command(self, cid: str) -> Iterator[tuple[str, str]]:
         """`("stdout" | "stderr", text)` as the command writes it, until it ends (envd's Connect stream)."""
         (method, url, kw), stream, pieces = self._connect_stream(cid), ProcessStream(), OutputPieces()
@@ -305,6 +320,20 @@ class AsyncHTTPBackend(_Routes, AsyncBackend):
             r = await self._http.send(self._request(call))
         answer = self._answer(call, r)
         return answer if (more := self._next_page(call, r)) is None else answer + await self._do(more)
+
+    async def read_stream(self, sid: str, path: str, user: str | None = None) -> AsyncIterator[bytes]:
+        """See `HTTPBackend.read_stream`: awaiting it opens the file; the chunks are async."""
+        with self._reaching():
+            r = await self._http.send(self._read_stream(sid, path, user), stream=True)
+        if r.status_code >= 400:
+            raise http_error_of(r.status_code, await r.aread(), r.headers)  # aread() closes it
+
+        async def chunks() -> AsyncIterator[bytes]:
+            async with contextlib.aclosing(r):  # closed also when the reader stops early
+                with self._reaching():
+                    async for chunk in r.aiter_bytes():
+                        yield chunk
+        return chunks()
 
     async def stream_command(self, cid: str) -> AsyncIterator[tuple[str, str]]:
         """See `HTTPBackend.stream_command`."""

@@ -55,6 +55,20 @@ class Threaded(AsyncBackend):
 
         return call
 
+    async def read_stream(self, sid: str, path: str, user: str | None = None) -> AsyncIterator[bytes]:
+        """Awaiting it opens the file (in a worker thread); each chunk is read in one too."""
+        loop = asyncio.get_running_loop()
+        kw = {} if user is None else {"user": user}
+        chunks = await loop.run_in_executor(_POOL, partial(self._backend.read_stream, sid, path, **kw))
+
+        async def each() -> AsyncIterator[bytes]:
+            try:
+                while (chunk := await loop.run_in_executor(_POOL, next, chunks, None)) is not None:
+                    yield chunk
+            finally:
+                chunks.close()  # type: ignore[attr-defined]
+        return each()
+
     async def stream_command(self, cid: str) -> AsyncIterator[tuple[str, str]]:
         pieces = self._backend.stream_command(cid)
         loop = asyncio.get_running_loop()

@@ -39,10 +39,10 @@ def _written(path: str) -> WriteInfo:
     return WriteInfo(path.rstrip("/").rpartition("/")[2], "file", path)
 
 
-def _as(data: bytes, format: str) -> str | bytes | Iterator[bytes]:
+def _as(data: bytes, format: str) -> str | bytes:
     if format == "bytes":
         return data
-    return data.decode(errors="replace") if format == "text" else iter((data,))
+    return data.decode(errors="replace")
 
 
 def _user(user: str | None) -> dict[str, str]:
@@ -63,6 +63,8 @@ class Files:
         "stream" (an iterator of byte chunks)."""
         if format not in _FORMATS:
             raise InvalidArgumentError(f"format: expected one of {_FORMATS}, got {format!r}")
+        if format == "stream":  # never whole in memory: the backend's chunks as they come
+            return self._sbx._then(self._sbx._rt.read_stream(self._sbx.id, path, **_user(user)), lambda c: c)
         return self._sbx._then(self._sbx._rt.read_file(self._sbx.id, path, **_user(user)), lambda b: _as(b, format))
 
     def read_text(self, path: str) -> str:
