@@ -77,7 +77,10 @@ class Context:
         self.lock = threading.Lock()
         self.km = KernelManager(kernel_name=KERNELS[language])
         # No ANSI colours in tracebacks (E2B's kernel config says the same): they are read as text.
-        self.km.start_kernel(cwd=cwd, extra_arguments=["--InteractiveShell.colors=nocolor"])
+        # No history database: its sqlite file, open in every checkpoint of the kernel, came back
+        # read-only in the sandboxes restored from a warm template's (IPython printed so in a run).
+        self.km.start_kernel(cwd=cwd, extra_arguments=["--InteractiveShell.colors=nocolor",
+                                                       "--HistoryManager.enabled=False"])
         _victim(self.km)
         self.kc = self.km.blocking_client()
         self.kc.start_channels()
