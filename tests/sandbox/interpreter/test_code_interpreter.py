@@ -266,3 +266,23 @@ def test_the_async_sandbox_runs_code_with_async_callbacks(rt):
     if getattr(rt, "api_url", None) is not None:
         _open(rt).kill()  # skips while the service does not proxy port 49999
     asyncio.run(main())
+
+
+def test_the_package_has_e2b_code_interpreters_names_and_signatures():
+    import dataclasses
+    import inspect
+
+    import k3sys.sandbox.code_interpreter as ours
+
+    e2b = pytest.importorskip("e2b_code_interpreter")
+    assert set(ours.__all__) == {"DEFAULT_TEMPLATE", "AsyncSandbox", "Context", "Execution", "ExecutionError", "Logs",
+                                 "MIMEType", "OutputHandler", "OutputMessage", "Result", "RunCodeLanguage", "Sandbox"}
+    assert ours.DEFAULT_TEMPLATE == e2b.Sandbox.default_template
+    for cls in ("Sandbox", "AsyncSandbox"):
+        for name in ("run_code", "create_code_context", "list_code_contexts", "restart_code_context",
+                     "remove_code_context"):
+            theirs = list(inspect.signature(getattr(getattr(e2b, cls), name)).parameters)
+            assert list(inspect.signature(getattr(getattr(ours, cls), name)).parameters) == theirs, (cls, name)
+    for name in ("Result", "Execution", "Logs", "ExecutionError", "OutputMessage"):
+        assert {f.name for f in dataclasses.fields(getattr(ours, name))} == \
+            {f.name for f in dataclasses.fields(getattr(e2b, name))}, name

@@ -3,7 +3,6 @@ parser of the server's JSON lines (server.py writes them)."""
 
 from __future__ import annotations
 
-import inspect
 import json
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, fields
@@ -146,9 +145,3 @@ def parse_line(execution: Execution, line: str | bytes, handlers: Handlers) -> A
     if kind == "number_of_executions":
         execution.execution_count = int(data["execution_count"])
     return None
-
-
-async def call_async(value: Any) -> None:
-    """Await a callback's answer when it is awaitable."""
-    if inspect.isawaitable(value):
-        await value
