@@ -277,7 +277,7 @@ def test_the_package_has_e2b_code_interpreters_names_and_signatures():
     e2b = pytest.importorskip("e2b_code_interpreter")
     assert set(ours.__all__) == {"DEFAULT_TEMPLATE", "AsyncSandbox", "Context", "Execution", "ExecutionError", "Logs",
                                  "MIMEType", "OutputHandler", "OutputMessage", "Result", "RunCodeLanguage", "Sandbox"}
-    assert ours.DEFAULT_TEMPLATE == e2b.Sandbox.default_template
+    assert e2b.Sandbox.default_template == ours.DEFAULT_TEMPLATE
     for cls in ("Sandbox", "AsyncSandbox"):
         for name in ("run_code", "create_code_context", "list_code_contexts", "restart_code_context",
                      "remove_code_context"):
