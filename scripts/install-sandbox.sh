@@ -179,10 +179,14 @@ done
 # debootstrap and apt take minutes and need the Debian mirror) when the project's Python is at hand
 # (the Makefile creates it before running this script; K3SYS_PYTHON names another). `main` also
 # rebuilds a template whose recipe changed (base's package list: template.json's `recipe` stamp), so
-# a re-run after such a change rebuilds it once; otherwise it returns at once.
+# a re-run after such a change rebuilds it once; otherwise it returns at once. `code-interpreter-v1`
+# (`base` plus Jupyter, numpy, pandas, matplotlib and the code-interpreter server): its wheels are
+# downloaded once from the package index into $PREFIX/cache; its stamp covers the pins, the server's
+# files and base's stamp.
 py=${K3SYS_PYTHON:-$ROOT/.venv/bin/python}
 if [ -x "$py" ]; then
     K3SYS_SYSTEM_DIR="$PREFIX" PYTHONPATH="$ROOT/src" "$py" -c \
-        "from k3sys.sandbox.runtime.templates import main; main(['busybox', 'base'])" | sed 's/^/[install-sandbox] /'
+        "from k3sys.sandbox.runtime.templates import main; main(['busybox', 'base', 'code-interpreter-v1'])" \
+        | sed 's/^/[install-sandbox] /'
 fi
 exit 0

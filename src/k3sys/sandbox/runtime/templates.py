@@ -6,6 +6,9 @@
 - `base` (E2B's default template name): `debian` plus Python's pip and venv, Node.js and npm, curl,
   wget, procps, build-essential and the user `user`, whom commands and file calls run as by default
   (base_template.py; a copy of `debian` and an apt install from the mirror: a minute or two).
+- `code-interpreter-v1` (E2B's name): `base` plus Jupyter, numpy, pandas, matplotlib and the
+  code-interpreter server as its start command (template_interpreter.py; a minute or two, pinned
+  wheels from the package index on the host): a warm template (warm.py).
 
 A template's `template.json` holds its metadata and its sandboxes' defaults (`template_defaults`):
 `user` (absent: root), `env` (variables every command gets under its own) and `cwd` (where a command
@@ -33,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from k3sys.sandbox.errors import DriverError, UnknownTemplateError
-from k3sys.sandbox.runtime import base_template
+from k3sys.sandbox.runtime import base_template, template_interpreter
 from k3sys.sandbox.runtime.system import debian_mirror, host_codename, system_paths
 
 _BUSYBOX = Path("/bin/busybox")
@@ -85,12 +88,17 @@ def _build_base(rootfs: Path) -> dict[str, str]:
     return base_template.build_base(rootfs, template_rootfs("debian", build=False))  # debian: built before the lock
 
 
+def _build_code_interpreter(rootfs: Path) -> dict[str, str]:
+    return template_interpreter.build(rootfs, template_rootfs("base", build=False))  # base: built before the lock
+
+
 # A builder returns what its template.json adds (None: nothing).
 BUILDERS: dict[str, Callable[[Path], dict[str, str] | None]] = {
-    "busybox": _build_busybox, "debian": _build_debian, "base": _build_base}
+    "busybox": _build_busybox, "debian": _build_debian, "base": _build_base,
+    template_interpreter.NAME: _build_code_interpreter}
 # Templates built from another: that one is built first, outside the build lock (flock is per open
 # file, so taking it again inside would wait for ourselves).
-_BASED_ON = {"base": "debian"}
+_BASED_ON = {"base": "debian", template_interpreter.NAME: "base"}
 
 
 def template_names() -> list[str]:
@@ -141,7 +149,8 @@ def template_rootfs(name: str, build: bool = True, refresh: bool = False) -> Pat
 
 
 # Recipes whose output changes with a list (a package list): template.json's `recipe` must match.
-_STAMPS: dict[str, Callable[[], str]] = {"base": base_template.recipe_stamp}
+_STAMPS: dict[str, Callable[[], str]] = {"base": base_template.recipe_stamp,
+                                         template_interpreter.NAME: template_interpreter.recipe_stamp}
 
 
 def stale(name: str) -> bool:
