@@ -47,6 +47,7 @@ from k3sys.sandbox.service.metrics import CountRequests
 from k3sys.sandbox.service.models import (
     Health,
 )
+from k3sys.sandbox.service.ports.proxy import install as install_ports
 
 __all__ = ["ServiceConfig", "create_app", "serve"]
 KEEP_ALIVE_S = 75  # seconds an idle connection stays open (clients must drop theirs sooner)
@@ -112,6 +113,7 @@ def create_app(config: ServiceConfig, runtime: Runtime | None = None) -> FastAPI
     install_error_handlers(app)
     app.add_middleware(CountRequests, counter=service.requests)
     app.add_middleware(BodyLimit, limit=config.max_body_bytes)
+    install_ports(app)  # outermost: requests for a sandbox's port (ports/proxy.py) stream past the rest
     return app
 
 
@@ -129,6 +131,7 @@ def serve(config: ServiceConfig, host: str = "127.0.0.1", port: int = 3000, log_
     # Idle connections stay open well past the client's own expiry (httpx: 5 s), so a client never
     # sends a request on a connection the server is closing at that instant. guard.py bounds
     # connections and header time; log lines are rate-limited (logfilter.py).
-    uvicorn.run(create_app(config, runtime), host=host, port=port, log_level=log_level, access_log=False,
+    app = create_app(config, runtime)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False,
                 timeout_graceful_shutdown=10, timeout_keep_alive=KEEP_ALIVE_S, lifespan="on",
-                log_config=log_config(), **uvicorn_options(config.connections))
+                log_config=log_config(), ws=app.state.port_upgrade, **uvicorn_options(config.connections))
