@@ -2,7 +2,7 @@
 library only: HTTP/1.1 with keep-alive, and a WebSocket echo on /ws.
 
 GET /bytes?n=N       N bytes (b"0123456789abcdef" repeated), Content-Length, written 64 KiB at a time;
-                     the bytes written so far are kept in /tmp/sent-PORT (for the slow-reader test)
+                     with &log=1 the bytes written so far are kept in /tmp/sent-PORT (the slow-reader test)
 POST /sum            the body's length and sha256 as JSON (Content-Length or chunked bodies)
 POST /echo           the body back, chunked, as it is read
 GET /sse?n=N         N server-sent events, one every 10 ms, then the end; n=0: for ever
@@ -72,14 +72,15 @@ class Handler(BaseHTTPRequestHandler):
             self.send_header("Content-Type", "application/octet-stream")
             self.send_header("Content-Length", str(n))
             self.end_headers()
-            sent, log = 0, f"/tmp/sent-{self.server.server_address[1]}"
+            sent, log = 0, f"/tmp/sent-{self.server.server_address[1]}" if self._query().get("log") else None
             while sent < n:
                 piece = PATTERN[: min(len(PATTERN), n - sent)]
                 self.wfile.write(piece)
                 sent += len(piece)
-                with open(log + ".tmp", "w") as f:
-                    f.write(str(sent))
-                os.replace(log + ".tmp", log)
+                if log:
+                    with open(log + ".tmp", "w") as f:
+                        f.write(str(sent))
+                    os.replace(log + ".tmp", log)
         elif path == "/sse":
             n = int(self._query().get("n", "5"))
             self.send_response(200)

@@ -168,7 +168,7 @@ def test_slow_reader_keeps_host_memory_bounded(ports_service, box):
     url, h, size = ports_service.url, headers(box.sandbox_id), 2 << 30
     box.commands.run("rm -f /tmp/sent-8000")
     before = _rss_bytes(ports_service.proc.pid)
-    with httpx.Client(timeout=120) as client, client.stream("GET", f"{url}/bytes?n={size}", headers=h) as r:
+    with httpx.Client(timeout=120) as client, client.stream("GET", f"{url}/bytes?n={size}&log=1", headers=h) as r:
         stream = r.iter_raw(64 << 10)
         read = 0
         while read < MiB:

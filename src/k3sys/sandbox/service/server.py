@@ -47,7 +47,7 @@ from k3sys.sandbox.service.metrics import CountRequests
 from k3sys.sandbox.service.models import (
     Health,
 )
-from k3sys.sandbox.service.ports.proxy import install as install_ports
+from k3sys.sandbox.service.ports.front import port_front
 
 __all__ = ["ServiceConfig", "create_app", "serve"]
 KEEP_ALIVE_S = 75  # seconds an idle connection stays open (clients must drop theirs sooner)
@@ -113,7 +113,6 @@ def create_app(config: ServiceConfig, runtime: Runtime | None = None) -> FastAPI
     install_error_handlers(app)
     app.add_middleware(CountRequests, counter=service.requests)
     app.add_middleware(BodyLimit, limit=config.max_body_bytes)
-    install_ports(app)  # outermost: requests for a sandbox's port (ports/proxy.py) stream past the rest
     return app
 
 
@@ -132,6 +131,8 @@ def serve(config: ServiceConfig, host: str = "127.0.0.1", port: int = 3000, log_
     # sends a request on a connection the server is closing at that instant. guard.py bounds
     # connections and header time; log lines are rate-limited (logfilter.py).
     app = create_app(config, runtime)
+    options = uvicorn_options(config.connections)
+    options["http"] = port_front(options["http"], app)  # sandboxes' ports, ahead of the app (ports/front.py)
     uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False,
                 timeout_graceful_shutdown=10, timeout_keep_alive=KEEP_ALIVE_S, lifespan="on",
-                log_config=log_config(), ws=app.state.port_upgrade, **uvicorn_options(config.connections))
+                log_config=log_config(), **options)

@@ -125,9 +125,9 @@ async def ensure_running(svc: Any, sid: str) -> None:
     raise Refusal(502, f"sandbox {sid} is not running: it is {state}{how}", "invalid_state")
 
 
-def forwarded(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
-    """The request's headers as the sandbox gets them: without the service's key."""
-    return [(n, v) for n, v in headers if n.lower() != API_KEY_HEADER.encode()]
+def forwarded(lines: tuple[bytes, ...]) -> list[bytes]:
+    """A request's header lines as the sandbox gets them: without the service's key."""
+    return [ln for ln in lines if ln.partition(b":")[0].strip().lower() != API_KEY_HEADER.encode()]
 
 
 async def dial(svc: Any, sid: str, port: int) -> tuple[socket.socket, Callable[[], None]]:
