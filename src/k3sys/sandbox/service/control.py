@@ -113,7 +113,7 @@ async def create_sandbox(svc: Svc, scope: Caller, body: NewSandbox) -> dict[str,
     keep = body.autoPauseMemory is not False
     attrs = SandboxAttrs(body.templateID, body.metadata or {}, body.envVars or {}, keep, keep,
                          public_traffic=(body.network or {}).get("allowPublicTraffic") is not False,
-                         auto_resume=bool((body.autoResume or {}).get("enabled")))
+                         auto_resume=body.auto_resume)
     if (ck := await svc.call("lookup", _snapshot_of, svc, scope, body.templateID, io=True)) is not None:
         fixed = ("cpu", "memoryMB", "diskSizeMB", "pids", "network")
         if given := [n for n in fixed if getattr(body, n) is not None]:

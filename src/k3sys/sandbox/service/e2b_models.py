@@ -91,9 +91,15 @@ class NewSandbox(BaseModel):
     def _bounded(cls, v: dict[str, str] | None, info: Any) -> dict[str, str]:
         return _pairs(info.field_name, v)
 
+    @property
+    def auto_resume(self) -> bool:
+        """E2B's `autoResume`: `{"enabled": true}` (SDK 2.x), or `{"policy": "any"}` (later SDKs)."""
+        a = self.autoResume or {}
+        return a.get("enabled") is True or a.get("policy") not in (None, "off")
+
     def check_supported(self) -> None:
         """Refuse what E2B offers and this service does not serve (rather than ignore it)."""
-        if self.autoResume and self.autoResume.get("enabled") and self.autoPause is not True:
+        if self.auto_resume and self.autoPause is not True:
             raise InvalidArgumentError("autoResume: only for a sandbox paused at its timeout (autoPause: true)")
         network = self.network or {}
         if not isinstance(network.get("allowPublicTraffic", True), bool | None):
