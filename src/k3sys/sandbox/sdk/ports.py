@@ -71,12 +71,18 @@ def _serve(client: socket.socket, runtime: Any, sid: str, port: int) -> None:
         client.close()
         release()
         return
-    up = threading.Thread(target=_copy, args=(client, inside), daemon=True)
-    up.start()
-    _copy(inside, client)
-    up.join()
+    join(client, inside)
     client.close()
     release()
+
+
+def join(a: socket.socket, b: socket.socket) -> None:
+    """Copy bytes both ways between connected sockets `a` and `b` (one way on a thread of its own)
+    until both directions ended; each end hears the other's end (a half-close)."""
+    other = threading.Thread(target=_copy, args=(a, b), daemon=True)
+    other.start()
+    _copy(b, a)
+    other.join()
 
 
 def _copy(src: socket.socket, dst: socket.socket) -> None:

@@ -132,7 +132,10 @@ def forwarded(lines: tuple[bytes, ...]) -> list[bytes]:
 
 async def dial(svc: Any, sid: str, port: int) -> tuple[socket.socket, Callable[[], None]]:
     """A connected socket to `port` inside sandbox `sid` (a dup the caller owns and closes) and the
-    call that gives the original back; Refusal(502) when nothing listens there."""
+    call that gives the original back; Refusal(502) when nothing listens there. Over a fleet (the
+    gateway's runtime has `open_port`), a connection to the relay of the node holding `sid`."""
+    if hasattr(svc.rt, "open_port"):
+        return await _through_relay(svc, sid, port)
     loop = asyncio.get_running_loop()
     why = "connection refused"
     for family, host in _LOOPBACKS:
@@ -164,3 +167,23 @@ async def dial(svc: Any, sid: str, port: int) -> tuple[socket.socket, Callable[[
 def close_quietly(s: socket.socket) -> None:
     with contextlib.suppress(OSError):
         s.close()
+
+
+async def _through_relay(svc: Any, sid: str, port: int) -> tuple[socket.socket, Callable[[], None]]:
+    """The connection made by `sid`'s node (fleet/ports.py): its relay's address and ticket."""
+    try:
+        host, relay_port, ticket = await svc.call("port", svc.rt.open_port, sid, port, io=True)
+    except SandboxError as e:
+        raise Refusal(502, str(e), "port_unreachable" if isinstance(e, UnavailableError) else e.code) from None
+    loop = asyncio.get_running_loop()
+    s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    s.setblocking(False)
+    try:
+        await asyncio.wait_for(loop.sock_connect(s, (host, relay_port)), CONNECT_TIMEOUT_S)
+        await loop.sock_sendall(s, ticket)
+    except OSError as e:  # TimeoutError included
+        s.close()
+        raise Refusal(502, f"sandbox {sid} port {port}: its node's relay at {host}:{relay_port} is unreachable "
+                           f"({e})", "port_unreachable") from None
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return s, lambda: None
