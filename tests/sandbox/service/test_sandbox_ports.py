@@ -124,6 +124,22 @@ def test_websocket_echo(ports_service, box):
         assert ws.recv() == "by host"
 
 
+def test_one_connection_carries_ports_envd_and_the_control_plane(ports_service, box):
+    """Routing is per request: the SDKs' one pool sends everything behind E2B_SANDBOX_URL over the
+    same connections, so one connection goes port -> control plane -> envd -> port -> control -> port."""
+    url, sid = ports_service.url, box.sandbox_id
+    with httpx.Client(limits=httpx.Limits(max_connections=1, max_keepalive_connections=1), timeout=60) as c:
+        pid = c.get(f"{url}/pid", headers=headers(sid)).text
+        assert c.get(f"{url}/health").json()["status"] == "ok"
+        assert c.get(f"{url}/health", headers={"E2b-Sandbox-Id": sid}).status_code == 204  # envd's
+        assert c.post(f"{url}/sum", headers=headers(sid), content=b"abc").json()["length"] == 3
+        assert c.get(f"{url}/pid", headers=headers(sid)).text == pid
+        r = c.get(f"{url}/sandboxes/{sid}", headers={"X-API-Key": ports_service.key})
+        assert r.json()["sandboxID"] == sid
+        assert c.get(f"{url}/pid", headers=headers(sid)).text == pid
+        assert c.get(f"{url}/nope", headers=headers(sid, 8999)).status_code == 502  # refusals close it
+
+
 def test_fifty_concurrent_connections(ports_service, box):
     url, h = ports_service.url, headers(box.sandbox_id)
 

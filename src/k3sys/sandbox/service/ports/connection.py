@@ -187,6 +187,9 @@ class PortConnection(asyncio.Protocol):
                 self.up = up
         except Refusal as r:
             return self._refuse(r)
+        except Exception as e:  # noqa: BLE001 (e.g. killed meanwhile): the client gets a 502 naming it
+            why = Refusal(502, f"sandbox {where[0]} port {where[1]}: {e}", getattr(e, "code", "internal"))
+            return self._refuse(why)
         if self.state == "closed":
             return
         self.req, self.resp = request_body(head), None
