@@ -29,7 +29,15 @@ from k3sys.sandbox.service.ports.framing import (
     response_body,
     status_of,
 )
-from k3sys.sandbox.service.ports.route import Refusal, check_access, dial, ensure_running, forwarded, target
+from k3sys.sandbox.service.ports.route import (
+    Refusal,
+    check_access,
+    dial,
+    ensure_running,
+    forwarded,
+    running,
+    target,
+)
 
 # Bytes a side's transport may hold for a peer that does not read before the other side stops
 # being read: per connection, twice (one each way), the proxy's whole buffering.
@@ -148,6 +156,7 @@ class PortConnection(asyncio.Protocol):
                 self._arm(self.front.header_timeout_s)
             return
         head = parse_head(bytes(self.buf[:end]))
+        body = request_body(head)  # a bad Content-Length is a 400 here, before anything goes up
         try:
             where = target(head.fields)
         except Refusal as r:
@@ -165,9 +174,11 @@ class PortConnection(asyncio.Protocol):
             check_access(self.svc, where[0], head.fields)
         except Refusal as r:
             return self._refuse(r)
-        asyncio.get_running_loop().create_task(self._open(where, head, rest))
+        if self.up is not None and self.up.key == where and not self.up.closed and running(self.svc, where[0]):
+            return self._begin(head, body, rest)  # kept alive, to the same port: no task, no wait
+        asyncio.get_running_loop().create_task(self._open(where, head, body, rest))
 
-    async def _open(self, where: tuple[str, int], head: Head, rest: bytes) -> None:
+    async def _open(self, where: tuple[str, int], head: Head, body: Body, rest: bytes) -> None:
         try:
             await ensure_running(self.svc, where[0])
             if self.up is not None and (self.up.key != where or self.up.closed):
@@ -190,9 +201,12 @@ class PortConnection(asyncio.Protocol):
         except Exception as e:  # noqa: BLE001 (e.g. killed meanwhile): the client gets a 502 naming it
             why = Refusal(502, f"sandbox {where[0]} port {where[1]}: {e}", getattr(e, "code", "internal"))
             return self._refuse(why)
-        if self.state == "closed":
-            return
-        self.req, self.resp = request_body(head), None
+        if self.state != "closed":
+            self._begin(head, body, rest)
+
+    def _begin(self, head: Head, body: Body, rest: bytes) -> None:
+        """Send the request head up (without the service's key) and let its body follow."""
+        self.req, self.resp = body, None
         self.resp_head.clear()
         self.state = "exchange"
         self._up_write(b"\r\n".join([head.first, *forwarded(head.lines)]) + b"\r\n\r\n")

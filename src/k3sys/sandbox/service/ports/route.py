@@ -110,6 +110,11 @@ def check_access(svc: Any, sid: str, headers: dict[bytes, bytes]) -> None:
                                "(E2B-Traffic-Access-Token): its traffic is not public", AuthError.code)
 
 
+def running(svc: Any, sid: str) -> bool:
+    """Whether sandbox `sid` is serving now (a checkpoint only holds a new connection)."""
+    return svc.rt.info(sid).state in _SERVING
+
+
 async def ensure_running(svc: Any, sid: str) -> None:
     """Refusal(502) unless sandbox `sid` is running; one created with `autoResume` is resumed."""
     state = svc.rt.info(sid).state
