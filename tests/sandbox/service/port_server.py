@@ -7,6 +7,8 @@ POST /sum            the body's length and sha256 as JSON (Content-Length or chu
 POST /echo           the body back, chunked, as it is read
 GET /sse?n=N         N server-sent events, one every 10 ms, then the end; n=0: for ever
 GET /pid             this server's pid
+GET /forge           "ok", then (50 ms later, on the same connection) a forged answer nobody asked for
+GET /switch          101 Switching Protocols to a plain GET
 GET /ws              a WebSocket echo (text and binary; answers a close with a close)
 """
 
@@ -97,6 +99,18 @@ class Handler(BaseHTTPRequestHandler):
             self.wfile.write(b"0\r\n\r\n")
         elif path == "/pid":
             self._reply(200, str(os.getpid()).encode(), "text/plain")
+        elif path == "/forge":  # a hostile server: an answer nobody asked for, after the real one
+            self._reply(200, b"ok", "text/plain")
+            self.wfile.flush()
+            time.sleep(0.05)
+            self.wfile.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 21\r\n\r\n"
+                             b'{"status": "forged!"}')
+            self.wfile.flush()
+            open("/tmp/forged", "w").close()
+        elif path == "/switch":  # a hostile server: 101 to a request that asked for no upgrade
+            self.send_response(101)
+            self.end_headers()
+            self.wfile.write(b"raw bytes")
         elif path == "/ws":
             self._websocket()
         else:

@@ -140,6 +140,19 @@ def test_one_connection_carries_ports_envd_and_the_control_plane(ports_service, 
         assert c.get(f"{url}/nope", headers=headers(sid, 8999)).status_code == 502  # refusals close it
 
 
+def test_a_sandbox_cannot_answer_requests_it_was_not_sent(ports_service, box):
+    """Bytes a server inside sends between exchanges never reach the client (who would read them as
+    the answer to its next request, perhaps to the control plane), nor does a 101 it was not asked for."""
+    url, sid = ports_service.url, box.sandbox_id
+    box.commands.run("rm -f /tmp/forged")
+    with httpx.Client(limits=httpx.Limits(max_connections=1, max_keepalive_connections=1), timeout=60) as c:
+        assert c.get(f"{url}/forge", headers=headers(sid)).text == "ok"
+        wait_until(lambda: box.files.exists("/tmp/forged"), 30, "the forged answer sent")
+        assert c.get(f"{url}/health").json()["status"] == "ok"
+    r = httpx.get(f"{url}/switch", headers=headers(sid))
+    assert r.status_code == 502 and "asked for no upgrade" in r.json()["message"]
+
+
 def test_fifty_concurrent_connections(ports_service, box):
     url, h = ports_service.url, headers(box.sandbox_id)
 

@@ -105,6 +105,8 @@ class PortConnection(asyncio.Protocol):
         self.up_close = False  # the server said `Connection: close`: a new upstream for the next one
         self.idle: asyncio.TimerHandle | None = None
         self.head_clock = False  # the header deadline runs (a head has started)
+        self.upgrade = False  # the request under way asks for another protocol (a WebSocket)
+        self.answered = False  # bytes of the answer to the request under way went to the client
 
     # --- the client's side ----------------------------------------------------------------------
 
@@ -206,7 +208,11 @@ class PortConnection(asyncio.Protocol):
 
     def _begin(self, head: Head, body: Body, rest: bytes) -> None:
         """Send the request head up (without the service's key) and let its body follow."""
-        self.req, self.resp = body, None
+        if self.up is None or self.up.closed:  # the kept connection closed as this request came
+            return self._refuse(Refusal(502, "the sandbox's port closed the connection as the request came; retry",
+                                        "port_unreachable"))
+        self.upgrade = head.has_token(b"connection", b"upgrade") and b"upgrade" in head.fields
+        self.req, self.resp, self.answered = body, None, False
         self.resp_head.clear()
         self.state = "exchange"
         self._up_write(b"\r\n".join([head.first, *forwarded(head.lines)]) + b"\r\n\r\n")
@@ -289,7 +295,11 @@ class PortConnection(asyncio.Protocol):
             self.up.transport.write(data)
 
     def from_upstream(self, up: _Upstream, data: memoryview) -> None:
-        if up is not self.up or self.state == "closed":
+        if up is not self.up or self.state not in ("exchange", "tunnel"):
+            # Bytes nobody asked for (between exchanges): never passed on, where the client would
+            # take them for the answer to its next request, which may be for envd or the control plane.
+            if up is self.up:
+                self.up = None
             return up.close()
         if self.state == "tunnel":
             self._down(data)
@@ -313,6 +323,10 @@ class PortConnection(asyncio.Protocol):
                 self.resp_head.clear()
                 head = parse_head(raw[:-4])
                 status = status_of(head)
+                if status == 101 and not self.upgrade:
+                    raise HeadError("101 Switching Protocols to a request that asked for no upgrade")
+                resp = response_body(head, status, self.method)  # checked before any byte goes down
+                self.answered = True
                 self._down(raw)
                 if status == 101:
                     self.state = "tunnel"
@@ -323,7 +337,7 @@ class PortConnection(asyncio.Protocol):
                     return
                 if 100 <= status < 200:
                     continue  # an interim answer (100 Continue): the real one follows
-                self.resp = response_body(head, status, self.method)
+                self.resp = resp
                 self.up_close = head.has_token(b"connection", b"close")
             n = self.resp.feed(view)
             if n:
@@ -360,14 +374,14 @@ class PortConnection(asyncio.Protocol):
         self.up = None
         if self.state == "exchange" and self.resp is not None and self.resp.until_close:
             self.close()  # the end of the connection was the end of the answer
-        elif self.state == "exchange" and self.resp is None and not self.resp_head:
+        elif self.state == "exchange" and not self.answered:
             self._refuse(Refusal(502, f"sandbox {up.key[0]} port {up.key[1]} closed the connection "
                                       "without answering", "port_unreachable"))
         elif self.state in ("exchange", "tunnel"):
             self.close()  # cut mid-answer (a checkpoint, or the server died): the client must see it
 
     def _broken(self, why: str) -> None:
-        if self.resp is None and not self.resp_head:
+        if not self.answered:
             self._refuse(Refusal(502, why, "port_unreachable"))
         else:
             self.close()
