@@ -184,6 +184,27 @@ def test_get_host_from_the_sdk(ports_service, box):
     assert out.returncode == 0 and out.stdout.isdigit(), out.stderr
 
 
+def test_pipelined_requests_and_100_continue(ports_service, box, tmp_path):
+    """Two requests in one write come back as two answers in order; curl's `Expect: 100-continue`
+    upload gets the server's interim 100 and then its answer."""
+    sid, port = box.sandbox_id, ports_service.port
+    head = f"Host: 8000-{sid}.localhost:{port}\r\n".encode()
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.sendall(b"GET /pid HTTP/1.1\r\n" + head + b"\r\n" + b"POST /sum HTTP/1.1\r\n" + head
+                  + b"Content-Length: 3\r\n\r\nabc")
+        got = b""
+        while got.count(b"HTTP/1.1 200") < 2 or not got.endswith(b"}"):
+            piece = s.recv(65536)
+            assert piece, got
+            got += piece
+    assert got.index(b"text/plain") < got.index(b'"length": 3')
+    blob = tmp_path / "blob"
+    blob.write_bytes(b"z" * (2 * MiB))
+    out = subprocess.run(["curl", "-sS", "--max-time", "60", "-H", "Expect: 100-continue", "--data-binary",
+                          f"@{blob}", f"http://{box.get_host(8000)}/sum"], capture_output=True, text=True, timeout=90)
+    assert json.loads(out.stdout)["length"] == 2 * MiB, out.stderr
+
+
 def _rss_bytes(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
