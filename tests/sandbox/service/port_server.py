@@ -5,6 +5,7 @@ GET /bytes?n=N       N bytes (b"0123456789abcdef" repeated), Content-Length, wri
                      with &log=1 the bytes written so far are kept in /tmp/sent-PORT (the slow-reader test)
 POST /sum            the body's length and sha256 as JSON (Content-Length or chunked bodies)
 POST /echo           the body back, chunked, as it is read
+POST /execute        a stand-in for the code interpreter's: {"code": C} -> NDJSON stdout, result C.upper()
 GET /sse?n=N         N server-sent events, one every 10 ms, then the end; n=0: for ever
 GET /pid             this server's pid
 GET /forge           "ok", then (50 ms later, on the same connection) a forged answer nobody asked for
@@ -124,6 +125,19 @@ class Handler(BaseHTTPRequestHandler):
                 h.update(piece)
                 n += len(piece)
             self._reply(200, json.dumps({"length": n, "sha256": h.hexdigest()}).encode())
+        elif path == "/execute":  # a stand-in for the code interpreter's /execute: NDJSON, streamed
+            code = json.loads(b"".join(self._body_pieces()))["code"]
+            self.send_response(200)
+            self.send_header("Content-Type", "application/x-ndjson")
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            for line in ({"type": "stdout", "text": f"running {code}\n", "timestamp": 0},
+                         {"type": "result", "text": code.upper(), "is_main_result": True},
+                         {"type": "number_of_executions", "execution_count": 1}):
+                data = json.dumps(line).encode() + b"\n"
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+                self.wfile.flush()
+            self.wfile.write(b"0\r\n\r\n")
         elif path == "/echo":
             self.send_response(200)
             self.send_header("Content-Type", "application/octet-stream")

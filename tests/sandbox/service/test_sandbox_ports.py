@@ -153,6 +153,20 @@ def test_a_sandbox_cannot_answer_requests_it_was_not_sent(ports_service, box):
     assert r.status_code == 502 and "asked for no upgrade" in r.json()["message"]
 
 
+def test_the_code_interpreter_sdk_reaches_port_49999(ports_service, box):
+    """e2b-code-interpreter's `run_code` (its own HTTP/1.1 transport, `E2b-Sandbox-Port: 49999` to
+    E2B_SANDBOX_URL) through the proxy, against a stand-in /execute (the real server: issue 26's
+    code-interpreter part)."""
+    from e2b_code_interpreter import Sandbox as CodeInterpreter
+
+    serve(box, ports_service.url, 49999)
+    ci = CodeInterpreter.connect(box.sandbox_id, **sdk(ports_service))
+    seen: list[str] = []
+    run = ci.run_code("x = 1", on_stdout=lambda m: seen.append(m.line))
+    assert (run.text, run.logs.stdout, seen, run.execution_count) == ("X = 1", ["running x = 1\n"],
+                                                                      ["running x = 1\n"], 1)
+
+
 def test_fifty_concurrent_connections(ports_service, box):
     url, h = ports_service.url, headers(box.sandbox_id)
 
