@@ -8,6 +8,7 @@ POST /echo           the body back, chunked, as it is read
 POST /execute        a stand-in for the code interpreter's: {"code": C} -> NDJSON stdout, result C.upper()
 GET /sse?n=N         N server-sent events, one every 10 ms, then the end; n=0: for ever
 GET /pid             this server's pid
+GET /peer            the client's port (which connection of the proxy's this is)
 GET /forge           "ok", then (50 ms later, on the same connection) a forged answer nobody asked for
 GET /switch          101 Switching Protocols to a plain GET
 GET /ws              a WebSocket echo (text and binary; answers a close with a close)
@@ -100,6 +101,8 @@ class Handler(BaseHTTPRequestHandler):
             self.wfile.write(b"0\r\n\r\n")
         elif path == "/pid":
             self._reply(200, str(os.getpid()).encode(), "text/plain")
+        elif path == "/peer":
+            self._reply(200, str(self.client_address[1]).encode(), "text/plain")
         elif path == "/forge":  # a hostile server: an answer nobody asked for, after the real one
             self._reply(200, b"ok", "text/plain")
             self.wfile.flush()

@@ -167,6 +167,21 @@ def test_the_code_interpreter_sdk_reaches_port_49999(ports_service, box):
                                                                       ["running x = 1\n"], 1)
 
 
+def test_clients_one_after_another_reuse_the_upstream_connection(ports_service, box):
+    """A client that closes its connection after each request (curl, `httpx.get`) still gets a kept
+    upstream connection: the one the previous client left (upstream.py's pool)."""
+    url, h = ports_service.url, headers(box.sandbox_id)
+    seen: set[str] = set()
+
+    def reused() -> bool:
+        peer = httpx.get(f"{url}/peer", headers=h).text
+        again = peer in seen
+        seen.add(peer)
+        return again
+
+    wait_until(reused, 30, "a request on a connection an earlier client left")
+
+
 def test_fifty_concurrent_connections(ports_service, box):
     url, h = ports_service.url, headers(box.sandbox_id)
 

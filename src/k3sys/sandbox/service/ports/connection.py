@@ -1,12 +1,13 @@
 """One client connection while it talks to sandboxes' ports: requests and responses pass through as
 bytes (framing.py only measures them), exchange after exchange, on one upstream connection per
-(sandbox, port) kept while the client keeps its own.
+(sandbox, port) kept while the client keeps its own, and parked for the next client after
+(upstream.py).
 
 Per exchange: the request head is read (bounded), routed and checked (route.py); the head goes up
 without the service's key, then the body as it comes; the response comes down untouched. A `101
 Switching Protocols` (a WebSocket) joins the two connections for good. A head that is for no port
 hands the connection back to uvicorn (`front`). Both directions are flow-controlled by asyncio's
-write buffers (64 KiB): a side whose peer does not read stops being read, so a slow reader or an
+write buffers (256 KiB): a side whose peer does not read stops being read, so a slow reader or an
 endless response holds the sandbox's server back, never host memory. A checkpoint resets the
 upstream connection (runtime/netns.py): an exchange cut mid-way ends the client's connection.
 """
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable
 from typing import Any
 
 from k3sys.sandbox._wire import ERROR_HEADER
@@ -38,52 +38,10 @@ from k3sys.sandbox.service.ports.route import (
     running,
     target,
 )
+from k3sys.sandbox.service.ports.upstream import IDLE, WRITE_BUFFER, Upstream
 
-# Bytes a side's transport may hold for a peer that does not read before the other side stops
-# being read: per connection, twice (one each way), the proxy's whole buffering.
-WRITE_BUFFER = 256 << 10
-READ_SIZE = 1 << 20
 _REASONS = {400: "Bad Request", 403: "Forbidden", 404: "Not Found", 431: "Request Header Fields Too Large",
             502: "Bad Gateway", 503: "Service Unavailable"}
-
-
-class _Upstream(asyncio.Protocol):
-    """The sandbox's side: its bytes go to the client connection."""
-
-    def __init__(self, owner: PortConnection, key: tuple[str, int], release: Callable[[], None]) -> None:
-        self.owner, self.key, self._release = owner, key, release
-        self.transport: asyncio.Transport | None = None
-        self.closed = False
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
-        self.transport.set_write_buffer_limits(high=WRITE_BUFFER)
-        if hasattr(transport, "max_size"):  # asyncio's selector transport reads 256 KiB at most: fewer, larger reads
-            transport.max_size = READ_SIZE  # type: ignore[attr-defined]
-
-    def data_received(self, data: bytes) -> None:
-        self.owner.from_upstream(self, memoryview(data))
-
-    def eof_received(self) -> bool:
-        self.owner.upstream_ended(self)
-        return False
-
-    def pause_writing(self) -> None:
-        self.owner.pause_client("upstream full")
-
-    def resume_writing(self) -> None:
-        self.owner.resume_client("upstream full")
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.close()
-        self.owner.upstream_ended(self)
-
-    def close(self) -> None:
-        if not self.closed:
-            self.closed = True
-            if self.transport is not None:
-                self.transport.close()
-            self._release()
 
 
 class PortConnection(asyncio.Protocol):
@@ -94,7 +52,7 @@ class PortConnection(asyncio.Protocol):
         self.front, self.svc, self.idle_s = front, svc, idle_s
         self.transport: asyncio.Transport = front.transport
         self.buf = bytearray()  # client bytes not yet passed on (a head being read, or what follows)
-        self.up: _Upstream | None = None
+        self.up: Upstream | None = None
         self.state = "head"  # head -> opening -> exchange -> head ...; or tunnel; or closed
         self.method = b""
         self.req: Body | None = None
@@ -107,6 +65,7 @@ class PortConnection(asyncio.Protocol):
         self.head_clock = False  # the header deadline runs (a head has started)
         self.upgrade = False  # the request under way asks for another protocol (a WebSocket)
         self.answered = False  # bytes of the answer to the request under way went to the client
+        self.again: tuple[tuple[str, int], Head] | None = None  # the request under way, if it may go again
 
     # --- the client's side ----------------------------------------------------------------------
 
@@ -177,18 +136,19 @@ class PortConnection(asyncio.Protocol):
         except Refusal as r:
             return self._refuse(r)
         if self.up is not None and self.up.key == where and not self.up.closed and running(self.svc, where[0]):
-            return self._begin(head, body, rest)  # kept alive, to the same port: no task, no wait
+            return self._begin(where, head, body, rest)  # kept alive, to the same port: no task, no wait
         asyncio.get_running_loop().create_task(self._open(where, head, body, rest))
 
     async def _open(self, where: tuple[str, int], head: Head, body: Body, rest: bytes) -> None:
         try:
             await ensure_running(self.svc, where[0])
             if self.up is not None and (self.up.key != where or self.up.closed):
-                self.up.close()
-                self.up = None
+                self._let_go(idle=True)  # between exchanges: another client may use it
+            if self.up is None:
+                self.up = IDLE.take(where, self)
             if self.up is None:
                 sock, release = await dial(self.svc, *where)
-                up = _Upstream(self, where, release)
+                up = Upstream(self, where, release)
                 try:
                     await asyncio.get_running_loop().create_connection(lambda: up, sock=sock)
                 except OSError as e:
@@ -204,13 +164,18 @@ class PortConnection(asyncio.Protocol):
             why = Refusal(502, f"sandbox {where[0]} port {where[1]}: {e}", getattr(e, "code", "internal"))
             return self._refuse(why)
         if self.state != "closed":
-            self._begin(head, body, rest)
+            self._begin(where, head, body, rest)
 
-    def _begin(self, head: Head, body: Body, rest: bytes) -> None:
+    def _begin(self, where: tuple[str, int], head: Head, body: Body, rest: bytes) -> None:
         """Send the request head up (without the service's key) and let its body follow."""
-        if self.up is None or self.up.closed:  # the kept connection closed as this request came
-            return self._refuse(Refusal(502, "the sandbox's port closed the connection as the request came; retry",
-                                        "port_unreachable"))
+        if self.up is None or self.up.closed:  # the kept connection closed as this request came: anew
+            self.up = None
+            self.state = "opening"
+            asyncio.get_running_loop().create_task(self._open(where, head, body, rest))
+            return
+        # A request without a body on a connection that served before may go again on a new one if
+        # the server closed this one as it came (an idle timeout): nothing of it was acted on.
+        self.again = (where, head) if body.done and not rest and self.up.served else None
         self.upgrade = head.has_token(b"connection", b"upgrade") and b"upgrade" in head.fields
         self.req, self.resp, self.answered = body, None, False
         self.resp_head.clear()
@@ -222,9 +187,7 @@ class PortConnection(asyncio.Protocol):
 
     def _hand_back(self) -> None:
         """A request for uvicorn: give it the connection (and these bytes), with nothing of ours left."""
-        if self.up is not None:
-            self.up.close()
-            self.up = None
+        self._let_go(idle=True)
         self._disarm()
         self.state = "closed"
         data, self.buf = bytes(self.buf), bytearray()
@@ -258,11 +221,9 @@ class PortConnection(asyncio.Protocol):
             self.up.transport.resume_reading()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._let_go(idle=self.state == "head")
         self.state = "closed"
         self._disarm()
-        if self.up is not None:
-            self.up.close()
-            self.up = None
         self.front.connection_lost(exc)  # uvicorn's and the guard's bookkeeping of this connection
 
     def close(self) -> None:
@@ -294,7 +255,7 @@ class PortConnection(asyncio.Protocol):
         if data and self.up is not None and self.up.transport is not None:
             self.up.transport.write(data)
 
-    def from_upstream(self, up: _Upstream, data: memoryview) -> None:
+    def from_upstream(self, up: Upstream, data: memoryview) -> None:
         if up is not self.up or self.state not in ("exchange", "tunnel"):
             # Bytes nobody asked for (between exchanges): never passed on, where the client would
             # take them for the answer to its next request, which may be for envd or the control plane.
@@ -349,6 +310,18 @@ class PortConnection(asyncio.Protocol):
                     raise HeadError("bytes after the end of a response")
                 return
 
+    def _let_go(self, idle: bool) -> None:
+        """Give up the upstream connection: parked for the next client (`upstream.IDLE`) when it is
+        `idle` (between exchanges) and its server keeps it open, else closed."""
+        up, self.up = self.up, None
+        if up is None:
+            return
+        if idle and not self.up_close and up.transport is not None:
+            up.transport.resume_reading()  # parked, it must still see a close or a stray byte
+            IDLE.park(up)
+        else:
+            up.close()
+
     def _down(self, data: memoryview | bytes) -> None:
         self.transport.write(data)  # asyncio copies what it cannot send at once
 
@@ -358,6 +331,8 @@ class PortConnection(asyncio.Protocol):
         if self.close_after:
             self.close()
             return
+        if self.up is not None:
+            self.up.served = True
         if self.up_close and self.up is not None:
             self.up.close()
             self.up = None
@@ -368,12 +343,17 @@ class PortConnection(asyncio.Protocol):
         if self.buf:
             self._progress()
 
-    def upstream_ended(self, up: _Upstream) -> None:
+    def upstream_ended(self, up: Upstream) -> None:
         if up is not self.up:
             return
         self.up = None
         if self.state == "exchange" and self.resp is not None and self.resp.until_close:
             self.close()  # the end of the connection was the end of the answer
+        elif self.state == "exchange" and not self.answered and self.again is not None:
+            where, head = self.again
+            self.again, self.state = None, "opening"
+            self.pause_client("opening")
+            asyncio.get_running_loop().create_task(self._open(where, head, request_body(head), b""))
         elif self.state == "exchange" and not self.answered:
             self._refuse(Refusal(502, f"sandbox {up.key[0]} port {up.key[1]} closed the connection "
                                       "without answering", "port_unreachable"))
