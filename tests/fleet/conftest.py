@@ -101,11 +101,12 @@ def gateway(fleet, tmp_path_factory) -> Iterator[str]:
     process (the Ray driver)."""
     import uvicorn
 
-    from k3sys.fleet.gateway import gateway_app, gateway_config
+    from k3sys.fleet.gateway import gateway_app, gateway_config, gateway_protocol
 
     port = _free_port()
     app = gateway_app(gateway_config(tmp_path_factory.mktemp("gw"), api_key=None), fleet)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on",
+                                           http=gateway_protocol(app)))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     wait_until(lambda: server.started, 30, "the gateway starting", step=0.05)

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import time
 
+import httpx
 import pytest
 from fleet_helpers import settled_reserved
+from waiting import wait_until
 
 from k3sys.sandbox import Sandbox
 from k3sys.sandbox.errors import InvalidArgumentError, NotFoundError
@@ -52,6 +54,31 @@ def test_spread_places_evenly_and_every_call_routes(fleet, gateway):
             b.kill()
     with pytest.raises(NotFoundError):
         Sandbox.get(boxes[0].id, api_url=gateway)
+
+
+def test_ports_route_to_the_node_holding_the_sandbox(fleet, gateway):
+    """A port inside a sandbox, reached through the gateway by E2B's headers and host form: the
+    node holding it connects inside and its relay joins the gateway's connection (fleet/ports.py)."""
+    boxes = [Sandbox.create(memory_mb=128, api_url=gateway) for _ in range(2)]
+    try:
+        for b in boxes:
+            b.commands.run(f"mkdir -p /tmp/w && echo {b.id} > /tmp/w/index.html && (busybox httpd -p 8000 -h /tmp/w &)")
+        for b in boxes:
+            h = {"E2b-Sandbox-Id": b.id, "E2b-Sandbox-Port": "8000"}
+            r = wait_until(lambda h=h: _ok(httpx.get(f"{gateway}/index.html", headers=h, timeout=30)), 60,
+                           f"port 8000 of {b.id} on {fleet.node_of(b.id)}")
+            assert r.text == f"{b.id}\n"
+            host = f"8000-{b.id}.localhost:{gateway.rsplit(':', 1)[1]}"
+            assert httpx.get(f"{gateway}/index.html", headers={"Host": host}, timeout=30).text == f"{b.id}\n"
+        r = httpx.get(f"{gateway}/", headers={"E2b-Sandbox-Id": boxes[0].id, "E2b-Sandbox-Port": "8999"}, timeout=30)
+        assert r.status_code == 502 and "port 8999" in r.json()["message"]
+    finally:
+        for b in boxes:
+            b.kill()
+
+
+def _ok(r: httpx.Response) -> httpx.Response | None:
+    return r if r.status_code == 200 else None
 
 
 def test_pack_fills_one_node_first(fleet):

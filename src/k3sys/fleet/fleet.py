@@ -155,6 +155,11 @@ class Fleet:
         for ref in m.handle.stream_command.options(num_returns="streaming").remote(own):
             yield unwrap(lambda ref=ref: ray.get(ref), node)
 
+    def open_port(self, sid: str, port: int) -> tuple[str, int, bytes]:
+        """Port `port` inside sandbox `sid`, connected by its node and waiting at the node's relay:
+        (host, port, one-time ticket) for the gateway's port proxy (fleet/ports.py)."""
+        return self.members.invoke(self.node_of(sid), "open_port", sid, port)
+
     def open_file(self, sid: str, path: str, user: str | None = None) -> RemoteHandle:
         node = self.node_of(sid)
         m = self.members.get(node)

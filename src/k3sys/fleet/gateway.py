@@ -5,7 +5,9 @@ as its runtime, so the official `e2b` SDK and the k3sys SDK use many nodes as on
 
 Limits: the gateway admits sandboxes by count and memory over the whole fleet (defaults: no limit
 of its own); each node's capacity is what placement respects. Stopping the gateway leaves every
-sandbox running on its node (`on_shutdown="keep"`): a new gateway finds them again.
+sandbox running on its node (`on_shutdown="keep"`): a new gateway finds them again. A sandbox's
+ports are proxied as by the service (sandbox/service/ports/), through the relay of the node holding
+it (fleet/ports.py).
 """
 
 from __future__ import annotations
@@ -33,6 +35,16 @@ def gateway_app(config: ServiceConfig, fleet: Fleet) -> FastAPI:
     return create_app(config, runtime=fleet)  # type: ignore[arg-type]  # a Fleet has the Runtime's methods
 
 
+def gateway_protocol(app: FastAPI) -> type:
+    """uvicorn's `http` class for the gateway application `app`: sandboxes' ports ahead of it, each
+    reached through its node's relay (fleet/ports.py)."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    from k3sys.sandbox.service.ports.front import port_front
+
+    return port_front(H11Protocol, app)
+
+
 def serve(config: ServiceConfig, address: str | None, fleet_config: FleetConfig | None = None,
           host: str = "127.0.0.1", port: int = 8765, log_level: str = "warning") -> None:
     """Connect to the Ray cluster at `address` and serve its fleet until SIGINT/SIGTERM."""
@@ -42,5 +54,6 @@ def serve(config: ServiceConfig, address: str | None, fleet_config: FleetConfig 
 
     check_bind(host, config.api_key)
     fleet = Fleet(address, fleet_config)
-    uvicorn.run(gateway_app(config, fleet), host=host, port=port, log_level=log_level, access_log=False,
+    app = gateway_app(config, fleet)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False, http=gateway_protocol(app),
                 timeout_graceful_shutdown=10, timeout_keep_alive=KEEP_ALIVE_S, lifespan="on")

@@ -30,6 +30,7 @@ from typing import Any
 
 import ray
 
+from k3sys.fleet.ports import PortRelay
 from k3sys.sandbox.errors import CapacityError, InvalidArgumentError, NotFoundError
 from k3sys.sandbox.runtime.runtime import Runtime
 from k3sys.sandbox.runtime.store import Manifest
@@ -108,12 +109,21 @@ class SandboxNode:
         self._open: dict[int, Any] = {}  # handle -> a file being read or a directory watch (`close_open`)
         self._handles = itertools.count(1)
         self._mu = threading.Lock()
+        self._relay: PortRelay | None = None  # made on the first port asked for
 
     def call(self, method: str, *args: Any) -> Any:
         """`Runtime.<method>(*args)`, for the methods in `ROUTED` only."""
         if method not in ROUTED:
             raise InvalidArgumentError(f"method: not routed to a node: {method!r}")
         return getattr(self.runtime, method)(*args)
+
+    def open_port(self, sid: str, port: int) -> tuple[str, int, bytes]:
+        """A connection to `port` inside sandbox `sid`, waiting at this node's relay (fleet/ports.py):
+        (relay host, relay port, one-time ticket)."""
+        with self._mu:
+            if self._relay is None:
+                self._relay = PortRelay(self.runtime, ray.util.get_node_ip_address())
+        return self._relay.open(sid, port)
 
     def stats(self) -> NodeStats:
         infos = self.runtime.list()
@@ -229,6 +239,8 @@ class SandboxNode:
 
     def stop(self, kill_sandboxes: bool = False) -> None:
         """Let go of the runtime (killing its sandboxes if asked); `stop_node` then ends the actor."""
+        if self._relay is not None:
+            self._relay.close()
         if kill_sandboxes:
             self.runtime.kill_all()
         self.runtime.close()

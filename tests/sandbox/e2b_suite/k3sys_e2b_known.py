@@ -9,10 +9,12 @@ import re
 
 _INTERNET = ("needs the internet (https://connectivitycheck.gstatic.com, 1.1.1.1, 8.8.8.8) and curl; "
              "this machine reaches no internet and the base template has no curl")
-_NETWORK = ("E2B's egress firewall (SandboxNetworkOpts: allow/deny lists, public traffic, request "
-            "transforms) is an E2B cloud feature, 422 here; its checks also need the internet")
-_HOST = ("reaches a sandbox port at https://<port>-<sandbox id>.<domain>: E2B's per-sandbox host names "
-         "behind its edge proxy (no such names or TLS here)")
+_NETWORK = ("E2B's egress firewall (SandboxNetworkOpts: allow/deny lists, request transforms) is an E2B "
+            "cloud feature, 422 here; its checks also need the internet (allowPublicTraffic is served: "
+            "tests/sandbox/service/test_sandbox_ports.py)")
+_HOST = ("reaches a sandbox port at https://<port>-<sandbox id>.<domain>: the service routes that host form "
+         "itself (plain HTTP, tests/sandbox/service/test_sandbox_ports.py), TLS and wildcard DNS are a "
+         "reverse proxy's (docs/sandbox_e2b.md, \"Ports\"), which the runner does not set up")
 _REBOOT = ("proves the cold start by a new /proc/sys/kernel/random/boot_id; a container shares the host's "
            "kernel, whose boot id never changes (E2B's VM boots its own)")
 _BUILD = "E2B's template build service (Template.build, build status and logs, tags): not served here"
@@ -22,8 +24,7 @@ CANNOT_PASS: dict[str, str] = {
     "*/sandbox_*/test_internet_access.py::test_internet_access_default": _INTERNET,
     "*/sandbox_*/test_network.py": _NETWORK,
     "*/sandbox_*/test_host.py": _HOST,
-    "*/sandbox_*/test_create.py::test_auto_resume_wakes_on_http_request":
-        "auto-resume wakes a paused sandbox on an HTTP request to its https host name (E2B's edge proxy)",
+    "*/sandbox_*/test_create.py::test_auto_resume_wakes_on_http_request": _HOST,
     "*/sandbox_*/test_create.py::test_mcp_gateway_start_failure_kills_created_sandbox":
         "the MCP gateway is an E2B cloud feature (422 here)",
     "*/sandbox_*/test_config_propagation.py::test_connect_sets_stable_host_routing_headers":

@@ -15,7 +15,9 @@ The gate: `close_gate` (before a CRIU dump: a connection to the host is a resour
 save) lets calls in flight finish for a grace period and cuts the rest with
 `AgentInterruptedError` (retryable: the sandbox lost nothing); `quiesce` has the agent drop their
 sockets; new calls wait until `open_gate` (after the thaw or restore). `cut` ends every call for
-good (a kill), the quiesce of a dump included.
+good (a kill), the quiesce of a dump included. The same gate holds the host's TCP connections into
+the sandbox's network (the port proxy's, `adopt_socket`): it resets them (a RST, so neither end lingers
+and CRIU finds no connection to the host), and new ones wait for it as calls do.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from k3sys.sandbox.errors import (
     InvalidArgumentError,
     SandboxError,
 )
+from k3sys.sandbox.runtime import netns
 from k3sys.sandbox.runtime.agent_protocol import Stream, encode
 
 SOCKET = ".k3sys/agent.sock"  # relative to the sandbox's root
@@ -101,6 +104,7 @@ class AgentLink:
         # Of those, the calls that wait on the sandbox (an output follower, a wait, a watch): they
         # may never end by themselves, so a checkpoint cuts them at once (they reconnect).
         self._streams: set[socket.socket] = set()
+        self._tcp: set[socket.socket] = set()  # host connections into the sandbox's network (`adopt_socket`)
 
     def stuck(self, seconds: float, what: str = "") -> AgentTimeoutError:
         """The error of a call the agent left unanswered for `seconds`."""
@@ -178,11 +182,7 @@ class AgentLink:
         is closed (a checkpoint in progress). `timeout` (s): for the whole call (None: none; a
         silent one is probed, see `Deadlines`); past it, CommandTimeoutError if it is a `command`'s
         own timeout, else AgentTimeoutError. `stream`: it waits on the sandbox (see `_streams`)."""
-        with self._cv:
-            if not self._cv.wait_for(lambda: self._open or self._dead, timeout=60):
-                raise AgentInterruptedError(f"{self.who}: the sandbox stayed closed to calls for 60 s")
-            if self._dead:
-                raise AgentError(f"{self.who}: {self._dead}")
+        self.wait_open()
         s = self._connect()
         self._enlist(s, stream)
         try:
@@ -235,11 +235,41 @@ class AgentLink:
                     _shutdown({s})
                 self._cv.notify_all()
 
+    def wait_open(self) -> None:
+        """Wait (up to 60 s) until calls may enter: AgentInterruptedError past it, AgentError once cut."""
+        with self._cv:
+            if not self._cv.wait_for(lambda: self._open or self._dead, timeout=60):
+                raise AgentInterruptedError(f"{self.who}: the sandbox stayed closed to calls for 60 s")
+            if self._dead:
+                raise AgentError(f"{self.who}: {self._dead}")
+
+    def adopt_socket(self, s: socket.socket, peer: int) -> bool:
+        """Register `s`, a TCP socket made in the namespace of PID 1 `peer` (a host pid), so the gate
+        resets it; False (not registered) when the gate closed or PID 1 changed since: make it anew.
+        Its owner must `release_socket` it before closing it (a reset never reaches a reused descriptor)."""
+        with self._cv:
+            if not self._open or self._dead or self._pid() != peer:
+                return False
+            self._tcp.add(s)
+            return True
+
+    def release_socket(self, s: socket.socket) -> None:
+        """Forget and close an adopted socket."""
+        with self._cv:
+            self._tcp.discard(s)
+            s.close()
+
+    def _reset_tcp(self) -> None:
+        for s in self._tcp:
+            netns.reset(s)
+        self._tcp.clear()  # their owners still close them (release)
+
     def close_gate(self, grace: float = 0.5) -> bool:
         """Hold new calls and give those in flight `grace` seconds; cut the rest (their callers get
         AgentInterruptedError). Returns whether any was cut: then `quiesce` must run before a dump."""
         with self._cv:
             self._open = False
+            self._reset_tcp()
             cut = bool(self._streams)
             _shutdown(self._streams)  # they would only use up the grace: they reconnect
             self._cv.wait_for(lambda: self._live <= self._streams, timeout=grace)
@@ -283,6 +313,7 @@ class AgentLink:
         with self._cv:
             self._dead = reason
             self._open = False
+            self._reset_tcp()
             _shutdown(self._live)
             self._cv.notify_all()
 

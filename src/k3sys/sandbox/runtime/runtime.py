@@ -36,8 +36,11 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import os
+import socket
+from collections.abc import Callable
 from pathlib import Path
 
 from k3sys.sandbox.errors import InvalidArgumentError, NotFoundError, RuntimeLockedError
@@ -168,6 +171,17 @@ class Runtime:
         """Seconds per phase of the sandbox's latest create / checkpoint / hibernate / resume / restore /
         fork (`runc+criu`: the runc call, `criu`: CRIU's own part of it, `store`: the checkpoint store)."""
         return dict(self.table.timings.get(sid, {}))
+
+    def open_socket(self, sid: str, family: socket.AddressFamily = socket.AF_INET
+                    ) -> tuple[socket.socket, Callable[[], None]]:
+        """A non-blocking TCP socket inside the sandbox's network namespace, network on or off (the
+        port proxy connects it to a port there; runtime/netns.py), and the call that closes it. A
+        checkpoint resets it (the peer sees a RST); while one runs, this waits."""
+        if self.table.get(sid) is None:
+            raise NotFoundError(f"no sandbox {sid!r}")
+        dirs = self.table.dirs(sid)
+        s = self.driver.open_socket(sid, dirs, family)
+        return s, functools.partial(self.driver.agent(sid, dirs).release_socket, s)
 
     def memory_bytes(self, sid: str) -> int:
         """Memory the sandbox's processes hold now, in bytes (0 unless running or paused)."""

@@ -38,6 +38,7 @@ from k3sys.sandbox.sdk.by_id import by_id
 from k3sys.sandbox.sdk.commands import CommandHandle, Commands
 from k3sys.sandbox.sdk.connection import ConnectionConfig, ConnectionOpts, default_runtime
 from k3sys.sandbox.sdk.files import Files, WriteInfo
+from k3sys.sandbox.sdk.ports import host_for
 from k3sys.sandbox.spec import SandboxSpec
 from k3sys.sandbox.types import CheckpointInfo, SandboxInfo
 
@@ -110,8 +111,7 @@ class Checkpoint(_Blocking, _CheckpointBase):
     """A stored snapshot of a sandbox: restore it any number of times with `Sandbox.restore`.
 
     `created` in unix seconds; `bytes_total` the checkpoint's logical size, `bytes_new` what it
-    added to the store (the rest was already there); `timings` seconds per phase, when known.
-    """
+    added to the store (the rest was already there); `timings` seconds per phase, when known."""
 
 
 class _Facade:
@@ -231,6 +231,10 @@ class _Facade:
     def get_info(self) -> Any:
         """The sandbox's SandboxInfo now (E2B's name; `info` is k3sys's earlier one)."""
         return self._rt.info(self.id)
+
+    def get_host(self, port: int) -> str:
+        """E2B's: the `host:port` that reaches `port` inside the sandbox (sdk/ports.py says which)."""
+        return host_for(self._rt, self.id, port)
 
     def is_running(self, request_timeout: float | None = None) -> Any:
         return self._then(self._rt.info(self.id), lambda info: info.state == "running")

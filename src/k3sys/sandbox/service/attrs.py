@@ -22,13 +22,17 @@ class SandboxAttrs:
     """`template_id`: what the create call named (a template or a snapshot id; "" for the spec's
     template); `envs`: environment variables of every command started in the sandbox;
     `auto_pause_memory`: whether a pause by its timeout keeps the memory (E2B's `autoPauseMemory`);
-    `pause_memory`: whether its next resume restores the memory (False: it boots cold)."""
+    `pause_memory`: whether its next resume restores the memory (False: it boots cold);
+    `public_traffic`: whether its ports answer without its traffic access token (E2B's
+    `allowPublicTraffic`); `auto_resume`: whether a request to a port of it resumes it when paused."""
 
     template_id: str = ""
     metadata: dict[str, str] = field(default_factory=dict)
     envs: dict[str, str] = field(default_factory=dict)
     auto_pause_memory: bool = True
     pause_memory: bool = True
+    public_traffic: bool = True
+    auto_resume: bool = False
 
 
 class AttrsTable:
@@ -51,7 +55,8 @@ class AttrsTable:
             try:
                 d = json.loads(self._path(sid).read_text())
                 a = SandboxAttrs(str(d["template_id"]), dict(d["metadata"]), dict(d["envs"]),
-                                 d.get("auto_pause_memory") is not False, d.get("pause_memory") is not False)
+                                 d.get("auto_pause_memory") is not False, d.get("pause_memory") is not False,
+                                 d.get("public_traffic") is not False, d.get("auto_resume") is True)
             except (OSError, ValueError, KeyError, TypeError):
                 return SandboxAttrs()
             self._cache[sid] = a

@@ -28,6 +28,7 @@ from k3sys.sandbox.service.deps import Caller, Ck, Sid, Svc, authorize
 from k3sys.sandbox.service.e2b_models import (
     E2B_STATE,
     PAGE_MAX,
+    TRAFFIC_KEYS,
     Connect,
     Fork,
     NewSandbox,
@@ -46,6 +47,7 @@ from k3sys.sandbox.service.e2b_models import (
 )
 from k3sys.sandbox.service.envd.app import access_token
 from k3sys.sandbox.service.models import Cpu, Memory, Prefetched
+from k3sys.sandbox.service.ports.route import traffic_token
 from k3sys.sandbox.service.scope import Scope
 from k3sys.sandbox.spec import SandboxSpec
 from k3sys.sandbox.types import CheckpointInfo, SandboxInfo
@@ -58,7 +60,8 @@ _ON_TIMEOUT = {True: "hibernate", False: "kill", None: None}
 
 def _body(svc: Service, info: SandboxInfo, attrs: SandboxAttrs | None = None) -> dict[str, Any]:
     attrs = attrs if attrs is not None else svc.attrs.get(info.id)
-    return sandbox_body(info, attrs, access_token(svc.config.api_key, info.id), svc.config.on_timeout)
+    traffic = None if attrs.public_traffic else traffic_token(svc.config.api_key, info.id)
+    return sandbox_body(info, attrs, access_token(svc.config.api_key, info.id), svc.config.on_timeout, traffic)
 
 
 def _page(items: Sequence[T], key: Callable[[T], tuple[float, str]], limit: int, token: str | None,
@@ -108,7 +111,9 @@ async def create_sandbox(svc: Svc, scope: Caller, body: NewSandbox) -> dict[str,
     body.check_supported()
     check_attrs_size(body.metadata, body.envVars)
     keep = body.autoPauseMemory is not False
-    attrs = SandboxAttrs(body.templateID, body.metadata or {}, body.envVars or {}, keep, keep)
+    attrs = SandboxAttrs(body.templateID, body.metadata or {}, body.envVars or {}, keep, keep,
+                         public_traffic=(body.network or {}).get("allowPublicTraffic") is not False,
+                         auto_resume=body.auto_resume)
     if (ck := await svc.call("lookup", _snapshot_of, svc, scope, body.templateID, io=True)) is not None:
         fixed = ("cpu", "memoryMB", "diskSizeMB", "pids", "network")
         if given := [n for n in fixed if getattr(body, n) is not None]:
@@ -122,7 +127,7 @@ async def create_sandbox(svc: Svc, scope: Caller, body: NewSandbox) -> dict[str,
                                    ("pids", body.pids)) if v is not None}
         # A `network` object (E2B's allowOut/denyOut/dnsServers) asks for a network as much as
         # allow_internet_access does; omitted both: no network (ours is off by default, E2B's on).
-        network = bool(body.allow_internet_access) or body.network is not None
+        network = bool(body.allow_internet_access) or bool(set(body.network or {}) - TRAFFIC_KEYS)
         egress = EgressPolicy.from_e2b(body.network, body.allow_internet_access) if network else None
         spec = SandboxSpec(template=body.templateID, timeout_s=body.timeout, on_timeout=_ON_TIMEOUT[body.autoPause],
                            network=network, egress=egress, **sized)

@@ -31,6 +31,8 @@ _MAX_PAIRS, _MAX_KEY, _MAX_VALUE = 256, 256, 16384  # metadata and envVars: entr
 # environment together a quarter of the stack limit (2 MiB by default): 64 KiB leaves a command most of it.
 MAX_ATTRS_BYTES = 64 << 10
 PAGE_MAX = 100  # items of one list page: E2B's default and maximum `limit`
+# Keys of E2B's `network` object about who reaches the sandbox's ports, not about its egress.
+TRAFFIC_KEYS = frozenset({"allowPublicTraffic", "maskRequestHost"})
 _STRICT = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
 # E2B's states are two; ours are finer (the `k3sys` member keeps ours).
 E2B_STATE = {"running": "running", "checkpointing": "running", "creating": "running", "resuming": "running",
@@ -89,10 +91,22 @@ class NewSandbox(BaseModel):
     def _bounded(cls, v: dict[str, str] | None, info: Any) -> dict[str, str]:
         return _pairs(info.field_name, v)
 
+    @property
+    def auto_resume(self) -> bool:
+        """E2B's `autoResume`: `{"enabled": true}` (SDK 2.x), or `{"policy": "any"}` (later SDKs)."""
+        a = self.autoResume or {}
+        return a.get("enabled") is True or a.get("policy") not in (None, "off")
+
     def check_supported(self) -> None:
         """Refuse what E2B offers and this service does not serve (rather than ignore it)."""
-        if self.autoResume and self.autoResume.get("enabled"):
-            raise unsupported("autoResume", "resume with connect")
+        if self.auto_resume and self.autoPause is not True:
+            raise InvalidArgumentError("autoResume: only for a sandbox paused at its timeout (autoPause: true)")
+        network = self.network or {}
+        if not isinstance(network.get("allowPublicTraffic", True), bool | None):
+            raise InvalidArgumentError(f"network.allowPublicTraffic: expected a boolean, got "
+                                       f"{network['allowPublicTraffic']!r}")
+        if network.get("maskRequestHost") is not None:
+            raise unsupported("network.maskRequestHost", "the port proxy passes the client's Host on")
         for name in ("mcp", "iam", "volumeMounts"):
             if getattr(self, name):
                 raise unsupported(name, "an E2B cloud feature")
@@ -162,9 +176,11 @@ def iso(t: float) -> str:
     return datetime.fromtimestamp(t, UTC).isoformat().replace("+00:00", "Z")
 
 
-def sandbox_body(info: SandboxInfo, attrs: SandboxAttrs, token: str | None, default_on_timeout: str) -> dict[str, Any]:
+def sandbox_body(info: SandboxInfo, attrs: SandboxAttrs, token: str | None, default_on_timeout: str,
+                 traffic: str | None = None) -> dict[str, Any]:
     """One body for E2B's Sandbox, SandboxDetail and ListedSandbox (each ignores what it lacks), with
-    our view of the sandbox in `k3sys`; `token`: its envd access token (None: envd asks for none)."""
+    our view of the sandbox in `k3sys`; `token`: its envd access token (None: envd asks for none);
+    `traffic`: its traffic access token (None: its ports are public)."""
     spec = info.spec
     on_timeout = spec.on_timeout or default_on_timeout
     body: dict[str, Any] = {
@@ -174,11 +190,13 @@ def sandbox_body(info: SandboxInfo, attrs: SandboxAttrs, token: str | None, defa
         "cpuCount": cpu_count(spec), "memoryMB": spec.memory_mb, "diskSizeMB": spec.disk_mb,
         "state": E2B_STATE.get(info.state, "paused"), "metadata": attrs.metadata,
         "allowInternetAccess": spec.network,
-        "lifecycle": {"autoResume": False, "onTimeout": "pause" if on_timeout == "hibernate" else "kill"},
+        "lifecycle": {"autoResume": attrs.auto_resume, "onTimeout": "pause" if on_timeout == "hibernate" else "kill"},
         "k3sys": sandbox_json(info),
     }
     if token is not None:
         body["envdAccessToken"] = token
+    if traffic is not None:
+        body["trafficAccessToken"] = traffic
     if body["state"] == "paused":
         body["pauseMode"] = "full" if attrs.pause_memory else "filesystem"
     return body

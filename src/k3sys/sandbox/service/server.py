@@ -47,6 +47,7 @@ from k3sys.sandbox.service.metrics import CountRequests
 from k3sys.sandbox.service.models import (
     Health,
 )
+from k3sys.sandbox.service.ports.front import port_front
 
 __all__ = ["ServiceConfig", "create_app", "serve"]
 KEEP_ALIVE_S = 75  # seconds an idle connection stays open (clients must drop theirs sooner)
@@ -129,6 +130,9 @@ def serve(config: ServiceConfig, host: str = "127.0.0.1", port: int = 3000, log_
     # Idle connections stay open well past the client's own expiry (httpx: 5 s), so a client never
     # sends a request on a connection the server is closing at that instant. guard.py bounds
     # connections and header time; log lines are rate-limited (logfilter.py).
-    uvicorn.run(create_app(config, runtime), host=host, port=port, log_level=log_level, access_log=False,
+    app = create_app(config, runtime)
+    options = uvicorn_options(config.connections)
+    options["http"] = port_front(options["http"], app)  # sandboxes' ports, ahead of the app (ports/front.py)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False,
                 timeout_graceful_shutdown=10, timeout_keep_alive=KEEP_ALIVE_S, lifespan="on",
-                log_config=log_config(), **uvicorn_options(config.connections))
+                log_config=log_config(), **options)

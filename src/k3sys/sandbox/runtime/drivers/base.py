@@ -8,6 +8,7 @@ a restore takes the same two back.
 
 from __future__ import annotations
 
+import socket
 import subprocess
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -134,6 +135,11 @@ class Driver(Protocol):
 
     def drop_agent(self, sid: str) -> None:
         """Forget a killed sandbox's agent; calls waiting on it fail."""
+
+    def open_socket(self, sid: str, dirs: SandboxDirs, family: socket.AddressFamily) -> socket.socket:
+        """A new non-blocking TCP socket inside the sandbox's network namespace (for the host to
+        connect to one of its ports), held by its agent's gate: a checkpoint resets it, and the
+        caller gives it back with `agent(sid, dirs).release_socket(s)`. Waits while a checkpoint holds the gate."""
 
     def destroy(self, sid: str, dirs: SandboxDirs) -> None:
         """Kill every process and release mounts and cgroups; safe on a half-created sandbox."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
 import subprocess
 import threading
 import time
@@ -36,6 +37,7 @@ from k3sys.sandbox.runtime.drivers.gate import Gate
 from k3sys.sandbox.runtime.drivers.lazypages import UFFD_DEVICE, LazyPages
 from k3sys.sandbox.runtime.drivers.network import Network
 from k3sys.sandbox.runtime.drivers.reach import Reachable
+from k3sys.sandbox.runtime.netns import NetnsSockets
 from k3sys.sandbox.runtime.system import SystemPaths, system_paths
 from k3sys.sandbox.spec import SandboxSpec
 
@@ -93,6 +95,7 @@ class RuncDriver(CriuOps):
         self.network = Network()  # network=True: own namespace, veth, NAT, egress policy (network.py)
         self.disks = DiskPool(self.state_dir / "disks")  # hardened sandboxes' disks, made ahead (diskpool.py)
         self._agents: dict[str, Agent] = {}
+        self.netns = NetnsSockets()  # sockets inside sandboxes' networks, for the port proxy (netns.py)
         self.deadlines = deadlines or Deadlines.default()
         self._agents_mu = threading.Lock()
         criulog.ensure_kdat_dir()
@@ -258,6 +261,7 @@ class RuncDriver(CriuOps):
 
     def close(self) -> None:
         self.disks.close()
+        self.netns.close()
 
     def limit_inotify(self, sid: str) -> None:
         """The sandbox's inotify limits per user, in its user namespace if it has one (inotify.py)."""
@@ -369,10 +373,19 @@ class RuncDriver(CriuOps):
 
     def init_pid(self, sid: str) -> int | None:
         """Host pid of the sandbox's PID 1 (None when it has none)."""
+        init = self.init_process(sid)
+        return None if init is None else init[0]
+
+    def init_process(self, sid: str) -> tuple[int, int] | None:
+        """(host pid, start time in clock ticks after boot) of the sandbox's PID 1, as runc records it."""
         try:
-            return int(json.loads((self.runc_root / sid / "state.json").read_text())["init_process_pid"])
+            state = json.loads((self.runc_root / sid / "state.json").read_text())
+            return int(state["init_process_pid"]), int(state["init_process_start"])
         except (OSError, ValueError, KeyError):
             return None
+
+    def open_socket(self, sid: str, dirs: SandboxDirs, family: socket.AddressFamily) -> socket.socket:
+        return self.netns.open(self.agent(sid, dirs), lambda: self.init_process(sid), family)
 
     def memory_bytes(self, sid: str) -> int:
         return self.cgroups.memory_bytes(sid)
