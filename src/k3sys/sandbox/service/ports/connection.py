@@ -209,7 +209,13 @@ class PortConnection(asyncio.Protocol):
             return True
         if self.state == "head" and not self.buf:
             return False
-        self.close_after = True  # finish the exchange under way, then close
+        if self.state == "exchange" and self.req is not None and self.req.done:
+            # The client left while its answer was due (its timeout, a closed page): nobody will read
+            # the answer, so the exchange is abandoned and the upstream closed, which the server inside
+            # sees (the code interpreter interrupts the run), as nginx does by default.
+            self.close()
+            return True
+        self.close_after = True  # a request still arriving: finish the exchange under way, then close
         return True
 
     def pause_writing(self) -> None:  # the client reads slower than the sandbox writes

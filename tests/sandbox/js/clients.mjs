@@ -1,11 +1,13 @@
-// The JS SDK's `getHost` against `k3sys sandbox serve` (run by tests/sandbox/service/test_js_get_host.py):
-// E2B_API_URL, E2B_SANDBOX_URL, E2B_API_KEY and E2B_DOMAIN=localhost:<port> point it at the service;
-// E2B_JS_MODULE names the `e2b` package's ESM entry. Prints {host, urlHost, body} as JSON.
+// E2B's JS SDKs against `k3sys sandbox serve` (run by tests/sandbox/service/test_js_clients.py): `getHost`
+// of `e2b`, and `runCode` of `@e2b/code-interpreter`. E2B_API_URL, E2B_SANDBOX_URL, E2B_API_KEY and
+// E2B_DOMAIN=localhost:<port> point them at the service; E2B_JS_MODULE and E2B_JS_CI_MODULE name the
+// packages' ESM entries. Prints {host, urlHost, body, stdout, text} as JSON.
 // Node does not resolve `*.localhost` on a host without nss-myhostname, so the request goes to the
 // service's address with the URL's host in `Host`, as a browser or curl would send it.
 import http from 'node:http'
 
 const { Sandbox } = await import(process.env.E2B_JS_MODULE)
+const { Sandbox: CodeInterpreter } = await import(process.env.E2B_JS_CI_MODULE)
 const port = Number(new URL(process.env.E2B_API_URL).port)
 
 function get(url) {
@@ -19,6 +21,7 @@ function get(url) {
   })
 }
 
+let out
 const sbx = await Sandbox.create('base', { allowInternetAccess: false })
 try {
   await sbx.files.write('/tmp/web/index.html', 'from js\n')
@@ -30,7 +33,18 @@ try {
     body = await get(url)
     if (!body) await new Promise((r) => setTimeout(r, 100))
   }
-  console.log(JSON.stringify({ host, urlHost: url.host, body }))
+  out = { host, urlHost: url.host, body }
 } finally {
   await sbx.kill()
 }
+
+const ci = await CodeInterpreter.create() // template: code-interpreter-v1, E2B's default
+try {
+  await ci.runCode('x = 6 * 7')
+  const ex = await ci.runCode('print("js"); x') // the kernel kept x
+  out.stdout = ex.logs.stdout
+  out.text = ex.text
+} finally {
+  await ci.kill()
+}
+console.log(JSON.stringify(out))
