@@ -2,11 +2,8 @@
 lines with a bound on what the host holds.
 
 - Embedded (a `Runtime` backend): a TCP connection made inside the sandbox's network namespace, so
-  it works without `network=True` and costs no process in the sandbox. The runtime's own
-  `open_socket` when it has one (the port proxy's, issue 26: PID 1 checked through a pidfd, the
-  socket reset by a checkpoint); else `_connect_in_netns`: a short-lived thread joins the namespace
-  of the sandbox's PID 1 (setns(2) moves only the calling thread), connects to 127.0.0.1:49999 there
-  and ends; the connected socket stays in that namespace and works from any thread. One connection
+  it works without `network=True` and costs no process in the sandbox: the runtime's `open_socket`
+  (the port proxy's: PID 1 checked through a pidfd, the socket reset by a checkpoint). One connection
   per request, closed at its end: no connection of ours is open between calls, so a checkpoint,
   pause or fork never holds one.
 - A sandbox service (`api_url`): the service's port proxy, E2B's header routing (`E2b-Sandbox-Id`,
@@ -21,9 +18,6 @@ from __future__ import annotations
 import ctypes
 import http.client
 import json
-import os
-import socket
-import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -51,31 +45,6 @@ def _server_error(status: int, body: str) -> SandboxError:
     return cls(f"code interpreter: {status}: {body}")
 
 
-def _connect_in_netns(pid: int, port: int, timeout: float | None) -> socket.socket:
-    """A TCP connection to 127.0.0.1:`port` in the network namespace of process `pid`."""
-    out: dict[str, Any] = {}
-
-    def inside() -> None:
-        try:
-            fd = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
-            try:
-                if _libc.setns(fd, _CLONE_NEWNET) != 0:
-                    err = ctypes.get_errno()
-                    raise OSError(err, f"setns into the network namespace of pid {pid}: {os.strerror(err)}")
-            finally:
-                os.close(fd)
-            out["sock"] = socket.create_connection(("127.0.0.1", port), timeout=timeout)
-        except BaseException as e:  # handed to the caller's thread
-            out["error"] = e
-
-    t = threading.Thread(target=inside, name="k3sys-netns-connect")
-    t.start()
-    t.join()
-    if "error" in out:
-        raise out["error"]
-    return out["sock"]
-
-
 class Port:
     """Requests to port `PORT` of sandbox `sid` on backend `rt` (see the module docstring)."""
 
@@ -97,18 +66,11 @@ class Port:
         conn = http.client.HTTPConnection("127.0.0.1", PORT, timeout=timeout)
         release = None
         try:
-            open_socket = getattr(self.rt, "open_socket", None)
-            if open_socket is not None:
-                # The runtime's own (the port proxy's, runtime/netns.py): PID 1 checked through a
-                # pidfd, and the socket reset by a checkpoint; it must be released, not just closed.
-                sock, release = open_socket(self.sid)
-                sock.settimeout(timeout)
-                sock.connect(("127.0.0.1", PORT))
-            else:
-                pid = self.rt.driver.init_pid(self.sid)
-                if pid is None:
-                    raise InvalidStateError(f"sandbox {self.sid} has no running PID 1")
-                sock = _connect_in_netns(pid, PORT, timeout)
+            # The runtime's (the port proxy's, runtime/netns.py): made inside the sandbox's network
+            # namespace, PID 1 checked through a pidfd, reset by a checkpoint; released, not just closed.
+            sock, release = self.rt.open_socket(self.sid)
+            sock.settimeout(timeout)
+            sock.connect(("127.0.0.1", PORT))
         except BaseException as e:
             if release is not None:
                 release()
