@@ -175,10 +175,12 @@ class CheckpointService:
             self.driver.resume(rec.id)
         self.driver.agent(rec.id, self.table.dirs(rec.id)).open_gate()
 
-    def restore_into(self, rec: Record, ck: str, images: Path | None = None) -> dict[str, float]:
+    def restore_into(self, rec: Record, ck: str, images: Path | None = None, eager: bool = False
+                     ) -> dict[str, float]:
         """Start `rec`'s processes (its lock held) from checkpoint `ck` (images from `prefetch` or the
         store unless given). From the store: every image but the memory pages' bytes, checked out while
-        the driver mounts; it reads the pages by range from the packs (those CRIU restores itself first)."""
+        the driver mounts; it reads the pages by range from the packs (those CRIU restores itself first),
+        behind the running processes unless `eager` (all memory back before they run)."""
         t: dict[str, float] = {}
         t0 = time.perf_counter()
         layer = self.layers.ensure(ck)  # held by `rec` (its layer, or the head it resumes onto)
@@ -204,8 +206,8 @@ class CheckpointService:
                                reader.prefetch)
             lowers = [layer, template_rootfs(rec.spec.template)]
             # Lazily where the images are ours: the sandbox runs while its memory streams in.
-            t.update(self.driver.restore(rec.id, self.table.dirs(rec.id), rec.spec, lowers, ready, lazy=own,
-                                         sealed_bytes=rec.sealed_bytes))
+            t.update(self.driver.restore(rec.id, self.table.dirs(rec.id), rec.spec, lowers, ready,
+                                         lazy=own and not eager, sealed_bytes=rec.sealed_bytes))
         finally:
             pool.shutdown()  # a restore that failed before waiting for the checkout lets it finish first
             if own and images is not None:
@@ -246,9 +248,10 @@ class CheckpointService:
         return self.spawn(spec, ck, ck, self.catalog.fs_bytes(ck), id)
 
     def spawn(self, spec: SandboxSpec, ck: str, head: str | None, sealed_bytes: int, id: str | None = None,
-              images: Path | None = None) -> SandboxInfo:
+              images: Path | None = None, eager: bool = False) -> SandboxInfo:
         """A new sandbox restored from snapshot `ck` (its layer, holding `sealed_bytes` of its disk; its
-        images from the store unless given), whose latest stored checkpoint is `head`."""
+        images from the store unless given), whose latest stored checkpoint is `head`; `eager`: see
+        `restore_into`."""
         sid = self.table.claim_id(id)
         now = time.time()
         rec = Record(sid, spec, State.CREATING, now, deadline=now + spec.timeout_s if spec.timeout_s else None,
@@ -257,7 +260,7 @@ class CheckpointService:
         with self.table.locked(sid):
             self.table.save(rec)
             try:
-                self.restore_into(rec, ck, images)
+                self.restore_into(rec, ck, images, eager)
             except BaseException:
                 self.reclaimer.discard(rec)
                 raise

@@ -33,8 +33,10 @@ checkpoint, built on the first create that needs it:
   applies as to a cold create: `envs` go to the commands the SDK starts, so the start command,
   started at build, never sees them (as with E2B's, which runs at build time too). Memory the
   server's process held at the checkpoint (a random seed, say) is the same in every create.
-- **Lazy**: the restore is the driver's; the page server streams the memory in behind the running
-  processes when the image is 4 MiB or more (drivers/lazypages.py), hardened sandboxes included.
+- **Eager**: a warm create restores all of the server's memory before it returns. The caller uses
+  the server at once, and a lazy restore (pages streamed in behind the running processes) only
+  moves the page faults into the first request: code-interpreter-v1 created then answering
+  `run_code("1")` took 205-216 ms eagerly against 357-488 ms lazily (the create alone 187 vs 108 ms).
 """
 
 from __future__ import annotations
@@ -133,7 +135,7 @@ class WarmTemplates:
             return self._spawn(spec, self.checkpoint_for(spec, cmds), id)
 
     def _spawn(self, spec: SandboxSpec, ck: str, id: str | None) -> SandboxInfo:
-        return self.checkpoints.spawn(spec, ck, None, self.catalog.fs_bytes(ck), id)
+        return self.checkpoints.spawn(spec, ck, None, self.catalog.fs_bytes(ck), id, eager=True)
 
     def key(self, spec: SandboxSpec) -> str:
         """What a warm checkpoint of `spec.template` in `spec`'s shape must have been built under."""
