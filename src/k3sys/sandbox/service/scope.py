@@ -14,9 +14,17 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
-from k3sys.sandbox.errors import AuthError, CheckpointNotFoundError, InvalidArgumentError, NotFoundError
+from k3sys.sandbox.errors import (
+    AuthError,
+    CheckpointNotFoundError,
+    InvalidArgumentError,
+    NotFoundError,
+    UnknownTemplateError,
+)
+from k3sys.sandbox.runtime.system import system_paths
+from k3sys.sandbox.runtime.templates import BUILDERS
 from k3sys.sandbox.service.tenants import Tenant, Tenants, Usage, check_quota, check_usage, checkpoint_mb, disk_mb
-from k3sys.sandbox.spec import SandboxSpec
+from k3sys.sandbox.spec import SandboxSpec, check_id
 from k3sys.sandbox.types import CheckpointInfo, SandboxInfo
 
 log = logging.getLogger("k3sys.sandbox.service")
@@ -78,6 +86,7 @@ class Runtimeish(Protocol):
 
 
 _IDLE = ("hibernated", "lost")  # states that hold no memory (as limits.Admission counts)
+TENANT_SEP = "--"  # a tenant's template `<tenant>--<alias>`: no alias given through the API has one
 
 
 class Scope:
@@ -136,6 +145,38 @@ class Scope:
             return list(stored)
         prefix = f"{self.who.name}/"
         return [n[len(prefix):] for n in stored if n.startswith(prefix)]
+
+    # --- templates: the admin's (and the CLI's, and the built-in ones) are everyone's; a tenant's
+    # are stored as `<tenant>--<alias>`, seen and reached by it alone, by their alias ---------------
+
+    def new_template(self, alias: str) -> str:
+        """The stored name a template the caller builds as `alias` gets (the alias checked)."""
+        check_id("template name", alias)
+        if TENANT_SEP in alias:
+            raise InvalidArgumentError(f"template name: {TENANT_SEP!r} is not allowed in a name, got {alias!r}")
+        return alias if self.who.tenant is None else f"{self.who.name}{TENANT_SEP}{alias}"
+
+    def template(self, alias: str) -> str:
+        """The stored template `alias` names for the caller: a tenant's own first, else a template of
+        the admin's (a name with no `--`); another tenant's stored name is no name here."""
+        if self.who.tenant is None:
+            return alias
+        own = f"{self.who.name}{TENANT_SEP}{alias}"
+        if TENANT_SEP not in alias and (system_paths().templates / own).is_dir():
+            return own
+        if TENANT_SEP in alias or not (alias in BUILDERS or (system_paths().templates / alias).is_dir()):
+            # answered as a name no template has, naming none (the runtime's message lists them all)
+            raise UnknownTemplateError(f"template: unknown template {alias!r}")
+        return alias
+
+    def template_alias(self, stored: str) -> str | None:
+        """The name the caller knows stored template `stored` by, if it is the caller's own (the admin
+        owns every one, by its stored name)."""
+        if self.who.tenant is None:
+            return stored
+        prefix = f"{self.who.name}{TENANT_SEP}"
+        alias = stored[len(prefix):] if stored.startswith(prefix) else ""
+        return alias if alias and TENANT_SEP not in alias else None
 
     def check_new_id(self, sid: str | None) -> None:
         """Refuse a chosen id that another tenant owns (live, or named by its checkpoints): ownership

@@ -84,8 +84,9 @@ class Builder:
         self.store = catalog.layer_store()  # set again by each build (K3SYS_SYSTEM_DIR is read then)
         self._own_runtime = None
 
-    def build(self, steps: list[Step], name: str, context: Path | None = None) -> BuildResult:
-        """Run `steps` (the first a `from`) with files from `context`; seal template `name`."""
+    def build(self, steps: list[Step], name: str, context: Path | None = None, meta: dict | None = None) -> BuildResult:
+        """Run `steps` (the first a `from`) with files from `context`; seal template `name`, with
+        `meta` added to its template.json (E2B's start and ready commands: runtime/warm.py)."""
         catalog.check_name(name)
         if (system_paths().templates / name).exists():
             raise InvalidStateError(f"template {name!r} exists: remove it first (k3sys sandbox template rm {name})")
@@ -105,7 +106,7 @@ class Builder:
                 state, how = self._step(state, step, ctx)
                 result.steps.append(how)
                 self.log(f"[{i}/{len(steps)}] {step.where()}: {how} ({time.monotonic() - t1:.2f} s)")
-            catalog.seal(name, state.layers, state.config, state.source, self.store)
+            catalog.seal(name, state.layers, state.config, state.source, self.store, meta)
         finally:
             self._close_runtime()
         result.layers, result.seconds = state.layers, time.monotonic() - t0

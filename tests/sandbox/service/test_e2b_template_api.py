@@ -1,0 +1,173 @@
+"""E2B's template API through the official `e2b` SDK (2.63.0, sync and async), unchanged, against a
+real `k3sys sandbox serve`: `Template.exists`, `Template.build` of a `Template()` with run_cmd,
+copy (the SDK's file upload), set_envs and set_workdir, then a sandbox of it; build logs to
+`on_build_logs`; a failing run_cmd; build_in_background with get_build_status; list and delete with
+the SDK's API client; tenants' templates apart. The service has a system directory of the test's own
+(its templates/ and layers/), so the builds never touch the host's templates."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import uuid
+from pathlib import Path
+
+import pytest
+from e2b import AsyncSandbox, AsyncTemplate, Sandbox, Template
+from e2b.api.client.api.templates import delete_templates_template_id, get_templates
+from e2b.api.client_sync import get_api_client
+from e2b.connection_config import ConnectionConfig
+from e2b.exceptions import BuildException, SandboxException
+from e2b.template.types import TemplateBuildStatus
+from service_process import ServiceProcess, add_key
+from waiting import wait_until
+
+from k3sys.sandbox.runtime.system import system_paths
+
+pytestmark = pytest.mark.timeout(300)
+KEY = "e2b-template-test-" + uuid.uuid4().hex
+SHELL = "debian"  # templates sandboxes are made of: the SDK runs commands with bash (busybox has none)
+
+
+def _name(what: str) -> str:
+    return f"{what}-{uuid.uuid4().hex[:8]}"
+
+
+def _system_dir(root: Path) -> Path:
+    """A system directory of the test's own: bin/, etc/ and the built-in templates the real one's."""
+    real, mine = system_paths().root, root / "system"
+    (mine / "templates").mkdir(parents=True)
+    for d in ("bin", "etc", "build", "stamps"):
+        if (real / d).exists():
+            os.symlink(real / d, mine / d)
+    for t in ("busybox", "debian", "base"):
+        if (real / "templates" / t / "rootfs").is_dir():
+            os.symlink((real / "templates" / t).resolve(), mine / "templates" / t)
+    return mine
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """A service (its key E2B_API_KEY, the SDK pointed at it by E2B's variables) and tenant keys."""
+    from sandbox_fixtures import MISSING, leftovers
+
+    if MISSING:
+        pytest.skip(f"sandbox runtime unavailable: {MISSING}")
+    root = tmp_path_factory.mktemp("e2btpl")
+    system = _system_dir(root)
+    data = root / "data"
+    mp = pytest.MonkeyPatch()
+    with ServiceProcess(data, env={"K3SYS_API_KEY": KEY, "K3SYS_SYSTEM_DIR": str(system)}) as svc:
+        for k, v in {"E2B_API_URL": svc.url, "E2B_SANDBOX_URL": svc.url, "E2B_API_KEY": KEY}.items():
+            mp.setenv(k, v)
+        svc.system = system
+        svc.tenant_keys = {t: add_key(data, t) for t in ("alice", "bob")}
+        try:
+            yield svc
+        finally:
+            mp.undo()
+            ids = svc.kill_all()
+    assert leftovers(data, ids) == []
+
+
+def _templates(key: str | None = None) -> list:
+    with get_api_client(ConnectionConfig(api_key=key)) as api:
+        r = get_templates.sync_detailed(client=api)
+    assert r.status_code == 200, r.content
+    return r.parsed
+
+
+def _delete(name: str, key: str | None = None) -> int:
+    with get_api_client(ConnectionConfig(api_key=key)) as api:
+        return delete_templates_template_id.sync_detailed(name, client=api).status_code
+
+
+def test_exists(server):
+    assert Template.exists("base") and Template.exists("busybox")
+    assert not Template.exists(_name("no-such"))
+    assert asyncio.run(AsyncTemplate.exists("busybox"))
+
+
+def test_build_then_create(server, tmp_path):
+    (tmp_path / "hello.txt").write_text("hello from the context\n")
+    t = (Template(file_context_path=str(tmp_path)).from_template(SHELL)
+         .set_envs({"MODE": "e2b", "TWO": "two words"}).set_workdir("/app")
+         .copy("hello.txt", "/app/")
+         .run_cmd("echo built > /app/built && echo build-output-$MODE"))
+    name, logs = _name("tpl"), []
+    info = Template.build(t, alias=name, on_build_logs=logs.append, memory_mb=256)
+    assert info.template_id == name and info.build_id
+    messages = [e.message for e in logs]
+    assert any("build-output-e2b" in m for m in messages), messages  # RUN's output reached on_build_logs
+    assert Template.exists(name)
+    with Sandbox.create(name, timeout=120) as s:
+        r = s.commands.run('cat hello.txt built; echo "$MODE|$TWO"; pwd')
+        assert r.stdout == "hello from the context\nbuilt\ne2b|two words\n/app\n", r
+    listed = {t.template_id: t for t in _templates()}
+    assert name in listed and listed[name].aliases == [name] and listed[name].build_status.value == "ready"
+    assert _delete(name) == 204
+    assert not Template.exists(name) and name not in {t.template_id for t in _templates()}
+    assert not (server.system / "templates" / name).exists()
+
+
+def test_failing_run_cmd(server):
+    t = Template().from_template("busybox").run_cmd("echo this-went-wrong >&2; exit 3")
+    name = _name("broken")
+    with pytest.raises(BuildException) as e:
+        Template.build(t, alias=name, memory_mb=256)
+    assert "this-went-wrong" in str(e.value) and "exited 3" in str(e.value), e.value
+    assert not Template.exists(name) and not (server.system / "templates" / name).exists()
+
+
+def test_start_cmd_recorded_and_name_taken(server):
+    t = Template().from_template("busybox").set_start_cmd("sleep 1000", "true")
+    name = _name("warm")
+    Template.build(t, alias=name, memory_mb=256)
+    meta = json.loads((server.system / "templates" / name / "template.json").read_text())
+    assert (meta["start_cmd"], meta["ready_cmd"]) == ("sleep 1000", "true")  # what runtime/warm.py reads
+    with pytest.raises(BuildException, match="exists"):  # a name is never replaced under its sandboxes
+        Template.build(t, alias=name)
+    assert _delete(name) == 204
+
+
+def test_async_build_in_background(server):
+    async def go() -> None:
+        t = AsyncTemplate().from_template(SHELL).set_envs({"ASYNC": "yes"}).run_cmd("echo async > /a")
+        name = _name("async")
+        info = await AsyncTemplate.build_in_background(t, alias=name, memory_mb=256)
+        deadline = asyncio.get_running_loop().time() + 240
+        while (st := await AsyncTemplate.get_build_status(info)).status not in (
+                TemplateBuildStatus.READY, TemplateBuildStatus.ERROR):
+            assert asyncio.get_running_loop().time() < deadline, st
+            await asyncio.sleep(0.2)
+        assert st.status == TemplateBuildStatus.READY, st.reason
+        assert await AsyncTemplate.exists(name)
+        s = await AsyncSandbox.create(name, timeout=120)
+        try:
+            r = await s.commands.run('cat /a; echo "$ASYNC"')
+            assert r.stdout == "async\nyes\n"
+        finally:
+            await s.kill()
+        assert _delete(name) == 204
+
+    asyncio.run(go())
+
+
+def test_tenants_apart(server):
+    alice, bob = server.tenant_keys["alice"], server.tenant_keys["bob"]
+    name = _name("mine")
+    Template.build(Template().from_template(SHELL).run_cmd("echo alice > /who"), alias=name, api_key=alice,
+                   memory_mb=256)
+    assert Template.exists(name, api_key=alice) and not Template.exists(name, api_key=bob)
+    assert [t.aliases for t in _templates(alice)] == [[name]] and _templates(bob) == []
+    with pytest.raises(SandboxException):
+        Sandbox.create(name, api_key=bob, timeout=60)
+    # bob cannot reach it by the name it is stored under either, nor delete it
+    stored = next(t.template_id for t in _templates() if name in t.template_id)  # the admin sees all
+    assert stored != name and not Template.exists(stored, api_key=bob)
+    assert _delete(name, bob) == 404 and _delete(stored, bob) == 404
+    with Sandbox.create(name, api_key=alice, timeout=60) as s:
+        assert s.commands.run("cat /who").stdout == "alice\n"
+    wait_until(lambda: _delete(name, alice) == 204, timeout=30, what="alice's template deleted")
+    assert not Template.exists(name, api_key=alice)
