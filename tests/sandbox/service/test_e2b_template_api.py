@@ -8,17 +8,20 @@ the SDK's API client; tenants' templates apart. The service has a system directo
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import os
+import tarfile
 import uuid
 from pathlib import Path
 
+import httpx
 import pytest
 from e2b import AsyncSandbox, AsyncTemplate, Sandbox, Template
 from e2b.api.client.api.templates import delete_templates_template_id, get_templates
 from e2b.api.client_sync import get_api_client
 from e2b.connection_config import ConnectionConfig
-from e2b.exceptions import BuildException, SandboxException
+from e2b.exceptions import BuildException, SandboxException, TemplateException
 from e2b.template.types import TemplateBuildStatus
 from service_process import ServiceProcess, add_key
 from waiting import wait_until
@@ -87,6 +90,10 @@ def test_exists(server):
     assert Template.exists("base") and Template.exists("busybox")
     assert not Template.exists(_name("no-such"))
     assert asyncio.run(AsyncTemplate.exists("busybox"))
+    with pytest.raises(TemplateException, match="tags"):  # refused by name, not a bare 404
+        Template.assign_tags("busybox", "v2")
+    with pytest.raises(BuildException, match="tags"):
+        Template.build(Template().from_template("busybox"), "named:v2")
 
 
 def test_build_then_create(server, tmp_path):
@@ -171,3 +178,33 @@ def test_tenants_apart(server):
         assert s.commands.run("cat /who").stdout == "alice\n"
     wait_until(lambda: _delete(name, alice) == 204, timeout=30, what="alice's template deleted")
     assert not Template.exists(name, api_key=alice)
+
+
+def test_upload_links_and_hostile_files(server):
+    """The API as the SDK speaks it, by hand: an upload link is its own credential (a changed token is
+    no link), a definition naming a host path as its image is refused, and an upload whose entry
+    climbs out of its directory fails the build by the layer unpacker's rules, leaving no template."""
+    h, name, files_hash = {"X-API-Key": KEY}, _name("hostile"), "ab" * 32
+    r = httpx.post(f"{server.url}/v3/templates", json={"name": name}, headers=h)
+    assert r.status_code == 202, r.text
+    tid, bid = r.json()["templateID"], r.json()["buildID"]
+    link = httpx.get(f"{server.url}/templates/{tid}/files/{files_hash}", headers=h).json()
+    assert link["present"] is False and "token=" in link["url"]
+    assert httpx.put(link["url"].replace("token=", "token=0"), content=b"x").status_code == 404
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        entry = tarfile.TarInfo("../escape")
+        entry.size = 1
+        tar.addfile(entry, io.BytesIO(b"x"))
+    assert httpx.put(link["url"], content=buf.getvalue()).status_code == 200
+    assert httpx.get(f"{server.url}/templates/{tid}/files/{files_hash}", headers=h).json()["present"] is True
+    start = f"{server.url}/v2/templates/{tid}/builds/{bid}"
+    r = httpx.post(start, json={"fromImage": "oci:/etc", "steps": []}, headers=h)
+    assert r.status_code == 422 and "fromImage" in r.json()["message"], r.text
+    copy = {"type": "COPY", "args": ["escape", "/x"], "filesHash": files_hash, "force": False}
+    assert httpx.post(start, json={"fromTemplate": "busybox", "steps": [copy]}, headers=h).status_code == 202
+    status = f"{server.url}/templates/{tid}/builds/{bid}/status"
+    body = wait_until(lambda: (b := httpx.get(status, headers=h).json())["status"] == "error" and b,
+                      timeout=120, what="the hostile build failed")
+    assert "../escape" in body["reason"]["message"], body
+    assert not Template.exists(name) and not (server.system / "templates" / name).exists()

@@ -104,8 +104,8 @@ def create_app(config: ServiceConfig, runtime: Runtime | None = None) -> FastAPI
                   description="Agent sandboxes (runc + CRIU) with a managed life cycle, over E2B's protocol. "
                               'Errors: `{"code": <status>, "message": ..., "type": ...}`.')
     app.state.service = service
+    app.include_router(templates_api.router)  # first: its /templates/tags before control's /templates/{tid}
     app.include_router(control.router)
-    app.include_router(templates_api.router)
     app.include_router(templates_api.uploads)
     app.include_router(router)
     install_envd(app)  # requests with E2b-Sandbox-Id: envd (envd/app.py)

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
-from k3sys.sandbox.errors import InvalidArgumentError, InvalidStateError, NotFoundError, SandboxError
+from k3sys.sandbox.errors import InvalidArgumentError, InvalidStateError, NotFoundError, SandboxError, TooLargeError
 from k3sys.sandbox.runtime.oci.image import decompressed
 from k3sys.sandbox.runtime.oci.steps import Step
 from k3sys.sandbox.runtime.oci.unpack import unpack_layer
@@ -50,7 +50,9 @@ _log = logging.getLogger(__name__)
 LOG_ENTRIES = 5000  # lines of a build's log kept
 LOG_LINE = 2000  # characters of one log line kept
 KEPT_BUILDS = 256  # builds remembered (the oldest finished ones go first)
-UPLOAD_TTL_S = 3600  # seconds an upload link is valid
+UPLOAD_TTL_S = 3600  # seconds an upload link is valid, and a build may wait for its files
+MAX_WAITING = 8  # builds one tenant (or the admin) may have waiting for files at once
+MAX_UPLOADS = 256  # uploads (copy() steps' files) of one build
 _HASH = re.compile(r"^[0-9a-f]{64}$")  # the SDK's files hash: SHA-256, hex
 _STEP = re.compile(r"^\[(\d+)/\d+\] ")  # the builder's line after each step
 
@@ -115,6 +117,13 @@ class TemplateBuilds:
         """A waiting build of `stored`. InvalidStateError (409) if that template exists or a build of it
         has not ended: a name is never replaced under the sandboxes standing on it."""
         with self._mu:
+            now = time.time()
+            for b in [b for b in self._builds.values() if b.status == "waiting" and b.created < now - UPLOAD_TTL_S]:
+                b.fail(InvalidStateError(f"never started: {UPLOAD_TTL_S} s passed without its definition"))
+                shutil.rmtree(self.files / b.stored, ignore_errors=True)
+            if sum(b.owner == owner and b.status == "waiting" for b in self._builds.values()) >= MAX_WAITING:
+                raise InvalidStateError(f"{MAX_WAITING} builds of yours are waiting for their files and definition: "
+                                        f"start or abandon them first (they expire after {UPLOAD_TTL_S} s)")
             if (system_paths().templates / stored).exists():
                 raise InvalidStateError(f"template {template_id!r} exists: delete it first (a template's "
                                         f"sandboxes and snapshots stand on it, so it is never rebuilt in place)")
@@ -149,6 +158,12 @@ class TemplateBuilds:
         if not _HASH.match(files_hash):
             raise InvalidArgumentError(f"files hash: expected 64 lowercase hex digits, got {files_hash[:80]!r}")
         return self.files / stored / f"{files_hash}.tar"
+
+    def upload_room(self, stored: str) -> None:
+        """TooLargeError once a build holds MAX_UPLOADS uploads (each is at most the body limit)."""
+        held = self.files / stored
+        if held.is_dir() and sum(1 for _ in held.glob("*.tar")) >= MAX_UPLOADS:
+            raise TooLargeError(f"a build takes at most {MAX_UPLOADS} uploads (copy() steps' files)")
 
     def upload_token(self, stored: str, files_hash: str, expires: int) -> str:
         return hmac.new(self._secret, f"{stored}\0{files_hash}\0{expires}".encode(), hashlib.sha256).hexdigest()

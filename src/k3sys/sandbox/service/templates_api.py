@@ -9,6 +9,7 @@ shares (runtime/oci/builder.py, e2b_template.py); builds run in template_builds.
     GET  /templates/{id}/builds/{build}/status      status, log entries from `logsOffset`, `reason`
     GET  /templates/aliases/{alias}                 200 if the caller may use it, else 404
     GET  /templates                                 the caller's templates
+    /templates/tags, /templates/{id}/tags           refused by name (422): a template is one build
     DELETE /templates/{id}                          control.py: a snapshot, else a template (here)
 
 A template's id is its name as the caller gave it (E2B's alias): `Sandbox.create(name)` creates
@@ -109,6 +110,8 @@ async def upload_link(svc: Svc, scope: Caller, tid: str, files_hash: str, reques
     if svc.template_builds.waiting(stored) is None:
         raise NotFoundError(f"template {tid!r} has no build waiting for files (POST /v3/templates first)")
     path = svc.template_builds.upload_path(stored, files_hash)
+    if not path.is_file():
+        svc.template_builds.upload_room(stored)
     expires = int(datetime.now(UTC).timestamp()) + UPLOAD_TTL_S
     token = svc.template_builds.upload_token(stored, files_hash, expires)
     url = request.url_for("upload_files", stored=stored, files_hash=files_hash).include_query_params(
@@ -168,6 +171,14 @@ async def build_status(svc: Svc, scope: Caller, tid: str, build_id: str,
                        limit: Annotated[int, Query(ge=1, le=100)] = 100, level: str | None = None) -> dict[str, Any]:
     """The build's status and at most `limit` log entries from line `logsOffset`."""
     return _build_body(svc.template_builds.get(build_id, scope.new_template(tid)), logsOffset, limit)
+
+
+@router.post("/templates/tags")
+@router.delete("/templates/tags")
+@router.get("/templates/{tid}/tags")
+async def tags() -> None:
+    """E2B's tags (`assign_tags`, `remove_tags`, `get_tags`): refused by name."""
+    raise unsupported("tags", "a template is its one build here; build another name for another version")
 
 
 @router.get("/templates/aliases/{alias}")
