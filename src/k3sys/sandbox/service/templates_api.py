@@ -19,6 +19,7 @@ the CLI's and the built-in ones are everyone's to create from, listed for the ad
 
 from __future__ import annotations
 
+import re
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Any
@@ -46,6 +47,7 @@ uploads = APIRouter(tags=["templates"])  # the upload link is its own credential
 BUILD_MEMORY_MB = 1024  # a build sandbox's memory when the request names none
 BUILD_DISK_MB = 8192  # a build sandbox's writable layer
 _HOST_IMAGES = ("oci:", "oci-archive:", "docker-archive:")  # image sources that are host paths
+_E2B_BASE = re.compile(r"^(docker\.io/)?e2bdev/base(:latest)?$")
 
 
 class NewTemplate(BaseModel):
@@ -158,6 +160,8 @@ async def start_build(svc: Svc, scope: Caller, tid: str, build_id: str,
     image = str(doc.get("fromImage") or "")
     if image.startswith(_HOST_IMAGES) or image.startswith("/"):
         raise unsupported("fromImage", f"{image[:80]!r} names a path on the host; name a registry image")
+    if _E2B_BASE.match(image):  # E2B's base image (`from_base_image()`) is its `base` template, as ours
+        doc = {**{k: v for k, v in doc.items() if k != "fromImage"}, "fromTemplate": "base"}
     if doc.get("fromTemplate"):  # the caller's own template, or everyone's, by the name it knows
         doc = {**doc, "fromTemplate": scope.template(str(doc["fromTemplate"]))}
     steps, start = read_e2b_template(doc)
