@@ -208,3 +208,27 @@ def test_upload_links_and_hostile_files(server):
                       timeout=120, what="the hostile build failed")
     assert "../escape" in body["reason"]["message"], body
     assert not Template.exists(name) and not (server.system / "templates" / name).exists()
+
+
+def test_run_output_streams_while_it_runs(server):
+    """A RUN's lines reach the build status while it still runs: it prints, then waits for a file that
+    the test writes into the build sandbox (the admin reaches it as any sandbox of the service)."""
+    t = Template().from_template("busybox").run_cmd(
+        "echo first-line; while [ ! -e /tmp/go ]; do sleep 0.1; done; echo second-line")
+    info = Template.build_in_background(t, alias=_name("stream"), memory_mb=256)
+    seen: list[str] = []
+
+    def poll():
+        st = Template.get_build_status(info, logs_offset=len(seen))
+        seen.extend(e.message for e in st.log_entries)
+        return st
+
+    st = wait_until(lambda: (s := poll()) and any("first-line" in m for m in seen) and s, timeout=120,
+                    what="the RUN's first line in the build status")
+    assert st.status == TemplateBuildStatus.BUILDING and not any("second-line" in m for m in seen), seen
+    with server.client() as ours:
+        sid = next(i.id for i in ours.list() if i.spec.template.startswith("_stage-"))
+        ours.write_file(sid, "/tmp/go", b"")
+    wait_until(lambda: poll().status == TemplateBuildStatus.READY, timeout=120, what="the build done")
+    assert any("second-line" in m for m in seen), seen
+    assert _delete(info.template_id) == 204

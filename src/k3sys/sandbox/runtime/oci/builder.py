@@ -42,11 +42,12 @@ from k3sys.sandbox.runtime.oci.steps import Step
 from k3sys.sandbox.runtime.oci.unpack import IMPLIED, unpack_layer
 from k3sys.sandbox.runtime.system import system_paths
 from k3sys.sandbox.runtime.templates import BUILDERS, template_rootfs, templates_lock
-from k3sys.sandbox.spec import SandboxSpec
+from k3sys.sandbox.spec import CommandResult, OutputPieces, SandboxSpec
 
 _NOT_OF_A_RUN = ("dev", "proc", "sys", ".k3sys")  # top-level entries a RUN layer never keeps
 _TAR = re.compile(r"\.(tar|tar\.gz|tgz|tar\.zst)$")
 OUTPUT_TAIL = 4000  # characters of a failed RUN's output in its BuildError
+RUN_POLL_S = 0.2  # seconds between looks at a running RUN's output
 
 
 @dataclass
@@ -209,14 +210,12 @@ class Builder:
                 cid = rt.start_process(info.id, cmd if isinstance(cmd, str) else shlex.join(cmd),
                                        st.config.cwd or "/", step.args.get("env") or None, step.args.get("user"))
                 try:
-                    r = rt.wait_command(cid, self.run_timeout)
+                    r = self._follow(rt, cid)
                 except CommandTimeoutError as e:
                     raise BuildError(f"{step.where()}: ran past {self.run_timeout} s and was killed\n"
                                      f"{_tail(e.stdout + e.stderr)}") from None
                 finally:
                     rt.forget_command(cid)
-                for line in (r.stdout + r.stderr).splitlines():
-                    self.log(f"    {line}")
                 if r.exit_code != 0:
                     raise BuildError(f"{step.where()}: exited {r.exit_code}\n{_tail(r.stdout + r.stderr)}")
                 ck = rt.checkpoint(info.id)
@@ -235,6 +234,27 @@ class Builder:
         for p in list(tree.rglob("*")):
             if stat.S_ISSOCK(p.lstat().st_mode):
                 p.unlink()
+
+    def _follow(self, rt, cid: str) -> CommandResult:
+        """Wait for RUN command `cid` (at most `run_timeout` s), logging its output lines as they come
+        (a build's log is read while it runs: E2B's build status), a line at most OUTPUT_TAIL characters."""
+        deadline = time.monotonic() + self.run_timeout
+        pieces, partial = OutputPieces(), {"stdout": "", "stderr": ""}
+        done = False
+        while not done and time.monotonic() < deadline:
+            out, err, done = rt.read_command_output(cid, pieces.offsets)
+            for name, text in pieces.feed(out, err, final=done):
+                *lines, partial[name] = (partial[name] + text).split("\n")
+                if len(partial[name]) > OUTPUT_TAIL:
+                    lines, partial[name] = [*lines, partial[name]], ""
+                for line in lines:
+                    self.log(f"    {line}")
+            if not done:
+                time.sleep(RUN_POLL_S)
+        for line in partial.values():
+            if line:
+                self.log(f"    {line}")
+        return rt.wait_command(cid, max(deadline - time.monotonic(), 0.001))
 
     @contextlib.contextmanager
     def _stage(self, stage: str, st: _State) -> Iterator:
