@@ -11,7 +11,9 @@ import asyncio
 import io
 import json
 import os
+import shutil
 import tarfile
+import tempfile
 import uuid
 from pathlib import Path
 
@@ -26,7 +28,9 @@ from e2b.template.types import TemplateBuildStatus
 from service_process import ServiceProcess, add_key
 from waiting import wait_until
 
+from k3sys.sandbox.runtime.store import Store
 from k3sys.sandbox.runtime.system import system_paths
+from k3sys.sandbox.runtime.warm import WARM_TEMPLATE
 
 pytestmark = pytest.mark.timeout(300)
 KEY = "e2b-template-test-" + uuid.uuid4().hex
@@ -38,10 +42,13 @@ def _name(what: str) -> str:
 
 
 def _system_dir(root: Path) -> Path:
-    """A system directory of the test's own: bin/, etc/ and the built-in templates the real one's."""
+    """A system directory of the test's own: etc/ and the built-in templates the real one's, bin/ a
+    copy (a restore maps the agent from its path: real files, on a path a sandbox's user namespace
+    can traverse, so not under pytest's 0700 temporary folder)."""
     real, mine = system_paths().root, root / "system"
     (mine / "templates").mkdir(parents=True)
-    for d in ("bin", "etc", "build", "stamps"):
+    shutil.copytree(real / "bin", mine / "bin")
+    for d in ("etc", "build", "stamps"):
         if (real / d).exists():
             os.symlink(real / d, mine / d)
     for t in ("busybox", "debian", "base"):
@@ -57,21 +64,25 @@ def server(tmp_path_factory):
 
     if MISSING:
         pytest.skip(f"sandbox runtime unavailable: {MISSING}")
-    root = tmp_path_factory.mktemp("e2btpl")
+    root = Path(tempfile.mkdtemp(prefix="k3sys-e2btpl-", dir="/var/tmp"))
+    os.chmod(root, 0o755)
     system = _system_dir(root)
-    data = root / "data"
+    data = tmp_path_factory.mktemp("e2btpl") / "data"
     mp = pytest.MonkeyPatch()
-    with ServiceProcess(data, env={"K3SYS_API_KEY": KEY, "K3SYS_SYSTEM_DIR": str(system)}) as svc:
-        for k, v in {"E2B_API_URL": svc.url, "E2B_SANDBOX_URL": svc.url, "E2B_API_KEY": KEY}.items():
-            mp.setenv(k, v)
-        svc.system = system
-        svc.tenant_keys = {t: add_key(data, t) for t in ("alice", "bob")}
-        try:
-            yield svc
-        finally:
-            mp.undo()
-            ids = svc.kill_all()
-    assert leftovers(data, ids) == []
+    try:
+        with ServiceProcess(data, env={"K3SYS_API_KEY": KEY, "K3SYS_SYSTEM_DIR": str(system)}) as svc:
+            for k, v in {"E2B_API_URL": svc.url, "E2B_SANDBOX_URL": svc.url, "E2B_API_KEY": KEY}.items():
+                mp.setenv(k, v)
+            svc.system = system
+            svc.tenant_keys = {t: add_key(data, t) for t in ("alice", "bob")}
+            try:
+                yield svc
+            finally:
+                mp.undo()
+                ids = svc.kill_all()
+        assert leftovers(data, ids) == []
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def _templates(key: str | None = None) -> list:
@@ -232,3 +243,21 @@ def test_run_output_streams_while_it_runs(server):
     wait_until(lambda: poll().status == TemplateBuildStatus.READY, timeout=120, what="the build done")
     assert any("second-line" in m for m in seen), seen
     assert _delete(info.template_id) == 204
+
+
+def test_start_cmd_makes_creates_warm(server):
+    """set_start_cmd(start, ready): every create is a restore of the template's warm checkpoint, so
+    the HTTP server answers the first request made after create, with no retry."""
+    probe = "python3 -c \"import urllib.request as u; print(u.urlopen('http://127.0.0.1:8000/', timeout=5).read())\""
+    t = (Template().from_template(SHELL).run_cmd("mkdir -p /srv/www && echo served > /srv/www/index.html")
+         .set_start_cmd("cd /srv/www && exec python3 -m http.server 8000 --bind 127.0.0.1", probe))
+    name = _name("warm-http")
+    Template.build(t, alias=name, memory_mb=256)
+    for _ in range(2):  # the first create builds the checkpoint, the second restores the same
+        with Sandbox.create(name, timeout=120) as s:
+            assert s.commands.run(probe).stdout == "b'served\\n'\n"
+            assert any("http.server" in p.cmd for p in s.commands.list())
+    store = Store(server.data_dir / "store")  # read only: the service's checkpoint store
+    assert len([m for m in store.list() if m.meta.get(WARM_TEMPLATE) == name]) == 1  # one served both creates
+    wait_until(lambda: _delete(name) == 204, timeout=30, what="the warm template deleted")
+    assert [m.id for m in store.list() if m.meta.get(WARM_TEMPLATE) == name] == []  # its checkpoint with it

@@ -215,7 +215,8 @@ async def list_templates(svc: Svc, scope: Caller) -> list[dict[str, Any]]:
 
 
 async def delete_template(svc: Service, scope: Scope, tid: str) -> None:
-    """Delete the caller's template `tid` and the layers no template uses any more (409 while a
-    running sandbox stands on it)."""
+    """Delete the caller's template `tid`, the layers no template uses any more and its warm
+    checkpoints (409 while a running sandbox stands on it)."""
     stored = _own(scope, tid)
     await svc.call("delete_template", catalog.remove, stored)
+    await svc.call("delete_template", svc.rt.warm.forget, stored)
