@@ -261,3 +261,16 @@ def test_start_cmd_makes_creates_warm(server):
     assert len([m for m in store.list() if m.meta.get(WARM_TEMPLATE) == name]) == 1  # one served both creates
     wait_until(lambda: _delete(name) == 204, timeout=30, what="the warm template deleted")
     assert [m.id for m in store.list() if m.meta.get(WARM_TEMPLATE) == name] == []  # its checkpoint with it
+
+
+def test_templates_count_in_the_tenant_disk_quota(server):
+    """A tenant's templates count in its disk quota: with room for one build sandbox (8 GiB) and 1
+    MiB, the first build fits; the second does not, by the template the first left."""
+    carol = add_key(server.data_dir, "carol", "--disk-mb", str(8192 + 1))
+    first = _name("first")
+    Template.build(Template().from_template("busybox").run_cmd("head -c 3000000 /dev/urandom > /blob"), alias=first,
+                   api_key=carol, memory_mb=256)
+    with pytest.raises(BuildException, match="quota disk_mb"):
+        Template.build(Template().from_template("busybox").run_cmd("true"), alias=_name("second"), api_key=carol,
+                       memory_mb=256)
+    assert _delete(first, carol) == 204

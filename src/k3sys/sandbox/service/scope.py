@@ -8,7 +8,10 @@ itself is kept by `tenants.Tenants` (see its docstring for the rules).
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import hmac
+import json
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -178,6 +181,20 @@ class Scope:
         alias = stored[len(prefix):] if stored.startswith(prefix) else ""
         return alias if alias and TENANT_SEP not in alias else None
 
+    def templates_mb(self) -> int:
+        """MiB the caller's own templates hold (a tenant's: their layers' bytes, shared ones counted in
+        full, as a checkpoint counts its logical size; the admin's are not counted, it has no quota)."""
+        if self.who.tenant is None:
+            return 0
+        prefix = f"{self.who.name}{TENANT_SEP}"
+        root = system_paths().templates
+        total = 0
+        for d in root.glob(f"{glob.escape(prefix)}*") if root.is_dir() else []:
+            if self.template_alias(d.name) is not None:
+                with contextlib.suppress(OSError, ValueError, TypeError, AttributeError):
+                    total += int(json.loads((d / "template.json").read_text()).get("bytes") or 0)
+        return -(-total // (1 << 20))
+
     def check_new_id(self, sid: str | None) -> None:
         """Refuse a chosen id that another tenant owns (live, or named by its checkpoints): ownership
         never moves. Answered as the runtime answers any id in use, which says it is taken, no more."""
@@ -193,7 +210,7 @@ class Scope:
         # so a hibernation, which is never refused (shutdown, timeouts), never puts a tenant over.
         resting = {i.head for i in mine if i.state == "hibernated"}
         kept = [c for c in self.checkpoints(self.rt.checkpoints()) if c.id not in resting]
-        disk = sum(disk_mb(i.spec) for i in mine) + sum(checkpoint_mb(c) for c in kept)
+        disk = sum(disk_mb(i.spec) for i in mine) + sum(checkpoint_mb(c) for c in kept) + self.templates_mb()
         return Usage(len(held), sum(i.spec.memory_mb for i in held), disk)
 
     def check_quota(self, n: int, spec: SandboxSpec, pending: Usage, disk: bool = True) -> None:
