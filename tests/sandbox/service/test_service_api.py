@@ -155,6 +155,8 @@ STATUS = {
     "UnavailableError": 503, "RuntimeLockedError": 503, "DriverError": 500, "StoreError": 500, "CorruptStoreError": 500,
     "WrongFileTypeError": 422, "PermissionDeniedError": 403, "AgentError": 500, "AgentInterruptedError": 503,
     "AgentTimeoutError": 504, "CommandExitError": 500,  # raised by the SDK itself; never an answer
+    # templates (issue 27): what the request asked for could not be built or started
+    "ImageError": 422, "LayerEntryError": 422, "DockerfileError": 422, "BuildError": 422, "TemplateStartError": 422,
 }
 
 

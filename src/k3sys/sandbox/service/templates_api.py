@@ -75,8 +75,8 @@ def _own(scope: Scope, tid: str) -> str:
         stored = scope.template(tid)
     except UnknownTemplateError:
         stored = None
-    if stored is None or scope.template_alias(stored) is None:
-        raise NotFoundError(f"no template {tid!r} of yours")
+    if stored is None or scope.template_alias(stored) is None or not (system_paths().templates / stored).is_dir():
+        raise NotFoundError(f"no template {tid!r} of yours")  # a 404: E2B's SDK answers False for a delete
     return stored
 
 
