@@ -168,6 +168,9 @@ def test_async_build_in_background(server):
         finally:
             await s.kill()
         assert _delete(name) == 204
+        with pytest.raises(BuildException, match="async-went-wrong"):  # and the waiting build, async
+            await AsyncTemplate.build(AsyncTemplate().from_template("busybox").run_cmd("echo async-went-wrong; false"),
+                                      alias=_name("async-broken"), memory_mb=256)
 
     asyncio.run(go())
 
