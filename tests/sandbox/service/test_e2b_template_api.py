@@ -277,3 +277,21 @@ def test_templates_count_in_the_tenant_disk_quota(server):
         Template.build(Template().from_template("busybox").run_cmd("true"), alias=_name("second"), api_key=carol,
                        memory_mb=256)
     assert _delete(first, carol) == 204
+
+
+def test_shutdown_mid_build_leaves_no_build_sandbox(server, tmp_path):
+    """Stopping a service while a RUN runs kills the build's sandbox (never hibernated for the next
+    start to adopt: the build is gone with the process); the next start holds no sandbox."""
+    with ServiceProcess(tmp_path / "data", env={"K3SYS_API_KEY": KEY, "K3SYS_SYSTEM_DIR": str(server.system)}) as svc:
+        t = Template().from_template("busybox").run_cmd("echo started; while :; do sleep 0.1; done")
+        info = Template.build_in_background(t, alias=_name("cut"), memory_mb=256, api_url=svc.url)
+        wait_until(lambda: any("started" in e.message for e in
+                               Template.get_build_status(info, logs_offset=0, api_url=svc.url).log_entries),
+                   timeout=120, what="the RUN running")
+        with svc.client() as ours:
+            assert [i.spec.template.startswith("_stage-") for i in ours.list()] == [True]
+        svc.stop()
+        svc.start()
+        with svc.client() as ours:
+            assert ours.list() == []
+    assert not (server.system / "templates" / info.template_id).exists()

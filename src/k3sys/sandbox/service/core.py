@@ -133,9 +133,9 @@ class Service:
         of a life cycle survives that): the sandboxes still running, or mid-hibernation, are the next
         start's to adopt; the runtime directory is released with the process."""
         self.draining = True
-        if self.template_builds is not None:
-            self.template_builds.close()
         rt = self.runtime
+        if self.template_builds is not None:
+            self.template_builds.close(rt)
         if rt is None:
             return
         act = {"hibernate": rt.hibernate, "kill": rt.kill, "keep": None}[self.config.on_shutdown]

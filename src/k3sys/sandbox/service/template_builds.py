@@ -26,6 +26,7 @@ import contextlib
 import hashlib
 import hmac
 import logging
+import os
 import re
 import secrets
 import shutil
@@ -41,9 +42,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from k3sys.sandbox.errors import InvalidArgumentError, InvalidStateError, NotFoundError, SandboxError, TooLargeError
+from k3sys.sandbox.runtime.oci.catalog import STAGE_PREFIX
 from k3sys.sandbox.runtime.oci.image import decompressed
 from k3sys.sandbox.runtime.oci.steps import Step
 from k3sys.sandbox.runtime.oci.unpack import unpack_layer
+from k3sys.sandbox.runtime.runtime import Runtime
 from k3sys.sandbox.runtime.system import system_paths
 
 _log = logging.getLogger(__name__)
@@ -109,9 +112,16 @@ class TemplateBuilds:
         self._mu = threading.Lock()
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="k3sys-template-build")
 
-    def close(self) -> None:
-        """Drop the queued builds; a running one ends with the runtime it uses."""
+    def close(self, rt: Runtime | None = None) -> None:
+        """Drop the queued builds, and kill the sandboxes of a running one in `rt` (the build fails,
+        its stage template goes): a build sandbox is never hibernated at shutdown for the next start
+        to adopt, since the build it served is gone with this process."""
         self._pool.shutdown(wait=False, cancel_futures=True)
+        stage = f"{STAGE_PREFIX}stage-{os.getpid()}-"  # the builder's stage templates (builder.py)
+        for info in rt.list() if rt is not None else []:
+            if info.spec.template.startswith(stage):
+                with contextlib.suppress(SandboxError):
+                    rt.kill(info.id)
 
     def new(self, template_id: str, stored: str, owner: str | None, memory_mb: int) -> Build:
         """A waiting build of `stored`. InvalidStateError (409) if that template exists or a build of it
