@@ -1,6 +1,7 @@
 """The template builder: build steps (steps.py) run one after the other, each cached by its key,
 the result sealed as a template (catalog.py). The one engine behind `k3sys sandbox template build`
-(a Dockerfile: dockerfile.py) and E2B's template definitions (e2b_template.py; served over HTTP by service/templates_api.py).
+(a Dockerfile: dockerfile.py) and E2B's template definitions (e2b_template.py; served over HTTP
+by service/templates_api.py).
 
 A build's state is its layers (bottom first), its config (env, cwd, user, cmd, entrypoint) and the
 key of its last step. A step that makes files (RUN, COPY / ADD, a WORKDIR that is missing) makes one
