@@ -20,6 +20,7 @@ the CLI's and the built-in ones are everyone's to create from, listed for the ad
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Any
@@ -126,6 +127,8 @@ async def upload_files(svc: Svc, stored: str, files_hash: str, request: Request,
                        token: str = "") -> Response:
     """An upload through a link `upload_link` gave (the body's size is the service's body limit)."""
     path = svc.template_builds.check_upload(stored, files_hash, expires, token)
+    if svc.template_builds.waiting(stored) is None:  # its build started or ended: nothing reads it now
+        raise NotFoundError(f"template {stored!r} has no build waiting for files")
     part = path.with_suffix(f".part-{id(request)}")
     try:
         async with await anyio.open_file(part, "wb") as f:
@@ -137,7 +140,7 @@ async def upload_files(svc: Svc, stored: str, files_hash: str, request: Request,
     return Response(status_code=200)
 
 
-def _runner(svc: Service, scope: Scope):
+def _runner(svc: Service, scope: Scope) -> Callable[[Build, list[Step], Path, dict], None]:
     """What runs a build in the worker: room admitted as for one sandbox of the build's size (the
     tenant's quota too), then the builder over the service's runtime, with network (E2B's builds
     reach the internet: apt_install, pip_install)."""
