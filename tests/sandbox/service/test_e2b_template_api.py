@@ -188,6 +188,9 @@ def test_tenants_apart(server):
     stored = next(t.template_id for t in _templates() if name in t.template_id)  # the admin sees all
     assert stored != name and not Template.exists(stored, api_key=bob)
     assert _delete(name, bob) == 404 and _delete(stored, bob) == 404
+    for other in ("../busybox", ".busybox"):  # a path, a hidden name: no template to a tenant
+        with pytest.raises(SandboxException, match="unknown template"):
+            Sandbox.create(other, api_key=bob, timeout=60)
     with Sandbox.create(name, api_key=alice, timeout=60) as s:
         assert s.commands.run("cat /who").stdout == "alice\n"
     wait_until(lambda: _delete(name, alice) == 204, timeout=30, what="alice's template deleted")
@@ -241,7 +244,9 @@ def test_run_output_streams_while_it_runs(server):
                     what="the RUN's first line in the build status")
     assert st.status == TemplateBuildStatus.BUILDING and not any("second-line" in m for m in seen), seen
     with server.client() as ours:
-        sid = next(i.id for i in ours.list() if i.spec.template.startswith("_stage-"))
+        sid, stage = next((i.id, i.spec.template) for i in ours.list() if i.spec.template.startswith("_stage-"))
+        with pytest.raises(SandboxException, match="unknown template"):  # a build's state is no tenant's template
+            Sandbox.create(stage, api_key=server.tenant_keys["bob"], timeout=60)
         ours.write_file(sid, "/tmp/go", b"")
     wait_until(lambda: poll().status == TemplateBuildStatus.READY, timeout=120, what="the build done")
     assert any("second-line" in m for m in seen), seen

@@ -24,6 +24,7 @@ from k3sys.sandbox.errors import (
     NotFoundError,
     UnknownTemplateError,
 )
+from k3sys.sandbox.runtime.oci.catalog import NAME as TEMPLATE_NAME
 from k3sys.sandbox.runtime.system import system_paths
 from k3sys.sandbox.runtime.templates import BUILDERS
 from k3sys.sandbox.service.tenants import Tenant, Tenants, Usage, check_quota, check_usage, checkpoint_mb, disk_mb
@@ -167,7 +168,8 @@ class Scope:
         own = f"{self.who.name}{TENANT_SEP}{alias}"
         if TENANT_SEP not in alias and (system_paths().templates / own).is_dir():
             return own
-        if TENANT_SEP in alias or not (alias in BUILDERS or (system_paths().templates / alias).is_dir()):
+        public = TEMPLATE_NAME.match(alias) and TENANT_SEP not in alias  # not a build's stage (`_...`)
+        if not public or not (alias in BUILDERS or (system_paths().templates / alias).is_dir()):
             # answered as a name no template has, naming none (the runtime's message lists them all)
             raise UnknownTemplateError(f"template: unknown template {alias!r}")
         return alias
