@@ -165,11 +165,12 @@ class Scope:
         the admin's (a name with no `--`); another tenant's stored name is no name here."""
         if self.who.tenant is None:
             return alias
+        if not TEMPLATE_NAME.match(alias) or TENANT_SEP in alias:  # a build's stage (`_...`), a path, too long
+            raise UnknownTemplateError(f"template: unknown template {alias[:200]!r}")
         own = f"{self.who.name}{TENANT_SEP}{alias}"
-        if TENANT_SEP not in alias and (system_paths().templates / own).is_dir():
+        if (system_paths().templates / own).is_dir():
             return own
-        public = TEMPLATE_NAME.match(alias) and TENANT_SEP not in alias  # not a build's stage (`_...`)
-        if not public or not (alias in BUILDERS or (system_paths().templates / alias).is_dir()):
+        if not (alias in BUILDERS or (system_paths().templates / alias).is_dir()):
             # answered as a name no template has, naming none (the runtime's message lists them all)
             raise UnknownTemplateError(f"template: unknown template {alias!r}")
         return alias

@@ -76,9 +76,14 @@ def _own(scope: Scope, tid: str) -> str:
         stored = scope.template(tid)
     except UnknownTemplateError:
         stored = None
-    if stored is None or scope.template_alias(stored) is None or not (system_paths().templates / stored).is_dir():
-        raise NotFoundError(f"no template {tid!r} of yours")  # a 404: E2B's SDK answers False for a delete
+    if stored is None or scope.template_alias(stored) is None or not _built(stored):
+        raise NotFoundError(f"no template {tid[:200]!r} of yours")  # a 404: E2B's SDK answers False for a delete
     return stored
+
+
+def _built(stored: str) -> bool:
+    """Whether template `stored` exists (a name no template could have is not looked up)."""
+    return bool(catalog.NAME.match(stored)) and (system_paths().templates / stored / "rootfs").is_dir()
 
 
 def _build_body(b: Build, offset: int = 0, limit: int = 100) -> dict[str, Any]:
@@ -195,9 +200,8 @@ async def alias(scope: Caller, alias: str) -> dict[str, Any]:
         stored = scope.template(alias)
     except UnknownTemplateError:
         stored = None
-    known = stored is not None and (stored in BUILDERS or (system_paths().templates / stored / "rootfs").is_dir())
-    if not known or stored.startswith(catalog.STAGE_PREFIX):
-        raise NotFoundError(f"no template {alias!r}")
+    if stored is None or not (stored in BUILDERS or _built(stored)):
+        raise NotFoundError(f"no template {alias[:200]!r}")
     return {"templateID": alias, "public": scope.who.tenant is not None and stored == alias}
 
 
