@@ -14,11 +14,13 @@ its own. Measured, median over `--runs` (each run on a fresh system directory: c
   per template (umoci's way) would have added;
 - `bench_build`: a Dockerfile (FROM busybox, COPY of a 10 MB context, two RUNs, WORKDIR) built cold
   (empty layer store), warm (all steps cached, a new name), and with its last step changed (only
-  that one runs).
+  that one runs);
+- `api` (bench/templates_api.py): the same Dockerfile's steps built cold through E2B's template API
+  (the e2b SDK against a service) and through the CLI.
 
 Writes bench/results/templates.json (merged: sections not run keep their last figures).
 
-    python bench/templates.py [--sections import,build,warm] [--runs 3] [--repeats 10]
+    python bench/templates.py [--sections import,build,warm,api] [--runs 3] [--repeats 10]
 """
 
 from __future__ import annotations
@@ -171,13 +173,19 @@ def bench_import(work: Path, runs: int) -> dict:
     return out
 
 
-DOCKERFILE = """\
-FROM busybox
-COPY ctx /ctx
-RUN mkdir /data && head -c 10000000 /dev/urandom > /data/blob && for i in $(seq 100); do echo $i > /tmp/f$i; done
-WORKDIR /app
-RUN echo {last} > /app/last
-"""
+RUN_DATA = ("mkdir /data && head -c 10000000 /dev/urandom > /data/blob && "
+            "for i in $(seq 100); do echo $i > /tmp/f$i; done")
+DOCKERFILE = f"FROM busybox\nCOPY ctx /ctx\nRUN {RUN_DATA}\nWORKDIR /app\nRUN echo {{last}} > /app/last\n"
+
+
+def _context(work: Path) -> Path:
+    """The builds' context: ctx/ of 50 random files of 200 kB (10 MB)."""
+    ctx = work / "context"
+    if not (ctx / "ctx").is_dir():
+        (ctx / "ctx").mkdir(parents=True)
+        for i in range(50):
+            (ctx / "ctx" / f"file-{i}").write_bytes(os.urandom(200_000))
+    return ctx
 
 
 def bench_build(work: Path, runs: int) -> dict:
@@ -186,10 +194,7 @@ def bench_build(work: Path, runs: int) -> dict:
     from k3sys.sandbox.runtime.oci.dockerfile import read_dockerfile
     from k3sys.sandbox.runtime.runtime import Runtime
 
-    ctx = work / "context"
-    (ctx / "ctx").mkdir(parents=True, exist_ok=True)
-    for i in range(50):
-        (ctx / "ctx" / f"file-{i}").write_bytes(os.urandom(200_000))
+    ctx = _context(work)
     rows: dict[str, list[float]] = {"cold_s": [], "warm_s": [], "last_step_changed_s": []}
     with Runtime(work / "rt") as rt:
         for r in range(runs):
@@ -215,15 +220,22 @@ def _warm(work: Path, repeats: int) -> dict:
             rt.kill_all()
 
 
+def _api(work: Path, runs: int) -> dict:
+    from templates_api import bench_api  # bench/ is the script's folder
+
+    # `runs` kept in the section: the file's top-level `runs` is the last run's, of whichever sections
+    return {**bench_api(work, runs, _context(work), DOCKERFILE.format(last="one"), RUN_DATA, system_dir), "runs": runs}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sections", default="import,build,warm")
+    ap.add_argument("--sections", default="import,build,warm,api")
     ap.add_argument("--runs", type=int, default=3, help="import and build: runs per figure")
     ap.add_argument("--repeats", type=int, default=10, help="warm: creates per figure")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "templates.json")
     args = ap.parse_args()
     sections = {"import": lambda w: bench_import(w, args.runs), "build": lambda w: bench_build(w, args.runs),
-                "warm": lambda w: _warm(w, args.repeats)}
+                "warm": lambda w: _warm(w, args.repeats), "api": lambda w: _api(w, args.runs)}
     names = [s for s in args.sections.split(",") if s]
     if unknown := [s for s in names if s not in sections]:
         ap.error(f"unknown sections {unknown} (known: {', '.join(sections)})")

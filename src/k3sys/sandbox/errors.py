@@ -221,9 +221,11 @@ class RuntimeLockedError(SandboxError):
 
 class BuildError(SandboxError):
     """A template build step failed: a RUN exited non-zero (the message holds its output's tail), a
-    COPY source is missing. No template is left behind."""
+    COPY source is missing. No template is left behind. 422: the build's own steps failed (the
+    service hands it to E2B's SDK in the build's status: service/template_builds.py)."""
 
     code = "build_failed"
+    http_status = 422
 
 
 class DriverError(SandboxError):

@@ -155,6 +155,8 @@ STATUS = {
     "UnavailableError": 503, "RuntimeLockedError": 503, "DriverError": 500, "StoreError": 500, "CorruptStoreError": 500,
     "WrongFileTypeError": 422, "PermissionDeniedError": 403, "AgentError": 500, "AgentInterruptedError": 503,
     "AgentTimeoutError": 504, "CommandExitError": 500,  # raised by the SDK itself; never an answer
+    # templates (issue 27): what the request asked for could not be built or started
+    "ImageError": 422, "LayerEntryError": 422, "DockerfileError": 422, "BuildError": 422, "TemplateStartError": 422,
 }
 
 
@@ -370,6 +372,11 @@ ROUTES = {
     ("/sandboxes/{sid}/resume", "post"), ("/sandboxes/{sid}/metrics", "get"), ("/sandboxes/{sid}/snapshots", "post"),
     ("/snapshots", "get"), ("/templates/{tid}", "delete"), ("/sandboxes/{sid}/fork", "post"),
     ("/sandboxes/{sid}/network", "put"),
+    # E2B's template API (templates_api.py); the upload link is signed, not keyed
+    ("/v3/templates", "post"), ("/templates/{tid}/files/{files_hash}", "get"), ("/templates", "get"),
+    ("/templates/{stored}/files/{files_hash}", "put"), ("/v2/templates/{tid}/builds/{build_id}", "post"),
+    ("/templates/{tid}/builds/{build_id}/status", "get"), ("/templates/aliases/{alias}", "get"),
+    ("/templates/tags", "post"), ("/templates/tags", "delete"), ("/templates/{tid}/tags", "get"),
     # ours
     ("/sandboxes/{sid}/freeze", "post"), ("/sandboxes/{sid}/thaw", "post"), ("/sandboxes/{sid}/hibernate", "post"),
     ("/sandboxes/{sid}/prefetch", "post"), ("/sandboxes/{sid}/memory", "get"), ("/sandboxes/{sid}/cpu", "get"),
@@ -384,7 +391,7 @@ def test_openapi_spec(http):
     assert served == ROUTES
     assert spec["components"]["securitySchemes"]["APIKeyHeader"] == {"type": "apiKey", "in": "header",
                                                                      "name": "X-API-Key"}
-    for (path, method) in ROUTES - {("/health", "get")}:
+    for (path, method) in ROUTES - {("/health", "get"), ("/templates/{stored}/files/{files_hash}", "put")}:
         op = spec["paths"][path][method]
         assert op.get("security") == [{"APIKeyHeader": []}], (path, method)
         assert any(code.startswith("2") for code in op["responses"]), (path, method)

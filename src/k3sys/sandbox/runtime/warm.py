@@ -48,6 +48,7 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from k3sys.sandbox.errors import CheckpointNotFoundError, CommandTimeoutError, SandboxError, TemplateStartError
@@ -57,6 +58,7 @@ from k3sys.sandbox.runtime.commands import CommandService
 from k3sys.sandbox.runtime.layerset import LayerSet
 from k3sys.sandbox.runtime.lifecycle import Lifecycle
 from k3sys.sandbox.runtime.store import Store
+from k3sys.sandbox.runtime.store.manifest import Manifest
 from k3sys.sandbox.runtime.system import system_paths
 from k3sys.sandbox.runtime.templates import template_rootfs
 from k3sys.sandbox.spec import CommandResult, SandboxSpec
@@ -181,9 +183,18 @@ class WarmTemplates:
     def _drop_older(self, spec: SandboxSpec, key: str) -> None:
         """Delete the template's warm checkpoints of this shape built under another key."""
         shape = _shape(spec)
+        self._drop(spec.template, lambda m: m.meta.get(WARM_SHAPE) == shape and m.meta.get(WARM_KEY) not in (None, key),
+                   "superseded (the template or its shape changed)")
+
+    def forget(self, template: str) -> int:
+        """Delete every warm checkpoint of `template` (removed: nothing creates from them again);
+        sandboxes restored from one keep its layer until they go. Returns how many went."""
+        return self._drop(template, lambda m: m.meta.get(WARM_KEY) is not None, "deleted with its template")
+
+    def _drop(self, template: str, which: Callable[[Manifest], bool], why: str) -> int:
+        gone = 0
         for m in self.store.list():
-            if m.meta.get(WARM_TEMPLATE) != spec.template or m.meta.get(WARM_SHAPE) != shape or \
-                    m.meta.get(WARM_KEY) in (None, key):
+            if m.meta.get(WARM_TEMPLATE) != template or not which(m):
                 continue
             with self._mu:
                 self._known().pop(m.meta[WARM_KEY], None)
@@ -191,10 +202,11 @@ class WarmTemplates:
                 self._held.discard(m.id)
             if held:
                 self.layers.release(m.id)  # sandboxes on it keep it until they go
-            _log.info("warm template %s: checkpoint %s superseded (the template or its shape changed)",
-                      spec.template, m.id)
+            _log.info("warm template %s: checkpoint %s %s", template, m.id, why)
             with contextlib.suppress(SandboxError):
                 self.catalog.delete(m.id)
+                gone += 1
+        return gone
 
     def _build(self, spec: SandboxSpec, cmds: StartCommands, key: str) -> str:
         """Run the start command in a build sandbox until the ready command passes; checkpoint it."""

@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse
 from k3sys.sandbox._wire import checkpoint_json
 from k3sys.sandbox.egress import EgressPolicy
 from k3sys.sandbox.errors import InvalidArgumentError, InvalidStateError, StoreError
+from k3sys.sandbox.service import templates_api
 from k3sys.sandbox.service.attrs import SandboxAttrs
 from k3sys.sandbox.service.core import Service
 from k3sys.sandbox.service.deps import Caller, Ck, Sid, Svc, authorize
@@ -129,7 +130,9 @@ async def create_sandbox(svc: Svc, scope: Caller, body: NewSandbox) -> dict[str,
         # allow_internet_access does; omitted both: no network (ours is off by default, E2B's on).
         network = bool(body.allow_internet_access) or bool(set(body.network or {}) - TRAFFIC_KEYS)
         egress = EgressPolicy.from_e2b(body.network, body.allow_internet_access) if network else None
-        spec = SandboxSpec(template=body.templateID, timeout_s=body.timeout, on_timeout=_ON_TIMEOUT[body.autoPause],
+        # A tenant's own template by its name, else everyone's (scope.py); E2B's templateID stays the name.
+        template = await svc.call("lookup", scope.template, body.templateID, io=True)
+        spec = SandboxSpec(template=template, timeout_s=body.timeout, on_timeout=_ON_TIMEOUT[body.autoPause],
                            network=network, egress=egress, **sized)
         info = await svc.call("create", svc.create, spec, body.sandboxID, scope)
     svc.attrs.put(info.id, attrs)
@@ -294,10 +297,11 @@ async def list_snapshots(svc: Svc, scope: Caller, sandboxID: str | None = None, 
 
 
 @router.delete("/templates/{tid}", status_code=204, tags=["snapshots"])
-async def delete_snapshot(svc: Svc, scope: Caller, tid: str) -> Response:
-    """Delete a snapshot, by id or name (templates are built by scripts, not deleted here: 404)."""
-    ck = svc.names.resolve(scope.name_key(tid)) or tid
-    await svc.call("check", scope.checkpoint, ck, io=True)
+async def delete_template(svc: Svc, scope: Caller, tid: str) -> Response:
+    """Delete a snapshot, by id or name, else the caller's template of that name (templates_api.py)."""
+    if (ck := await svc.call("lookup", _snapshot_of, svc, scope, tid, io=True)) is None:
+        await templates_api.delete_template(svc, scope, tid)
+        return Response(status_code=204)
     await svc.call("delete_checkpoint", svc.rt.delete_checkpoint, ck)
     svc.names.forget(ck)
     return Response(status_code=204)

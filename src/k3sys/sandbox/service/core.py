@@ -26,6 +26,7 @@ from k3sys.sandbox.service.attrs import AttrsTable, SnapshotNames
 from k3sys.sandbox.service.guard import ConnectionLimits
 from k3sys.sandbox.service.limits import Admission
 from k3sys.sandbox.service.scope import Principal, Scope
+from k3sys.sandbox.service.template_builds import TemplateBuilds
 from k3sys.sandbox.service.tenants import Tenants
 from k3sys.sandbox.spec import ON_TIMEOUT, SandboxSpec, check_number
 from k3sys.sandbox.types import CheckpointInfo, SandboxInfo
@@ -96,6 +97,7 @@ class Service:
         self.runtime: Runtime | None = None
         self.admission: Admission | None = None
         self.tenants: Tenants | None = None
+        self.template_builds: TemplateBuilds | None = None
         self.attrs = AttrsTable(config.data_dir / "e2b" / "sandboxes")
         self.names = SnapshotNames(config.data_dir / "e2b" / "snapshot-names.json")
         self.draining = False
@@ -116,6 +118,7 @@ class Service:
             self.runtime = self.config.open_runtime()
         self.admission = Admission(self.runtime, self.config.max_sandboxes, self.config.max_memory_mb)
         self.tenants = Tenants(self.config.data_dir)
+        self.template_builds = TemplateBuilds(self.config.data_dir / "e2b" / "template-files")
         # Owners of sandboxes gone for good (not alive, no checkpoint of them left) are forgotten.
         rt = self.runtime
         self.tenants.prune({i.id for i in rt.list()} | {c.sandbox_id for c in rt.checkpoints()})
@@ -131,6 +134,8 @@ class Service:
         start's to adopt; the runtime directory is released with the process."""
         self.draining = True
         rt = self.runtime
+        if self.template_builds is not None:
+            self.template_builds.close(rt)
         if rt is None:
             return
         act = {"hibernate": rt.hibernate, "kill": rt.kill, "keep": None}[self.config.on_shutdown]

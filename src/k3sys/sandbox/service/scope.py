@@ -8,15 +8,27 @@ itself is kept by `tenants.Tenants` (see its docstring for the rules).
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import hmac
+import json
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
-from k3sys.sandbox.errors import AuthError, CheckpointNotFoundError, InvalidArgumentError, NotFoundError
+from k3sys.sandbox.errors import (
+    AuthError,
+    CheckpointNotFoundError,
+    InvalidArgumentError,
+    NotFoundError,
+    UnknownTemplateError,
+)
+from k3sys.sandbox.runtime.oci.catalog import NAME as TEMPLATE_NAME
+from k3sys.sandbox.runtime.system import system_paths
+from k3sys.sandbox.runtime.templates import BUILDERS
 from k3sys.sandbox.service.tenants import Tenant, Tenants, Usage, check_quota, check_usage, checkpoint_mb, disk_mb
-from k3sys.sandbox.spec import SandboxSpec
+from k3sys.sandbox.spec import SandboxSpec, check_id
 from k3sys.sandbox.types import CheckpointInfo, SandboxInfo
 
 log = logging.getLogger("k3sys.sandbox.service")
@@ -78,6 +90,7 @@ class Runtimeish(Protocol):
 
 
 _IDLE = ("hibernated", "lost")  # states that hold no memory (as limits.Admission counts)
+TENANT_SEP = "--"  # a tenant's template `<tenant>--<alias>`: no alias given through the API has one
 
 
 class Scope:
@@ -137,6 +150,54 @@ class Scope:
         prefix = f"{self.who.name}/"
         return [n[len(prefix):] for n in stored if n.startswith(prefix)]
 
+    # --- templates: the admin's (and the CLI's, and the built-in ones) are everyone's; a tenant's
+    # are stored as `<tenant>--<alias>`, seen and reached by it alone, by their alias ---------------
+
+    def new_template(self, alias: str) -> str:
+        """The stored name a template the caller builds as `alias` gets (the alias checked)."""
+        check_id("template name", alias)
+        if TENANT_SEP in alias:
+            raise InvalidArgumentError(f"template name: {TENANT_SEP!r} is not allowed in a name, got {alias!r}")
+        return alias if self.who.tenant is None else f"{self.who.name}{TENANT_SEP}{alias}"
+
+    def template(self, alias: str) -> str:
+        """The stored template `alias` names for the caller: a tenant's own first, else a template of
+        the admin's (a name with no `--`); another tenant's stored name is no name here."""
+        if self.who.tenant is None:
+            return alias
+        if not TEMPLATE_NAME.match(alias) or TENANT_SEP in alias:  # a build's stage (`_...`), a path, too long
+            raise UnknownTemplateError(f"template: unknown template {alias[:200]!r}")
+        own = f"{self.who.name}{TENANT_SEP}{alias}"
+        if (system_paths().templates / own).is_dir():
+            return own
+        if not (alias in BUILDERS or (system_paths().templates / alias).is_dir()):
+            # answered as a name no template has, naming none (the runtime's message lists them all)
+            raise UnknownTemplateError(f"template: unknown template {alias!r}")
+        return alias
+
+    def template_alias(self, stored: str) -> str | None:
+        """The name the caller knows stored template `stored` by, if it is the caller's own (the admin
+        owns every one, by its stored name)."""
+        if self.who.tenant is None:
+            return stored
+        prefix = f"{self.who.name}{TENANT_SEP}"
+        alias = stored[len(prefix):] if stored.startswith(prefix) else ""
+        return alias if alias and TENANT_SEP not in alias else None
+
+    def templates_mb(self) -> int:
+        """MiB the caller's own templates hold (a tenant's: their layers' bytes, shared ones counted in
+        full, as a checkpoint counts its logical size; the admin's are not counted, it has no quota)."""
+        if self.who.tenant is None:
+            return 0
+        prefix = f"{self.who.name}{TENANT_SEP}"
+        root = system_paths().templates
+        total = 0
+        for d in root.glob(f"{glob.escape(prefix)}*") if root.is_dir() else []:
+            if self.template_alias(d.name) is not None:
+                with contextlib.suppress(OSError, ValueError, TypeError, AttributeError):
+                    total += int(json.loads((d / "template.json").read_text()).get("bytes") or 0)
+        return -(-total // (1 << 20))
+
     def check_new_id(self, sid: str | None) -> None:
         """Refuse a chosen id that another tenant owns (live, or named by its checkpoints): ownership
         never moves. Answered as the runtime answers any id in use, which says it is taken, no more."""
@@ -152,7 +213,7 @@ class Scope:
         # so a hibernation, which is never refused (shutdown, timeouts), never puts a tenant over.
         resting = {i.head for i in mine if i.state == "hibernated"}
         kept = [c for c in self.checkpoints(self.rt.checkpoints()) if c.id not in resting]
-        disk = sum(disk_mb(i.spec) for i in mine) + sum(checkpoint_mb(c) for c in kept)
+        disk = sum(disk_mb(i.spec) for i in mine) + sum(checkpoint_mb(c) for c in kept) + self.templates_mb()
         return Usage(len(held), sum(i.spec.memory_mb for i in held), disk)
 
     def check_quota(self, n: int, spec: SandboxSpec, pending: Usage, disk: bool = True) -> None:

@@ -33,7 +33,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
 from k3sys.sandbox.runtime.runtime import Runtime
-from k3sys.sandbox.service import control
+from k3sys.sandbox.service import control, templates_api
 from k3sys.sandbox.service import metrics as _metrics
 from k3sys.sandbox.service.auth import check_bind, check_open
 from k3sys.sandbox.service.core import Service, ServiceConfig
@@ -105,7 +105,9 @@ def create_app(config: ServiceConfig, runtime: Runtime | None = None) -> FastAPI
                   description="Agent sandboxes (runc + CRIU) with a managed life cycle, over E2B's protocol. "
                               'Errors: `{"code": <status>, "message": ..., "type": ...}`.')
     app.state.service = service
+    app.include_router(templates_api.router)  # first: its /templates/tags before control's /templates/{tid}
     app.include_router(control.router)
+    app.include_router(templates_api.uploads)
     app.include_router(router)
     install_envd(app)  # requests with E2b-Sandbox-Id: envd (envd/app.py)
     app.add_api_route("/health", health, methods=["GET"], tags=["service"], response_model=Health)

@@ -57,8 +57,9 @@ class Quota:
     their `memory_mb` (MiB), disk (MiB): the sum of `disk_mb` over all its sandboxes, hibernated ones
     too (their writable layer is kept), plus the logical size of every checkpoint of its sandboxes
     kept in the store (`checkpoint_mb`; but a hibernated sandbox's own, which it resumes from, and the
-    sandboxes' pause checkpoints, which `Runtime.checkpoints` does not list), and
-    `pids`, the most a single sandbox may ask for."""
+    sandboxes' pause checkpoints, which `Runtime.checkpoints` does not list), plus the bytes of its
+    templates built through E2B's template API (`Scope.templates_mb`), and `pids`, the most a single
+    sandbox may ask for."""
 
     sandboxes: int = 16
     memory_mb: int = 16 << 10
@@ -138,7 +139,8 @@ def check_usage(tenant: Tenant, held: Usage, after: Usage, what: str) -> None:
     """QuotaError naming the first quota `after` passes, which `what` would take `tenant` from `held` to."""
     q = tenant.quota
     remedy = {"sandboxes": "kill or hibernate some", "memory_mb": "kill or hibernate some",
-               "disk_mb": "sandboxes' disk_mb and the snapshots kept; kill sandboxes or delete snapshots"}
+               "disk_mb": "sandboxes' disk_mb, the snapshots and templates kept; kill sandboxes or delete "
+                          "snapshots or templates"}
     for name, unit in (("sandboxes", ""), ("memory_mb", " MiB"), ("disk_mb", " MiB")):
         have, want, bound = getattr(held, name), getattr(after, name), getattr(q, name)
         if want > bound:

@@ -1,6 +1,7 @@
 """The template builder: build steps (steps.py) run one after the other, each cached by its key,
 the result sealed as a template (catalog.py). The one engine behind `k3sys sandbox template build`
-(a Dockerfile: dockerfile.py) and E2B's template definitions (e2b_template.py; its HTTP API later).
+(a Dockerfile: dockerfile.py) and E2B's template definitions (e2b_template.py; served over HTTP
+by service/templates_api.py).
 
 A build's state is its layers (bottom first), its config (env, cwd, user, cmd, entrypoint) and the
 key of its last step. A step that makes files (RUN, COPY / ADD, a WORKDIR that is missing) makes one
@@ -42,11 +43,12 @@ from k3sys.sandbox.runtime.oci.steps import Step
 from k3sys.sandbox.runtime.oci.unpack import IMPLIED, unpack_layer
 from k3sys.sandbox.runtime.system import system_paths
 from k3sys.sandbox.runtime.templates import BUILDERS, template_rootfs, templates_lock
-from k3sys.sandbox.spec import SandboxSpec
+from k3sys.sandbox.spec import CommandResult, OutputPieces, SandboxSpec
 
 _NOT_OF_A_RUN = ("dev", "proc", "sys", ".k3sys")  # top-level entries a RUN layer never keeps
 _TAR = re.compile(r"\.(tar|tar\.gz|tgz|tar\.zst)$")
 OUTPUT_TAIL = 4000  # characters of a failed RUN's output in its BuildError
+RUN_POLL_S = 0.2  # seconds between looks at a running RUN's output
 
 
 @dataclass
@@ -84,8 +86,9 @@ class Builder:
         self.store = catalog.layer_store()  # set again by each build (K3SYS_SYSTEM_DIR is read then)
         self._own_runtime = None
 
-    def build(self, steps: list[Step], name: str, context: Path | None = None) -> BuildResult:
-        """Run `steps` (the first a `from`) with files from `context`; seal template `name`."""
+    def build(self, steps: list[Step], name: str, context: Path | None = None, meta: dict | None = None) -> BuildResult:
+        """Run `steps` (the first a `from`) with files from `context`; seal template `name`, with
+        `meta` added to its template.json (E2B's start and ready commands: runtime/warm.py)."""
         catalog.check_name(name)
         if (system_paths().templates / name).exists():
             raise InvalidStateError(f"template {name!r} exists: remove it first (k3sys sandbox template rm {name})")
@@ -105,7 +108,7 @@ class Builder:
                 state, how = self._step(state, step, ctx)
                 result.steps.append(how)
                 self.log(f"[{i}/{len(steps)}] {step.where()}: {how} ({time.monotonic() - t1:.2f} s)")
-            catalog.seal(name, state.layers, state.config, state.source, self.store)
+            catalog.seal(name, state.layers, state.config, state.source, self.store, meta)
         finally:
             self._close_runtime()
         result.layers, result.seconds = state.layers, time.monotonic() - t0
@@ -208,14 +211,12 @@ class Builder:
                 cid = rt.start_process(info.id, cmd if isinstance(cmd, str) else shlex.join(cmd),
                                        st.config.cwd or "/", step.args.get("env") or None, step.args.get("user"))
                 try:
-                    r = rt.wait_command(cid, self.run_timeout)
+                    r = self._follow(rt, cid)
                 except CommandTimeoutError as e:
                     raise BuildError(f"{step.where()}: ran past {self.run_timeout} s and was killed\n"
                                      f"{_tail(e.stdout + e.stderr)}") from None
                 finally:
                     rt.forget_command(cid)
-                for line in (r.stdout + r.stderr).splitlines():
-                    self.log(f"    {line}")
                 if r.exit_code != 0:
                     raise BuildError(f"{step.where()}: exited {r.exit_code}\n{_tail(r.stdout + r.stderr)}")
                 ck = rt.checkpoint(info.id)
@@ -234,6 +235,27 @@ class Builder:
         for p in list(tree.rglob("*")):
             if stat.S_ISSOCK(p.lstat().st_mode):
                 p.unlink()
+
+    def _follow(self, rt, cid: str) -> CommandResult:
+        """Wait for RUN command `cid` (at most `run_timeout` s), logging its output lines as they come
+        (a build's log is read while it runs: E2B's build status), a line at most OUTPUT_TAIL characters."""
+        deadline = time.monotonic() + self.run_timeout
+        pieces, partial = OutputPieces(), {"stdout": "", "stderr": ""}
+        done = False
+        while not done and time.monotonic() < deadline:
+            out, err, done = rt.read_command_output(cid, pieces.offsets)
+            for name, text in pieces.feed(out, err, final=done):
+                *lines, partial[name] = (partial[name] + text).split("\n")
+                if len(partial[name]) > OUTPUT_TAIL:
+                    lines, partial[name] = [*lines, partial[name]], ""
+                for line in lines:
+                    self.log(f"    {line}")
+            if not done:
+                time.sleep(RUN_POLL_S)
+        for line in partial.values():
+            if line:
+                self.log(f"    {line}")
+        return rt.wait_command(cid, max(deadline - time.monotonic(), 0.001))
 
     @contextlib.contextmanager
     def _stage(self, stage: str, st: _State) -> Iterator:

@@ -59,8 +59,10 @@ def layer_store() -> LayerStore:
     return LayerStore(system_paths().layers)
 
 
-def seal(name: str, layers: list[str], config: ImageConfig, source: str, store: LayerStore) -> Path:
-    """Compose `layers` (bottom first) into the new template `name` with `config`'s defaults; its
+def seal(name: str, layers: list[str], config: ImageConfig, source: str, store: LayerStore,
+         meta: dict | None = None) -> Path:
+    """Compose `layers` (bottom first) into the new template `name` with `config`'s defaults (and
+    `meta`'s fields in its template.json); its
     rootfs. InvalidStateError if the name is taken: a template's sandboxes and checkpoints stand on
     it (a checkpoint's sealed layer is a diff against it), so it is never replaced under them."""
     with templates_lock() as root:
@@ -70,9 +72,9 @@ def seal(name: str, layers: list[str], config: ImageConfig, source: str, store: 
         try:
             tmp.mkdir()
             store.compose(layers, tmp / "rootfs")
-            meta = {"name": name, "built": time.time(), "layers": layers, "source": source,
-                    "bytes": sum(store.info(lid)["bytes"] for lid in layers), **config.fields()}
-            (tmp / "template.json").write_text(json.dumps(meta))
+            doc = {"name": name, "built": time.time(), "layers": layers, "source": source,
+                   "bytes": sum(store.info(lid)["bytes"] for lid in layers), **config.fields(), **(meta or {})}
+            (tmp / "template.json").write_text(json.dumps(doc))
             os.rename(tmp, root / name)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -1,5 +1,6 @@
 """A build, described once: the steps every front end produces (a Dockerfile: dockerfile.py; E2B's
-`Template()` builder over HTTP later) and the builder runs (builder.py).
+`Template()` builder: e2b_template.py, served over HTTP by service/templates_api.py) and the builder
+runs (builder.py).
 
 Steps are resolved: no variable is left to expand, paths are absolute, so a step's `key` (with its
 parent's) names exactly what it makes, and the same input is the same cache entry whichever front

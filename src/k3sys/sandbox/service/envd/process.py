@@ -163,7 +163,7 @@ async def start(rpc: Rpc) -> AsyncIterator[dict[str, Any]]:
     # Our extension: stdin's whole content in the request (written, then closed), for one-call runs.
     stdin = _b64("k3sysStdin", rpc.msg["k3sysStdin"]) if "k3sysStdin" in rpc.msg else bool(rpc.msg.get("stdin"))
     envs = {**rpc.svc.attrs.get(rpc.sid).envs, **(proc.get("envs") or {})}  # the sandbox's envVars, then the call's
-    cwd = await absolute(rpc.svc, rpc.state, rpc.sid, rpc.user, proc.get("cwd") or ".")  # envd: the user's home
+    cwd = await absolute(rpc.svc, rpc.state, rpc.sid, rpc.user, proc.get("cwd") or ".")  # envd: the default workdir
     if rpc.headers.get(FOLLOW_HEADER) == "0":  # the k3sys client's start_command: the pid, no output
         cid, follower = await rpc.svc.call("envd.start", rpc.svc.rt.start_process, rpc.sid, argv, cwd, envs,
                                            rpc.user, stdin, pty, io=True), None

@@ -33,6 +33,7 @@ from k3sys.sandbox._connect import (
     frame,
 )
 from k3sys.sandbox.errors import InvalidArgumentError, SandboxError, TooLargeError, UnavailableError
+from k3sys.sandbox.runtime.templates import template_defaults
 from k3sys.sandbox.service.core import Service
 
 MAX_REQUEST = 4 << 20  # bytes of one request message (the SDK's own default read limit)
@@ -103,10 +104,12 @@ async def home(svc: Service, state: EnvdState, sid: str, user: str | None) -> st
 
 
 async def absolute(svc: Service, state: EnvdState, sid: str, user: str | None, path: str) -> str:
-    """`path` made absolute as envd does: a relative one starts at the user's home."""
+    """`path` made absolute as envd does: a relative one starts at the template's workdir (E2B's
+    `set_workdir`, a Dockerfile's WORKDIR: envd's default workdir), else at the user's home."""
     if not isinstance(path, str) or path.startswith("/") or not path:
         return path  # the runtime checks what is left
-    return f"{(await home(svc, state, sid, user)).rstrip('/')}/{path}"
+    base = template_defaults(svc.rt.info(sid).spec.template).cwd or await home(svc, state, sid, user)
+    return f"{base.rstrip('/')}/{path}"
 
 
 @dataclass
