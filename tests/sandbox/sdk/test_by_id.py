@@ -49,5 +49,6 @@ def test_async_class_calls_take_a_sandbox_id(rt):
 
 
 def test_class_call_refuses_what_is_not_an_id(rt):
-    with pytest.raises(TypeError, match=r"Sandbox.kill: the first argument is a sandbox id \(str\) or a Sandbox, got int"):
+    with pytest.raises(TypeError, match=r"Sandbox.kill: the first argument is a sandbox id \(str\) or a Sandbox, "
+                                        r"got int"):
         Sandbox.kill(3, runtime=rt)
