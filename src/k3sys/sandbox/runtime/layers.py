@@ -82,7 +82,8 @@ def _copy_meta(src: str, dst: str, st: os.stat_result, uid_base: int = 0) -> Non
     os.utime(dst, ns=(st.st_atime_ns, st.st_mtime_ns), follow_symlinks=False)
 
 
-def _remove(path: str) -> None:
+def remove_entry(path: str) -> None:
+    """Remove what is at `path` (a directory with its contents), never following a link; nothing there: done."""
     try:
         st = os.lstat(path)
     except FileNotFoundError:
@@ -180,13 +181,13 @@ def _apply_upper(upper: str, out: str, uid_base: int) -> None:
             except FileNotFoundError:
                 keep = False
             if not keep:
-                _remove(dst)
+                remove_entry(dst)
                 os.mkdir(dst)
             _apply_upper(src, dst, uid_base)
             _copy_meta(src, dst, st, uid_base)
         else:
             # A whiteout stays a whiteout: the template below may still have this path.
-            _remove(dst)
+            remove_entry(dst)
             _copy_entry(src, dst, st, uid_base)
 
 

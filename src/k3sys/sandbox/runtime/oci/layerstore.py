@@ -33,7 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from k3sys.sandbox.errors import ImageError
-from k3sys.sandbox.runtime.layers import tree_bytes
+from k3sys.sandbox.runtime.layers import remove_entry, tree_bytes
 from k3sys.sandbox.runtime.oci.unpack import IMPLIED, OPAQUE
 
 LAYER_ID = re.compile(r"^(sha256|step|rootfs)-[0-9a-f]{64}$")
@@ -53,17 +53,6 @@ def _copy_meta(src: str, dst: str, st: os.stat_result) -> None:
     os.utime(dst, ns=(st.st_atime_ns, st.st_mtime_ns))
 
 
-def _remove(path: str) -> None:
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return
-    if stat.S_ISDIR(st.st_mode):
-        shutil.rmtree(path)
-    else:
-        os.unlink(path)
-
-
 def _apply(src: str, dst: str) -> None:
     """Layer directory `src` applied onto composed directory `dst` (both exist)."""
     with os.scandir(src) as it:
@@ -72,7 +61,7 @@ def _apply(src: str, dst: str) -> None:
         st = e.stat(follow_symlinks=False)
         out = os.path.join(dst, e.name)
         if _is_whiteout(st):
-            _remove(out)
+            remove_entry(out)
         elif stat.S_ISDIR(st.st_mode):
             xattrs = os.listxattr(e.path, follow_symlinks=False)
             try:
@@ -80,13 +69,13 @@ def _apply(src: str, dst: str) -> None:
             except FileNotFoundError:
                 keep = False
             if not keep:
-                _remove(out)  # a lower's link or file at a directory's place goes, never followed
+                remove_entry(out)  # a lower's link or file at a directory's place goes, never followed
                 os.mkdir(out, 0o700)
             _apply(e.path, out)
             if not (keep and IMPLIED in xattrs):  # an implied directory keeps the lower one's metadata
                 _copy_meta(e.path, out, st)
         else:
-            _remove(out)
+            remove_entry(out)
             os.link(e.path, out, follow_symlinks=False)
 
 
